@@ -1,0 +1,174 @@
+// Package agentapi holds the wire types of the host agent API (v1) and its
+// typed client. The control plane talks to agents only through this package.
+package agentapi
+
+import "time"
+
+// VM states on an agent.
+const (
+	StateCreating = "creating"
+	StateRunning  = "running"
+	StatePaused   = "paused"
+	StateStopped  = "stopped"
+	StateError    = "error"
+)
+
+// How a VM was started.
+const (
+	StartedCold     = "cold"
+	StartedWarm     = "warm"
+	StartedSnapshot = "snapshot"
+)
+
+// Power actions of POST /v1/vms/{id}/{action}.
+const (
+	ActionStart  = "start"
+	ActionStop   = "stop"
+	ActionPause  = "pause"
+	ActionResume = "resume"
+)
+
+// Resources is an amount of capacity (MiB, whole vCPUs).
+type Resources struct {
+	VCPUs     int64 `json:"vcpus"`
+	MemoryMiB int64 `json:"memory_mib"`
+	DiskMiB   int64 `json:"disk_mib"`
+}
+
+// Info is the answer of GET /v1/info.
+type Info struct {
+	Hostname   string       `json:"hostname"`
+	Capacity   Resources    `json:"capacity"`
+	Allocated  Resources    `json:"allocated"`
+	Free       Resources    `json:"free"`
+	Accel      string       `json:"accel"`
+	Driver     string       `json:"driver"`
+	Images     []string     `json:"images"`
+	VMCount    int          `json:"vm_count"`
+	Pool       []PoolStatus `json:"pool"`
+	AccelNote  string       `json:"accel_note,omitempty"`
+	AgentStart time.Time    `json:"agent_start"`
+}
+
+// SnapshotSource tells an agent where to find the snapshot a VM starts from.
+// Address is empty when the snapshot is local; otherwise the agent pulls it
+// from that agent (same agent token) before it starts the VM.
+type SnapshotSource struct {
+	ID      string `json:"id"`
+	Address string `json:"address,omitempty"`
+}
+
+// VMSpec is the body of PUT /v1/vms/{id}: create a VM with that id. A second
+// PUT with the same id returns the existing VM and starts nothing.
+type VMSpec struct {
+	Image     string          `json:"image"`
+	VCPUs     int64           `json:"vcpus"`
+	MemoryMiB int64           `json:"memory_mib"`
+	DiskMiB   int64           `json:"disk_mib"`
+	Stopped   bool            `json:"stopped,omitempty"`
+	Snapshot  *SnapshotSource `json:"snapshot,omitempty"`
+	// NoWarm asks for a cold boot even when a warm VM matches.
+	NoWarm bool `json:"no_warm,omitempty"`
+}
+
+// VM is one VM on an agent.
+type VM struct {
+	ID          string    `json:"id"`
+	Image       string    `json:"image"`
+	VCPUs       int64     `json:"vcpus"`
+	MemoryMiB   int64     `json:"memory_mib"`
+	DiskMiB     int64     `json:"disk_mib"`
+	State       string    `json:"state"`
+	Reason      string    `json:"reason,omitempty"`
+	StartedFrom string    `json:"started_from"`
+	PID         int       `json:"pid,omitempty"`
+	CreatedAt   time.Time `json:"created_at"`
+}
+
+// VMList is the answer of GET /v1/vms: every VM on the agent.
+type VMList struct {
+	Items []VM `json:"items"`
+}
+
+// SnapshotSpec is the body of PUT /v1/snapshots/{id}.
+type SnapshotSpec struct {
+	VMID        string `json:"vm_id"`
+	PauseSource bool   `json:"pause_source"`
+}
+
+// Snapshot is a memory + disk snapshot of one VM at one point in time.
+// SizeBytes is the sum of its files' sizes; SHA256 is the digest of its file
+// list (one "kind name size sha256" line per file, in order).
+type Snapshot struct {
+	ID        string    `json:"id"`
+	VMID      string    `json:"vm_id"`
+	Image     string    `json:"image"`
+	VCPUs     int64     `json:"vcpus"`
+	MemoryMiB int64     `json:"memory_mib"`
+	DiskMiB   int64     `json:"disk_mib"`
+	SizeBytes int64     `json:"size_bytes"`
+	SHA256    string    `json:"sha256"`
+	CreatedAt time.Time `json:"created_at"`
+	// Files are the files GET /v1/snapshots/{id}/files/{name} serves.
+	Files []SnapshotFile `json:"files"`
+	// Parent is the snapshot the source VM was itself started from: the
+	// frozen disk sits on that snapshot's disk, so an agent needs both.
+	Parent string `json:"parent,omitempty"`
+}
+
+// Kinds of snapshot files.
+const (
+	SnapshotFileMemory  = "memory"  // the memory and device state (a QEMU migration stream)
+	SnapshotFileDisk    = "disk"    // the frozen disk a child's overlay sits on
+	SnapshotFileBacking = "backing" // a file below the frozen disk in its backing chain
+)
+
+// SnapshotFile is one file of a snapshot.
+type SnapshotFile struct {
+	Name      string `json:"name"`
+	Kind      string `json:"kind"`
+	SizeBytes int64  `json:"size_bytes"`
+	SHA256    string `json:"sha256"`
+}
+
+// PoolShape is one warm pool shape and its target size.
+type PoolShape struct {
+	VCPUs     int64 `json:"vcpus"`
+	MemoryMiB int64 `json:"memory_mib"`
+	DiskMiB   int64 `json:"disk_mib"`
+	Size      int   `json:"size"`
+}
+
+// PoolPut is the body of PUT /v1/pool/{image}: the shapes to keep warm for
+// that image (an empty list empties the pool of that image).
+type PoolPut struct {
+	Shapes []PoolShape `json:"shapes"`
+}
+
+// PoolStatus is the warm pool of one image and shape.
+type PoolStatus struct {
+	Image     string `json:"image"`
+	VCPUs     int64  `json:"vcpus"`
+	MemoryMiB int64  `json:"memory_mib"`
+	DiskMiB   int64  `json:"disk_mib"`
+	Size      int    `json:"size"`
+	Ready     int    `json:"ready"`
+	Booting   int    `json:"booting"`
+}
+
+// PoolList is the answer of GET /v1/pool.
+type PoolList struct {
+	Items []PoolStatus `json:"items"`
+}
+
+// ErrorBody is the error envelope, the same shape as the control API's.
+type ErrorBody struct {
+	Error ErrorDetail `json:"error"`
+}
+
+// ErrorDetail is the content of the envelope.
+type ErrorDetail struct {
+	Code    string         `json:"code"`
+	Message string         `json:"message"`
+	Details map[string]any `json:"details,omitempty"`
+}

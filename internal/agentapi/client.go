@@ -1,0 +1,288 @@
+package agentapi
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+)
+
+// Errors a caller can test with errors.Is.
+var (
+	ErrNotFound    = errors.New("not found")
+	ErrConflict    = errors.New("conflict")
+	ErrInvalid     = errors.New("invalid request")
+	ErrUnavailable = errors.New("agent unavailable")
+)
+
+// Error is an error answer of an agent.
+type Error struct {
+	Status  int
+	Code    string
+	Message string
+	Op      string
+}
+
+func (e *Error) Error() string {
+	return fmt.Sprintf("agent %s: %d %s: %s", e.Op, e.Status, e.Code, e.Message)
+}
+
+// Unwrap maps the HTTP status to the package's sentinel errors.
+func (e *Error) Unwrap() error {
+	switch {
+	case e.Status == http.StatusNotFound:
+		return ErrNotFound
+	case e.Status == http.StatusConflict:
+		return ErrConflict
+	case e.Status >= 400 && e.Status < 500:
+		return ErrInvalid
+	default:
+		return ErrUnavailable
+	}
+}
+
+// Client is a typed client of one host agent.
+type Client struct {
+	base    string
+	token   string
+	http    *http.Client
+	timeout time.Duration
+	retries int
+}
+
+// Option configures a Client.
+type Option func(*Client)
+
+// WithHTTPClient sets the HTTP client (for TLS settings or a test transport).
+func WithHTTPClient(h *http.Client) Option { return func(c *Client) { c.http = h } }
+
+// WithTimeout sets the timeout of one attempt of a call (default 10 s).
+func WithTimeout(d time.Duration) Option { return func(c *Client) { c.timeout = d } }
+
+// WithRetries sets how many times a failed call is retried (default 2).
+// Every agent call is idempotent, so a retry never creates a second thing.
+func WithRetries(n int) Option { return func(c *Client) { c.retries = n } }
+
+// NewClient returns a client of the agent at address ("host:port" or a URL).
+func NewClient(address, token string, opts ...Option) *Client {
+	base := address
+	if !strings.Contains(base, "://") {
+		base = "http://" + base
+	}
+	c := &Client{
+		base:    strings.TrimRight(base, "/"),
+		token:   token,
+		http:    &http.Client{},
+		timeout: 10 * time.Second,
+		retries: 2,
+	}
+	for _, o := range opts {
+		o(c)
+	}
+	return c
+}
+
+// BaseURL is the agent's base URL.
+func (c *Client) BaseURL() string { return c.base }
+
+// Info returns the host's capacity, accel, driver and images.
+func (c *Client) Info(ctx context.Context) (Info, error) {
+	var out Info
+	err := c.do(ctx, http.MethodGet, "/v1/info", nil, &out, c.timeout)
+	return out, err
+}
+
+// ListVMs returns every VM on the agent.
+func (c *Client) ListVMs(ctx context.Context) ([]VM, error) {
+	var out VMList
+	err := c.do(ctx, http.MethodGet, "/v1/vms", nil, &out, c.timeout)
+	return out.Items, err
+}
+
+// GetVM returns one VM; ErrNotFound when the agent does not have it.
+func (c *Client) GetVM(ctx context.Context, id string) (VM, error) {
+	var out VM
+	err := c.do(ctx, http.MethodGet, "/v1/vms/"+url.PathEscape(id), nil, &out, c.timeout)
+	return out, err
+}
+
+// CreateVM creates the VM with this id, or returns it if it exists.
+// Booting can take a while under TCG, so the call gets a longer timeout.
+func (c *Client) CreateVM(ctx context.Context, id string, spec VMSpec) (VM, error) {
+	var out VM
+	err := c.do(ctx, http.MethodPut, "/v1/vms/"+url.PathEscape(id), spec, &out, 6*c.timeout)
+	return out, err
+}
+
+// DeleteVM destroys the VM and its files; deleting an unknown id succeeds.
+func (c *Client) DeleteVM(ctx context.Context, id string) error {
+	return c.do(ctx, http.MethodDelete, "/v1/vms/"+url.PathEscape(id), nil, nil, 3*c.timeout)
+}
+
+// Action runs a power action (start, stop, pause, resume) and returns the VM.
+func (c *Client) Action(ctx context.Context, id, action string) (VM, error) {
+	var out VM
+	err := c.do(ctx, http.MethodPost, "/v1/vms/"+url.PathEscape(id)+"/"+action, nil, &out, 6*c.timeout)
+	return out, err
+}
+
+// Console returns the last part of the VM's serial console log.
+func (c *Client) Console(ctx context.Context, id string) (string, error) {
+	req, err := c.newRequest(ctx, http.MethodGet, "/v1/vms/"+url.PathEscape(id)+"/console", nil)
+	if err != nil {
+		return "", err
+	}
+	ctx, cancel := context.WithTimeout(ctx, c.timeout)
+	defer cancel()
+	resp, err := c.http.Do(req.WithContext(ctx))
+	if err != nil {
+		return "", fmt.Errorf("agent console %s: %w: %v", id, ErrUnavailable, err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	if resp.StatusCode >= 300 {
+		return "", decodeError("console "+id, resp)
+	}
+	b, err := io.ReadAll(resp.Body)
+	return string(b), err
+}
+
+// CreateSnapshot takes the snapshot with this id, or returns it if it exists.
+func (c *Client) CreateSnapshot(ctx context.Context, id string, spec SnapshotSpec) (Snapshot, error) {
+	var out Snapshot
+	err := c.do(ctx, http.MethodPut, "/v1/snapshots/"+url.PathEscape(id), spec, &out, 6*c.timeout)
+	return out, err
+}
+
+// GetSnapshot returns a snapshot's metadata.
+func (c *Client) GetSnapshot(ctx context.Context, id string) (Snapshot, error) {
+	var out Snapshot
+	err := c.do(ctx, http.MethodGet, "/v1/snapshots/"+url.PathEscape(id), nil, &out, c.timeout)
+	return out, err
+}
+
+// DeleteSnapshot removes a snapshot; deleting an unknown id succeeds.
+func (c *Client) DeleteSnapshot(ctx context.Context, id string) error {
+	return c.do(ctx, http.MethodDelete, "/v1/snapshots/"+url.PathEscape(id), nil, nil, 3*c.timeout)
+}
+
+// OpenSnapshotFile streams one file of a snapshot (see the agent's routes).
+// The caller closes the body and checks the checksum.
+func (c *Client) OpenSnapshotFile(ctx context.Context, id, file string) (io.ReadCloser, int64, error) {
+	req, err := c.newRequest(ctx, http.MethodGet, "/v1/snapshots/"+url.PathEscape(id)+"/files/"+url.PathEscape(file), nil)
+	if err != nil {
+		return nil, 0, err
+	}
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return nil, 0, fmt.Errorf("agent snapshot %s file %s: %w: %v", id, file, ErrUnavailable, err)
+	}
+	if resp.StatusCode >= 300 {
+		defer func() { _ = resp.Body.Close() }()
+		return nil, 0, decodeError("snapshot file "+id, resp)
+	}
+	return resp.Body, resp.ContentLength, nil
+}
+
+// Pool returns the warm pool status.
+func (c *Client) Pool(ctx context.Context) ([]PoolStatus, error) {
+	var out PoolList
+	err := c.do(ctx, http.MethodGet, "/v1/pool", nil, &out, c.timeout)
+	return out.Items, err
+}
+
+// SetPool sets the warm pool targets of one image.
+func (c *Client) SetPool(ctx context.Context, image string, put PoolPut) ([]PoolStatus, error) {
+	var out PoolList
+	err := c.do(ctx, http.MethodPut, "/v1/pool/"+url.PathEscape(image), put, &out, c.timeout)
+	return out.Items, err
+}
+
+func (c *Client) newRequest(ctx context.Context, method, path string, body []byte) (*http.Request, error) {
+	var r io.Reader
+	if body != nil {
+		r = bytes.NewReader(body)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, c.base+path, r)
+	if err != nil {
+		return nil, fmt.Errorf("agent %s %s: %w", method, path, err)
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	if c.token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.token)
+	}
+	return req, nil
+}
+
+// do sends one call with a per-attempt timeout and retries connection errors
+// and 5xx answers; every agent call is idempotent on its id.
+func (c *Client) do(ctx context.Context, method, path string, in, out any, timeout time.Duration) error {
+	var body []byte
+	if in != nil {
+		b, err := json.Marshal(in)
+		if err != nil {
+			return fmt.Errorf("agent %s %s: encode: %w", method, path, err)
+		}
+		body = b
+	}
+	op := method + " " + path
+	var lastErr error
+	for attempt := 0; attempt <= c.retries; attempt++ {
+		if attempt > 0 {
+			select {
+			case <-ctx.Done():
+				return errors.Join(lastErr, ctx.Err())
+			case <-time.After(time.Duration(attempt*attempt) * 100 * time.Millisecond):
+			}
+		}
+		lastErr = c.once(ctx, method, path, op, body, out, timeout)
+		if lastErr == nil || !errors.Is(lastErr, ErrUnavailable) || ctx.Err() != nil {
+			return lastErr
+		}
+	}
+	return lastErr
+}
+
+func (c *Client) once(ctx context.Context, method, path, op string, body []byte, out any, timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	req, err := c.newRequest(ctx, method, path, body)
+	if err != nil {
+		return err
+	}
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return fmt.Errorf("agent %s at %s: %w: %v", op, c.base, ErrUnavailable, err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	if resp.StatusCode >= 300 {
+		return decodeError(op, resp)
+	}
+	if out == nil {
+		_, _ = io.Copy(io.Discard, resp.Body)
+		return nil
+	}
+	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
+		return fmt.Errorf("agent %s at %s: decode answer: %w: %v", op, c.base, ErrUnavailable, err)
+	}
+	return nil
+}
+
+func decodeError(op string, resp *http.Response) error {
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	var env ErrorBody
+	e := &Error{Status: resp.StatusCode, Op: op}
+	if json.Unmarshal(b, &env) == nil && env.Error.Code != "" {
+		e.Code, e.Message = env.Error.Code, env.Error.Message
+	} else {
+		e.Code, e.Message = http.StatusText(resp.StatusCode), strings.TrimSpace(string(b))
+	}
+	return e
+}

@@ -1,0 +1,207 @@
+// Package api holds the wire types of the control API (v1). JSON names are
+// snake_case and match the Terraform attribute names of the provider.
+package api
+
+import "time"
+
+// Power states a VM can be asked for.
+const (
+	PowerRunning = "running"
+	PowerStopped = "stopped"
+)
+
+// Observed states of a VM, as the control API last saw it.
+const (
+	StateCreating = "creating"
+	StateRunning  = "running"
+	StatePaused   = "paused"
+	StateStopped  = "stopped"
+	StateError    = "error"
+	StateMissing  = "missing"
+	StateUnknown  = "unknown"
+)
+
+// How a VM was started.
+const (
+	StartedCold     = "cold"
+	StartedWarm     = "warm"
+	StartedSnapshot = "snapshot"
+)
+
+// Fork placement strategies.
+const (
+	PlacementColocate = "colocate"
+	PlacementSpread   = "spread"
+)
+
+// Fork phases.
+const (
+	ForkPending      = "pending"
+	ForkSnapshotting = "snapshotting"
+	ForkSpawning     = "spawning"
+	ForkReady        = "ready"
+	ForkFailed       = "failed"
+)
+
+// Resources is an amount of capacity. Memory and disk are in MiB, CPUs in whole vCPUs.
+type Resources struct {
+	VCPUs     int64 `json:"vcpus"`
+	MemoryMiB int64 `json:"memory_mib"`
+	DiskMiB   int64 `json:"disk_mib"`
+}
+
+// WarmPoolTarget is one warm pool shape on a host: the target size and, in
+// responses, how many warm VMs are ready.
+type WarmPoolTarget struct {
+	Image     string `json:"image"`
+	VCPUs     int64  `json:"vcpus"`
+	MemoryMiB int64  `json:"memory_mib"`
+	DiskMiB   int64  `json:"disk_mib"`
+	Size      int    `json:"size"`
+	Ready     int    `json:"ready"`
+}
+
+// HostPut is the body of PUT /v1/hosts/{name}. Nil fields take their defaults.
+type HostPut struct {
+	Address            string            `json:"address"`
+	Labels             map[string]string `json:"labels,omitempty"`
+	Schedulable        *bool             `json:"schedulable,omitempty"`
+	CPUAllocationRatio *float64          `json:"cpu_allocation_ratio,omitempty"`
+	MemoryReservedMiB  *int64            `json:"memory_reserved_mib,omitempty"`
+	WarmPool           []WarmPoolTarget  `json:"warm_pool,omitempty"`
+}
+
+// Host is a registered host agent with its capacity.
+type Host struct {
+	Name               string            `json:"name"`
+	Address            string            `json:"address"`
+	Labels             map[string]string `json:"labels"`
+	Schedulable        bool              `json:"schedulable"`
+	Alive              bool              `json:"alive"`
+	LastSeen           *time.Time        `json:"last_seen,omitempty"`
+	Accel              string            `json:"accel"`
+	Driver             string            `json:"driver"`
+	Images             []string          `json:"images"`
+	CPUAllocationRatio float64           `json:"cpu_allocation_ratio"`
+	MemoryReservedMiB  int64             `json:"memory_reserved_mib"`
+	Capacity           Resources         `json:"capacity"`
+	Allocated          Resources         `json:"allocated"`
+	Free               Resources         `json:"free"`
+	WarmPool           []WarmPoolTarget  `json:"warm_pool"`
+}
+
+// VMCreate is the body of POST /v1/vms.
+type VMCreate struct {
+	Name       string            `json:"name"`
+	Image      string            `json:"image"`
+	VCPUs      int64             `json:"vcpus"`
+	MemoryMiB  int64             `json:"memory_mib"`
+	DiskMiB    int64             `json:"disk_mib"`
+	Host       string            `json:"host,omitempty"`
+	PowerState string            `json:"power_state,omitempty"`
+	Labels     map[string]string `json:"labels,omitempty"`
+}
+
+// VMPatch is the body of PATCH /v1/vms/{id}. Only the fields that are set change.
+type VMPatch struct {
+	PowerState *string            `json:"power_state,omitempty"`
+	Labels     *map[string]string `json:"labels,omitempty"`
+}
+
+// VM is a virtual machine: what was asked for and what was last observed.
+type VM struct {
+	ID            string            `json:"id"`
+	Name          string            `json:"name"`
+	Image         string            `json:"image"`
+	VCPUs         int64             `json:"vcpus"`
+	MemoryMiB     int64             `json:"memory_mib"`
+	DiskMiB       int64             `json:"disk_mib"`
+	Host          string            `json:"host"`
+	PowerState    string            `json:"power_state"`
+	ObservedState string            `json:"observed_state"`
+	Reason        string            `json:"reason,omitempty"`
+	StartedFrom   string            `json:"started_from,omitempty"`
+	ForkID        string            `json:"fork_id,omitempty"`
+	Placement     *Placement        `json:"placement,omitempty"`
+	Labels        map[string]string `json:"labels"`
+	CreatedAt     time.Time         `json:"created_at"`
+}
+
+// Placement explains why a VM went where it did.
+type Placement struct {
+	Host     string             `json:"host"`
+	Score    float64            `json:"score"`
+	Terms    map[string]float64 `json:"terms"`
+	Rejected []Rejection        `json:"rejected"`
+}
+
+// Rejection says why one host could not take a request.
+type Rejection struct {
+	Host   string `json:"host"`
+	Reason string `json:"reason"`
+}
+
+// PlacementRequest is the body of POST /v1/placements (a dry run).
+type PlacementRequest struct {
+	Image     string `json:"image"`
+	VCPUs     int64  `json:"vcpus"`
+	MemoryMiB int64  `json:"memory_mib"`
+	DiskMiB   int64  `json:"disk_mib"`
+	Host      string `json:"host,omitempty"`
+}
+
+// RankedHost is one host that fits a request, with its score (lower is better).
+type RankedHost struct {
+	Host  string             `json:"host"`
+	Score float64            `json:"score"`
+	Terms map[string]float64 `json:"terms"`
+}
+
+// PlacementResult is the answer of a dry run: the hosts that fit, best first,
+// and the reason every other host was rejected. Host is empty when none fits.
+type PlacementResult struct {
+	Host     string       `json:"host"`
+	Score    float64      `json:"score"`
+	Ranked   []RankedHost `json:"ranked"`
+	Rejected []Rejection  `json:"rejected"`
+}
+
+// ForkCreate is the body of POST /v1/forks.
+type ForkCreate struct {
+	SourceVMID  string `json:"source_vm_id"`
+	Count       int    `json:"count"`
+	PauseSource bool   `json:"pause_source"`
+	Placement   string `json:"placement,omitempty"`
+}
+
+// ForkPatch is the body of PATCH /v1/forks/{id}.
+type ForkPatch struct {
+	Count *int `json:"count,omitempty"`
+}
+
+// Fork is N children of one source VM, all from one snapshot.
+type Fork struct {
+	ID            string    `json:"id"`
+	SourceVMID    string    `json:"source_vm_id"`
+	Count         int       `json:"count"`
+	PauseSource   bool      `json:"pause_source"`
+	Placement     string    `json:"placement"`
+	SnapshotID    string    `json:"snapshot_id"`
+	SnapshotTaken bool      `json:"snapshot_taken"`
+	Phase         string    `json:"phase"`
+	Error         string    `json:"error,omitempty"`
+	Children      []VM      `json:"children"`
+	CreatedAt     time.Time `json:"created_at"`
+}
+
+// List is one page of a list response.
+type List[T any] struct {
+	Items         []T    `json:"items"`
+	NextPageToken string `json:"next_page_token"`
+}
+
+// Paging limits of list endpoints.
+const (
+	DefaultPageSize = 100
+	MaxPageSize     = 1000
+)

@@ -1,0 +1,28 @@
+package api
+
+// Error codes of the error envelope.
+const (
+	CodeInvalid             = "invalid"
+	CodeUnauthorized        = "unauthorized"
+	CodeNotFound            = "not_found"
+	CodeConflict            = "conflict"
+	CodeNoCapacity          = "no_capacity"
+	CodeIdempotencyMismatch = "idempotency_mismatch"
+	CodeInFlight            = "in_flight"
+	CodeTooLarge            = "too_large"
+	CodeUnavailable         = "unavailable"
+	CodeInternal            = "internal"
+)
+
+// ErrorBody is the one error envelope of both APIs:
+// {"error": {"code": "...", "message": "...", "details": {...}}}.
+type ErrorBody struct {
+	Error ErrorDetail `json:"error"`
+}
+
+// ErrorDetail is the content of the envelope.
+type ErrorDetail struct {
+	Code    string         `json:"code"`
+	Message string         `json:"message"`
+	Details map[string]any `json:"details,omitempty"`
+}

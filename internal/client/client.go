@@ -1,0 +1,369 @@
+// Package client is the typed Go client of the control API. The provider,
+// tests and benchmarks use it; it maps HTTP answers to the errors below once.
+package client
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+)
+
+// Errors a caller can test with errors.Is.
+var (
+	ErrNotFound            = errors.New("not found")
+	ErrConflict            = errors.New("conflict")
+	ErrNoCapacity          = errors.New("no capacity")
+	ErrInvalid             = errors.New("invalid request")
+	ErrUnauthorized        = errors.New("unauthorized")
+	ErrIdempotencyMismatch = errors.New("idempotency key reused with a different body")
+	ErrInFlight            = errors.New("request with this idempotency key is in flight")
+	ErrUnavailable         = errors.New("control API unavailable")
+)
+
+// Error is an error answer of the control API.
+type Error struct {
+	Status  int
+	Code    string
+	Message string
+	Details map[string]any
+}
+
+func (e *Error) Error() string {
+	if e.Message == "" {
+		return fmt.Sprintf("%d %s", e.Status, e.Code)
+	}
+	return fmt.Sprintf("%s (%d %s)", e.Message, e.Status, e.Code)
+}
+
+// Unwrap maps the error code (or status) to the package's sentinel errors.
+func (e *Error) Unwrap() error {
+	switch e.Code {
+	case api.CodeNoCapacity:
+		return ErrNoCapacity
+	case api.CodeIdempotencyMismatch:
+		return ErrIdempotencyMismatch
+	case api.CodeInFlight:
+		return ErrInFlight
+	}
+	switch {
+	case e.Status == http.StatusNotFound:
+		return ErrNotFound
+	case e.Status == http.StatusConflict:
+		return ErrConflict
+	case e.Status == http.StatusUnauthorized || e.Status == http.StatusForbidden:
+		return ErrUnauthorized
+	case e.Status == http.StatusUnprocessableEntity && e.Code == "":
+		return ErrIdempotencyMismatch
+	case e.Status >= 400 && e.Status < 500:
+		return ErrInvalid
+	default:
+		return ErrUnavailable
+	}
+}
+
+// Client talks to one control API endpoint.
+type Client struct {
+	base    string
+	token   string
+	http    *http.Client
+	timeout time.Duration
+	retries int
+	backoff time.Duration
+}
+
+// Option configures a Client.
+type Option func(*Client)
+
+// WithHTTPClient sets the HTTP client (TLS settings, a counting transport).
+func WithHTTPClient(h *http.Client) Option { return func(c *Client) { c.http = h } }
+
+// WithTimeout sets the timeout of one attempt (default 2 minutes: creates
+// wait for a VM to boot).
+func WithTimeout(d time.Duration) Option { return func(c *Client) { c.timeout = d } }
+
+// WithRetries sets how often a retryable failure is retried (default 4) and
+// the first backoff (default 250 ms, doubling).
+func WithRetries(n int, backoff time.Duration) Option {
+	return func(c *Client) { c.retries, c.backoff = n, backoff }
+}
+
+// New returns a client of the control API at endpoint (a URL or host:port).
+func New(endpoint, token string, opts ...Option) *Client {
+	base := endpoint
+	if !strings.Contains(base, "://") {
+		base = "http://" + base
+	}
+	c := &Client{
+		base:    strings.TrimRight(base, "/"),
+		token:   token,
+		http:    &http.Client{},
+		timeout: 2 * time.Minute,
+		retries: 4,
+		backoff: 250 * time.Millisecond,
+	}
+	for _, o := range opts {
+		o(c)
+	}
+	return c
+}
+
+// Endpoint is the base URL the client talks to.
+func (c *Client) Endpoint() string { return c.base }
+
+// NewIdempotencyKey returns a random key for one logical create.
+func NewIdempotencyKey() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// PutHost registers or updates a host.
+func (c *Client) PutHost(ctx context.Context, name string, in api.HostPut) (api.Host, error) {
+	var out api.Host
+	err := c.call(ctx, http.MethodPut, "/v1/hosts/"+url.PathEscape(name), in, &out, "", true)
+	return out, err
+}
+
+// GetHost returns one host.
+func (c *Client) GetHost(ctx context.Context, name string) (api.Host, error) {
+	var out api.Host
+	err := c.call(ctx, http.MethodGet, "/v1/hosts/"+url.PathEscape(name), nil, &out, "", true)
+	return out, err
+}
+
+// ListHosts returns one page of hosts.
+func (c *Client) ListHosts(ctx context.Context, opts ListOptions) (api.List[api.Host], error) {
+	var out api.List[api.Host]
+	err := c.call(ctx, http.MethodGet, "/v1/hosts"+opts.query(), nil, &out, "", true)
+	return out, err
+}
+
+// AllHosts returns every host, following pages.
+func (c *Client) AllHosts(ctx context.Context) ([]api.Host, error) {
+	return all(ctx, func(ctx context.Context, token string) (api.List[api.Host], error) {
+		return c.ListHosts(ctx, ListOptions{PageSize: api.MaxPageSize, PageToken: token})
+	})
+}
+
+// DeleteHost deregisters a host; ErrConflict while VMs are placed there.
+func (c *Client) DeleteHost(ctx context.Context, name string) error {
+	return c.call(ctx, http.MethodDelete, "/v1/hosts/"+url.PathEscape(name), nil, nil, "", true)
+}
+
+// CreateVM creates a VM. Every retry of this call sends the same
+// idempotencyKey, so a lost answer never makes a second VM. An empty key
+// gets a fresh random one.
+func (c *Client) CreateVM(ctx context.Context, in api.VMCreate, idempotencyKey string) (api.VM, error) {
+	if idempotencyKey == "" {
+		idempotencyKey = NewIdempotencyKey()
+	}
+	var out api.VM
+	err := c.call(ctx, http.MethodPost, "/v1/vms", in, &out, idempotencyKey, true)
+	return out, err
+}
+
+// GetVM returns one VM.
+func (c *Client) GetVM(ctx context.Context, id string) (api.VM, error) {
+	var out api.VM
+	err := c.call(ctx, http.MethodGet, "/v1/vms/"+url.PathEscape(id), nil, &out, "", true)
+	return out, err
+}
+
+// ListOptions filter and page a list.
+type ListOptions struct {
+	PageSize  int
+	PageToken string
+	Host      string
+	Name      string
+	Label     string // key=value
+	ForkID    string
+}
+
+func (o ListOptions) query() string {
+	q := url.Values{}
+	if o.PageSize > 0 {
+		q.Set("page_size", strconv.Itoa(o.PageSize))
+	}
+	for k, v := range map[string]string{"page_token": o.PageToken, "host": o.Host, "name": o.Name, "label": o.Label, "fork_id": o.ForkID} {
+		if v != "" {
+			q.Set(k, v)
+		}
+	}
+	if len(q) == 0 {
+		return ""
+	}
+	return "?" + q.Encode()
+}
+
+// ListVMs returns one page of VMs.
+func (c *Client) ListVMs(ctx context.Context, opts ListOptions) (api.List[api.VM], error) {
+	var out api.List[api.VM]
+	err := c.call(ctx, http.MethodGet, "/v1/vms"+opts.query(), nil, &out, "", true)
+	return out, err
+}
+
+// AllVMs returns every VM that matches opts, following pages.
+func (c *Client) AllVMs(ctx context.Context, opts ListOptions) ([]api.VM, error) {
+	return all(ctx, func(ctx context.Context, token string) (api.List[api.VM], error) {
+		o := opts
+		if o.PageSize == 0 {
+			o.PageSize = api.MaxPageSize
+		}
+		o.PageToken = token
+		return c.ListVMs(ctx, o)
+	})
+}
+
+// UpdateVM changes power state or labels in place.
+func (c *Client) UpdateVM(ctx context.Context, id string, in api.VMPatch) (api.VM, error) {
+	var out api.VM
+	err := c.call(ctx, http.MethodPatch, "/v1/vms/"+url.PathEscape(id), in, &out, "", true)
+	return out, err
+}
+
+// DeleteVM deletes a VM; deleting a VM that is gone succeeds on the server.
+func (c *Client) DeleteVM(ctx context.Context, id string) error {
+	return c.call(ctx, http.MethodDelete, "/v1/vms/"+url.PathEscape(id), nil, nil, "", true)
+}
+
+// Place asks where a VM of this shape would go, reserving nothing.
+func (c *Client) Place(ctx context.Context, in api.PlacementRequest) (api.PlacementResult, error) {
+	var out api.PlacementResult
+	err := c.call(ctx, http.MethodPost, "/v1/placements", in, &out, "", true)
+	return out, err
+}
+
+// CreateFork forks a running VM, idempotent on the key like CreateVM.
+func (c *Client) CreateFork(ctx context.Context, in api.ForkCreate, idempotencyKey string) (api.Fork, error) {
+	if idempotencyKey == "" {
+		idempotencyKey = NewIdempotencyKey()
+	}
+	var out api.Fork
+	err := c.call(ctx, http.MethodPost, "/v1/forks", in, &out, idempotencyKey, true)
+	return out, err
+}
+
+// GetFork returns a fork and its children.
+func (c *Client) GetFork(ctx context.Context, id string) (api.Fork, error) {
+	var out api.Fork
+	err := c.call(ctx, http.MethodGet, "/v1/forks/"+url.PathEscape(id), nil, &out, "", true)
+	return out, err
+}
+
+// UpdateFork changes the number of children.
+func (c *Client) UpdateFork(ctx context.Context, id string, in api.ForkPatch) (api.Fork, error) {
+	var out api.Fork
+	err := c.call(ctx, http.MethodPatch, "/v1/forks/"+url.PathEscape(id), in, &out, "", true)
+	return out, err
+}
+
+// DeleteFork removes a fork, its children and its snapshot.
+func (c *Client) DeleteFork(ctx context.Context, id string) error {
+	return c.call(ctx, http.MethodDelete, "/v1/forks/"+url.PathEscape(id), nil, nil, "", true)
+}
+
+func all[T any](ctx context.Context, page func(context.Context, string) (api.List[T], error)) ([]T, error) {
+	var items []T
+	token := ""
+	for {
+		p, err := page(ctx, token)
+		if err != nil {
+			return nil, err
+		}
+		items = append(items, p.Items...)
+		if p.NextPageToken == "" {
+			return items, nil
+		}
+		token = p.NextPageToken
+	}
+}
+
+// retryable says whether a failed attempt may be sent again. Every call of
+// this client is safe to repeat: reads and PUT/PATCH/DELETE are idempotent,
+// and POSTs carry an Idempotency-Key.
+func retryable(err error) bool {
+	return errors.Is(err, ErrUnavailable) || errors.Is(err, ErrInFlight)
+}
+
+func (c *Client) call(ctx context.Context, method, path string, in, out any, idemKey string, retry bool) error {
+	var body []byte
+	if in != nil {
+		b, err := json.Marshal(in)
+		if err != nil {
+			return fmt.Errorf("%s %s: encode request: %w", method, path, err)
+		}
+		body = b
+	}
+	wait := c.backoff
+	var err error
+	for attempt := 0; ; attempt++ {
+		err = c.once(ctx, method, path, body, out, idemKey)
+		if err == nil || !retry || !retryable(err) || attempt >= c.retries {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return errors.Join(err, ctx.Err())
+		case <-time.After(wait):
+		}
+		wait *= 2
+	}
+}
+
+func (c *Client) once(ctx context.Context, method, path string, body []byte, out any, idemKey string) error {
+	ctx, cancel := context.WithTimeout(ctx, c.timeout)
+	defer cancel()
+	var r io.Reader
+	if body != nil {
+		r = bytes.NewReader(body)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, c.base+path, r)
+	if err != nil {
+		return fmt.Errorf("%s %s: %w", method, path, err)
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	if c.token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.token)
+	}
+	if idemKey != "" {
+		req.Header.Set("Idempotency-Key", idemKey)
+	}
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return fmt.Errorf("%s %s: %w: %v", method, c.base+path, ErrUnavailable, err)
+	}
+	defer func() { _ = resp.Body.Close() }()
+	if resp.StatusCode >= 300 {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+		e := &Error{Status: resp.StatusCode}
+		var env api.ErrorBody
+		if json.Unmarshal(b, &env) == nil && env.Error.Code != "" {
+			e.Code, e.Message, e.Details = env.Error.Code, env.Error.Message, env.Error.Details
+		} else {
+			e.Message = strings.TrimSpace(string(b))
+		}
+		return e
+	}
+	if out == nil {
+		_, _ = io.Copy(io.Discard, resp.Body)
+		return nil
+	}
+	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
+		return fmt.Errorf("%s %s: decode answer: %w: %v", method, path, ErrUnavailable, err)
+	}
+	return nil
+}
