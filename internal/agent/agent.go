@@ -1,0 +1,651 @@
+// Package agent is the host agent: its HTTP API (DESIGN.md section 4), the
+// registry of the VMs on this host and their durable metadata. The VMM is a
+// Driver: internal/agent/qemu for real guests, internal/agent/sim for scale
+// tests.
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+)
+
+// Config configures an Agent.
+type Config struct {
+	// StateDir holds one directory per VM (<StateDir>/vms/<id>).
+	StateDir string
+	// Driver runs the VMs.
+	Driver Driver
+	// Token is the bearer token every /v1 call must carry. Empty is refused.
+	Token string
+	// Capacity is the capacity to advertise; zero fields are taken from the
+	// driver (the host's own figures).
+	Capacity agentapi.Resources
+	// StopTimeout is how long a stop waits for the guest to power off after
+	// the ACPI request before the VMM is ended (default 10 s).
+	StopTimeout time.Duration
+	// NoSync skips fsync of metadata writes (benchmarks on slow disks only).
+	NoSync bool
+	// Logger receives the agent's logs (default slog.Default()).
+	Logger *slog.Logger
+	// Pool configures the warm pool (pool.go).
+	Pool PoolOptions
+}
+
+// Agent is one host agent. VM states are observed when they are asked for;
+// its one goroutine is the warm pool's filler, which Close stops. The VMs
+// keep running after Close.
+type Agent struct {
+	cfg     Config
+	log     *slog.Logger
+	started time.Time
+	handler http.Handler
+
+	mu  sync.Mutex
+	vms map[string]*vmEntry
+
+	snaps snapshotRegistry // snapshots by id (snapshot.go)
+
+	pool *pool // the warm pool and its filler, the one goroutine Close stops
+}
+
+// vmEntry is one VM in the registry.
+type vmEntry struct {
+	id string
+	// op is held (one token in a channel, so that waiting honours a
+	// context) while a mutating operation of this VM runs.
+	op chan struct{}
+
+	mu      sync.Mutex // guards the fields below
+	rec     vmRecord
+	corrupt bool // the metadata could not be read: only delete works
+	gone    bool // deleted; a waiter that gets op must look again
+}
+
+func newEntry(id string) *vmEntry { return &vmEntry{id: id, op: make(chan struct{}, 1)} }
+
+func (e *vmEntry) lock(ctx context.Context) error {
+	select {
+	case e.op <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return &Error{Status: http.StatusServiceUnavailable, Code: CodeUnavailable,
+			Message: fmt.Sprintf("vm %s is busy with another operation; retry later", e.id), Err: ctx.Err()}
+	}
+}
+
+func (e *vmEntry) tryLock() bool {
+	select {
+	case e.op <- struct{}{}:
+		return true
+	default:
+		return false
+	}
+}
+
+func (e *vmEntry) unlock() { <-e.op }
+
+func (e *vmEntry) snapshot() (vmRecord, bool, bool) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.rec, e.corrupt, e.gone
+}
+
+func (e *vmEntry) set(r vmRecord) {
+	e.mu.Lock()
+	e.rec = r
+	e.mu.Unlock()
+}
+
+// New loads the VMs in cfg.StateDir and re-adopts those still running: it
+// never kills or forgets a VM it finds. A VM whose process is gone is
+// reported stopped with the reason; a corrupt metadata file is moved aside
+// and only that VM is reported in error.
+func New(ctx context.Context, cfg Config) (*Agent, error) {
+	if cfg.Driver == nil {
+		return nil, errors.New("agent: no driver")
+	}
+	if cfg.Token == "" {
+		return nil, errors.New("agent: empty token: give --token or --token-file")
+	}
+	if cfg.StateDir == "" {
+		return nil, errors.New("agent: empty state directory: give --state-dir")
+	}
+	if cfg.StopTimeout <= 0 {
+		cfg.StopTimeout = 10 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	abs, err := filepath.Abs(cfg.StateDir)
+	if err != nil {
+		return nil, fmt.Errorf("agent: state directory %s: %w", cfg.StateDir, err)
+	}
+	cfg.StateDir = abs
+	a := &Agent{cfg: cfg, log: cfg.Logger.With("driver", cfg.Driver.Name()), started: time.Now().UTC(), vms: map[string]*vmEntry{}}
+	if err := os.MkdirAll(a.vmsDir(), 0o750); err != nil {
+		return nil, fmt.Errorf("agent: create state directory %s: %w", a.vmsDir(), err)
+	}
+	loaded, err := a.loadRecords()
+	if err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+	if err := a.loadSnapshots(); err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+	a.adopt(ctx, loaded)
+	if err := startPool(ctx, a); err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+	accel, note := cfg.Driver.Accel()
+	a.log.Info("agent ready", "state_dir", cfg.StateDir, "accel", accel, "accel_note", note, "vms", len(loaded))
+	a.handler = a.routes()
+	return a, nil
+}
+
+// adopt registers the loaded VMs and asks the driver about each, a few at a
+// time: re-adoption checks a pid and a QMP socket per VM.
+func (a *Agent) adopt(ctx context.Context, loaded []loadedVM) {
+	for _, l := range loaded {
+		e := newEntry(l.id)
+		if l.rec == nil {
+			e.corrupt = true
+			e.rec = vmRecord{Version: metaVersion, ID: l.id, State: agentapi.StateError, Reason: l.corrupt}
+		} else {
+			e.rec = *l.rec
+		}
+		a.vms[l.id] = e
+	}
+	a.forEach(func(e *vmEntry) {
+		before, corrupt, _ := e.snapshot()
+		if corrupt {
+			return
+		}
+		if !e.tryLock() {
+			return
+		}
+		defer e.unlock()
+		after := a.refreshLocked(ctx, e)
+		switch {
+		case after.State == agentapi.StateRunning || after.State == agentapi.StatePaused:
+			a.log.Info("re-adopted vm", "vm", e.id, "pid", after.Process.PID, "state", after.State)
+		case before.State != after.State:
+			a.log.Warn("vm not running after agent start", "vm", e.id, "was", before.State, "state", after.State, "reason", after.Reason)
+		}
+	})
+}
+
+// forEach runs fn for every VM, at most 16 at once, and waits for all.
+func (a *Agent) forEach(fn func(*vmEntry)) {
+	a.mu.Lock()
+	entries := make([]*vmEntry, 0, len(a.vms))
+	for _, e := range a.vms {
+		entries = append(entries, e)
+	}
+	a.mu.Unlock()
+	sem := make(chan struct{}, 16)
+	var wg sync.WaitGroup
+	for _, e := range entries {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			fn(e)
+		}()
+	}
+	wg.Wait()
+}
+
+// Handler is the agent's HTTP API.
+func (a *Agent) Handler() http.Handler { return a.handler }
+
+// Close releases the agent and stops the warm pool's filler. Its VMs keep
+// running: a new agent on the same state directory re-adopts them (and
+// destroys the warm ones left in the pool).
+func (a *Agent) Close() error {
+	a.pool.stop()
+	return nil
+}
+
+func machineOf(a *Agent, r vmRecord) *Machine {
+	return &Machine{ID: r.ID, Dir: a.vmDir(r.ID), Image: r.Image, VCPUs: r.VCPUs,
+		MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB, Disk: r.Disk, Process: r.Process}
+}
+
+// refreshLocked asks the driver for the VM's state and records a change.
+// The caller holds e's operation lock.
+func (a *Agent) refreshLocked(ctx context.Context, e *vmEntry) vmRecord {
+	r, corrupt, gone := e.snapshot()
+	if corrupt || gone {
+		return r
+	}
+	obs := a.cfg.Driver.Observe(ctx, machineOf(a, r), r.State)
+	adopted := obs.Process.PID != 0 && obs.Process != r.Process
+	if obs.State == r.State && (obs.Reason == r.Reason || obs.Reason == "") && !adopted {
+		return r
+	}
+	r.State, r.Reason = obs.State, obs.Reason
+	if adopted {
+		a.log.Warn("adopted a vm process its metadata did not record", "vm", r.ID, "pid", obs.Process.PID, "recorded_pid", r.Process.PID)
+		r.Process = obs.Process
+	}
+	if r.State == agentapi.StateStopped {
+		r.Process = Process{}
+	}
+	if err := a.saveRecord(&r); err != nil {
+		a.log.Error("save observed vm state", "vm", r.ID, "state", r.State, "err", err)
+	}
+	e.set(r)
+	return r
+}
+
+// current returns the VM's state, observed afresh unless an operation of
+// that VM is running (then its last recorded state).
+func (a *Agent) current(ctx context.Context, e *vmEntry) vmRecord {
+	if !e.tryLock() {
+		r, _, _ := e.snapshot()
+		return r
+	}
+	defer e.unlock()
+	return a.refreshLocked(ctx, e)
+}
+
+func (a *Agent) lookup(id string) *vmEntry {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.vms[id]
+}
+
+// GetVM returns one VM.
+func (a *Agent) GetVM(ctx context.Context, id string) (agentapi.VM, error) {
+	e := a.lookup(id)
+	if e == nil {
+		return agentapi.VM{}, errNotFound(id)
+	}
+	r := a.current(ctx, e)
+	if _, _, gone := e.snapshot(); gone {
+		return agentapi.VM{}, errNotFound(id)
+	}
+	return r.wire(), nil
+}
+
+// ListVMs returns every VM, sorted by id.
+func (a *Agent) ListVMs(ctx context.Context) []agentapi.VM {
+	var mu sync.Mutex
+	out := []agentapi.VM{}
+	a.forEach(func(e *vmEntry) {
+		r := a.current(ctx, e)
+		if _, _, gone := e.snapshot(); gone {
+			return
+		}
+		mu.Lock()
+		out = append(out, r.wire())
+		mu.Unlock()
+	})
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out
+}
+
+var idPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)
+
+func checkID(id string) error {
+	if !idPattern.MatchString(id) {
+		return errInvalid("vm id %q is not valid: use 1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit", id)
+	}
+	return nil
+}
+
+func (a *Agent) checkSpec(spec agentapi.VMSpec) (Image, error) {
+	switch {
+	case spec.Image == "":
+		return Image{}, errInvalid("image is required; this agent has %v", a.cfg.Driver.Images())
+	case spec.VCPUs < 1 || spec.VCPUs > 255:
+		return Image{}, errInvalid("vcpus must be between 1 and 255, got %d", spec.VCPUs)
+	case spec.MemoryMiB < 1 || spec.MemoryMiB > 16<<20:
+		return Image{}, errInvalid("memory_mib must be between 1 and %d, got %d", 16<<20, spec.MemoryMiB)
+	case spec.DiskMiB < 0 || spec.DiskMiB > 64<<20:
+		return Image{}, errInvalid("disk_mib must be between 0 and %d, got %d", 64<<20, spec.DiskMiB)
+	case spec.Snapshot != nil:
+		if err := checkSnapshotSource(spec); err != nil {
+			return Image{}, err
+		}
+	}
+	img, err := a.cfg.Driver.Image(spec.Image)
+	if errors.Is(err, ErrUnknownImage) {
+		e := errInvalid("image %q does not exist on this agent; it has %v", spec.Image, a.cfg.Driver.Images())
+		e.Details = map[string]any{"image": spec.Image, "images": a.cfg.Driver.Images()}
+		return Image{}, e
+	}
+	if err != nil {
+		return Image{}, fmt.Errorf("read image %s: %w", spec.Image, err)
+	}
+	if img.BaseDiskMiB > 0 && spec.DiskMiB < img.BaseDiskMiB {
+		return Image{}, errInvalid("disk_mib %d is smaller than the %d MiB disk of image %s", spec.DiskMiB, img.BaseDiskMiB, img.Name)
+	}
+	if err := a.cfg.Driver.CheckSpec(spec, img); err != nil {
+		return Image{}, err
+	}
+	return img, nil
+}
+
+// CreateVM creates and boots VM id, or returns it when it exists with the
+// same shape: a retried or concurrent PUT never starts a second VM.
+func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (agentapi.VM, bool, error) {
+	if err := checkID(id); err != nil {
+		return agentapi.VM{}, false, err
+	}
+	validated := false
+	for {
+		e := a.lookup(id)
+		if e == nil {
+			// Validated only for a new VM: a retry must find its VM even if
+			// the image was removed since.
+			if !validated {
+				if _, err := a.checkSpec(spec); err != nil {
+					return agentapi.VM{}, false, err
+				}
+				validated = true
+			}
+			a.mu.Lock()
+			if a.vms[id] == nil {
+				e = newEntry(id)
+				e.op <- struct{}{} // new and unseen: taking it cannot block
+				a.vms[id] = e
+			}
+			a.mu.Unlock()
+			if e != nil {
+				defer e.unlock()
+				vm, err := a.createLocked(ctx, e, spec)
+				return vm, true, err
+			}
+			continue // another call created it meanwhile
+		}
+		if err := e.lock(ctx); err != nil {
+			return agentapi.VM{}, false, err
+		}
+		r, corrupt, gone := e.snapshot()
+		e.unlock()
+		if gone {
+			continue // deleted (or its create failed) while we waited
+		}
+		if corrupt {
+			return agentapi.VM{}, false, errConflict("vm %s exists but its metadata is corrupt (%s); delete it and create it again", id, r.Reason)
+		}
+		if r.Image != spec.Image || r.VCPUs != spec.VCPUs || r.MemoryMiB != spec.MemoryMiB || r.DiskMiB != spec.DiskMiB {
+			err := errConflict("vm %s already exists with a different shape (image %s, %d vcpus, %d MiB memory, %d MiB disk)",
+				id, r.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB)
+			err.Details = map[string]any{"id": id}
+			return agentapi.VM{}, false, err
+		}
+		return r.wire(), false, nil
+	}
+}
+
+func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpec) (agentapi.VM, error) {
+	if spec.Snapshot != nil {
+		return a.spawnLocked(ctx, e, spec) // snapshot.go; never a warm VM
+	}
+	r := vmRecord{
+		Version: metaVersion, ID: e.id, Image: spec.Image, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB,
+		DiskMiB: spec.DiskMiB, State: agentapi.StateCreating, StartedFrom: agentapi.StartedCold,
+		CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
+	}
+	e.set(r)
+	// A matching warm VM first (pool_acquire.go); a miss boots cold below.
+	// Either way the pool's filler waits until this create is done.
+	defer a.pool.userCreating()()
+	if vm, ok := a.createWarm(ctx, e, r, spec); ok {
+		return vm, nil
+	}
+	fail := func(err error) (agentapi.VM, error) {
+		err = fmt.Errorf("create vm %s: %w", e.id, err)
+		if rerr := a.removeVM(ctx, e, machineOf(a, r)); rerr != nil {
+			// Something of it may be left: keep it visible, in error, so
+			// that a delete can finish the job.
+			r.State, r.Reason = agentapi.StateError, err.Error()+"; cleanup failed: "+rerr.Error()
+			e.set(r)
+			if serr := a.saveRecord(&r); serr != nil {
+				a.log.Error("save failed vm", "vm", e.id, "err", serr)
+			}
+		}
+		return agentapi.VM{}, err
+	}
+	if err := os.MkdirAll(a.vmDir(e.id), 0o750); err != nil {
+		return fail(err)
+	}
+	if err := a.saveRecord(&r); err != nil {
+		return fail(err)
+	}
+	m := machineOf(a, r)
+	if err := a.cfg.Driver.Create(ctx, m); err != nil {
+		return fail(err)
+	}
+	if spec.Stopped {
+		r.State = agentapi.StateStopped
+	} else {
+		if err := a.cfg.Driver.Boot(ctx, m, BootOptions{}); err != nil {
+			return fail(err)
+		}
+		r.State, r.Process = agentapi.StateRunning, m.Process
+	}
+	if err := a.saveRecord(&r); err != nil {
+		return fail(err)
+	}
+	e.set(r)
+	a.log.Info("vm created", "vm", e.id, "image", r.Image, "state", r.State, "pid", r.Process.PID)
+	return r.wire(), nil
+}
+
+// removeVM ends the VM's process and removes its files and its entry. The
+// caller holds e's operation lock.
+func (a *Agent) removeVM(ctx context.Context, e *vmEntry, m *Machine) error {
+	if err := a.cfg.Driver.Kill(ctx, m); err != nil {
+		return fmt.Errorf("end the process of vm %s: %w", e.id, err)
+	}
+	dir := a.vmDir(e.id)
+	// Unique, so that a leftover of an earlier failed removal never blocks this one.
+	trash := filepath.Join(a.vmsDir(), fmt.Sprintf("%s%s-%d", trashPrefix, e.id, time.Now().UnixNano()))
+	if err := os.Rename(dir, trash); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove files of vm %s: %w", e.id, err)
+	}
+	if err := os.RemoveAll(trash); err != nil {
+		a.log.Warn("remove files of deleted vm", "vm", e.id, "dir", trash, "err", err)
+	}
+	a.mu.Lock()
+	delete(a.vms, e.id)
+	a.mu.Unlock()
+	e.mu.Lock()
+	e.gone = true
+	e.mu.Unlock()
+	return nil
+}
+
+// DeleteVM ends VM id and removes its files. An unknown id is not an error.
+func (a *Agent) DeleteVM(ctx context.Context, id string) error {
+	if err := checkID(id); err != nil {
+		return err
+	}
+	e := a.lookup(id)
+	if e == nil {
+		return nil
+	}
+	if err := e.lock(ctx); err != nil {
+		return err
+	}
+	defer e.unlock()
+	r, _, gone := e.snapshot()
+	if gone {
+		return nil
+	}
+	if err := a.removeVM(ctx, e, machineOf(a, r)); err != nil {
+		return err
+	}
+	a.log.Info("vm deleted", "vm", id)
+	return nil
+}
+
+// Action runs a power action. Actions are idempotent: stopping a stopped VM
+// or starting a running one changes nothing.
+func (a *Agent) Action(ctx context.Context, id, action string) (agentapi.VM, error) {
+	switch action {
+	case agentapi.ActionStart, agentapi.ActionStop, agentapi.ActionPause, agentapi.ActionResume:
+	default:
+		return agentapi.VM{}, &Error{Status: http.StatusNotFound, Code: CodeNotFound,
+			Message: fmt.Sprintf("unknown power action %q: want start, stop, pause or resume", action)}
+	}
+	e := a.lookup(id)
+	if e == nil {
+		return agentapi.VM{}, errNotFound(id)
+	}
+	if err := e.lock(ctx); err != nil {
+		return agentapi.VM{}, err
+	}
+	defer e.unlock()
+	if _, corrupt, gone := e.snapshot(); gone {
+		return agentapi.VM{}, errNotFound(id)
+	} else if corrupt {
+		r, _, _ := e.snapshot()
+		return agentapi.VM{}, errConflict("vm %s cannot %s: %s; delete it and create it again", id, action, r.Reason)
+	}
+	r := a.refreshLocked(ctx, e)
+	m := machineOf(a, r)
+	d := a.cfg.Driver
+	var err error
+	switch action {
+	case agentapi.ActionStart:
+		switch r.State {
+		case agentapi.StatePaused:
+			err = d.Resume(ctx, m)
+		case agentapi.StateStopped, agentapi.StateError:
+			if r.State == agentapi.StateError {
+				err = d.Kill(ctx, m) // whatever is left of it
+			}
+			if err == nil {
+				err = d.Create(ctx, m)
+			}
+			if err == nil {
+				err = d.Boot(ctx, m, BootOptions{})
+			}
+		}
+		if err == nil {
+			r.State, r.Reason, r.Process = agentapi.StateRunning, "", m.Process
+		}
+	case agentapi.ActionStop:
+		if r.State != agentapi.StateStopped {
+			err = d.Shutdown(ctx, m, a.cfg.StopTimeout)
+		}
+		if err == nil {
+			r.State, r.Reason, r.Process = agentapi.StateStopped, "", Process{}
+		}
+	case agentapi.ActionPause:
+		switch r.State {
+		case agentapi.StateRunning:
+			err = d.Pause(ctx, m)
+		case agentapi.StatePaused:
+		default:
+			return agentapi.VM{}, errConflict("vm %s is %s: only a running vm can be paused; start it first", id, r.State)
+		}
+		if err == nil {
+			r.State = agentapi.StatePaused
+		}
+	case agentapi.ActionResume:
+		switch r.State {
+		case agentapi.StatePaused:
+			err = d.Resume(ctx, m)
+		case agentapi.StateRunning:
+		default:
+			return agentapi.VM{}, errConflict("vm %s is %s: only a paused vm can be resumed; use start", id, r.State)
+		}
+		if err == nil {
+			r.State = agentapi.StateRunning
+		}
+	}
+	if err != nil {
+		// The VM may be half way: record what the driver sees now.
+		a.refreshLocked(ctx, e)
+		return agentapi.VM{}, fmt.Errorf("%s vm %s: %w", action, id, err)
+	}
+	if err := a.saveRecord(&r); err != nil {
+		return agentapi.VM{}, err
+	}
+	e.set(r)
+	a.log.Info("vm power action", "vm", id, "action", action, "state", r.State, "pid", r.Process.PID)
+	return r.wire(), nil
+}
+
+// Console returns at most max bytes of the end of the VM's console log.
+func (a *Agent) Console(ctx context.Context, id string, max int64) ([]byte, error) {
+	e := a.lookup(id)
+	if e == nil {
+		return nil, errNotFound(id)
+	}
+	r, corrupt, gone := e.snapshot()
+	if gone {
+		return nil, errNotFound(id)
+	}
+	m := machineOf(a, r)
+	if corrupt {
+		m.Image = ""
+	}
+	return a.cfg.Driver.Console(m, max)
+}
+
+// Info returns the host's capacity, what its VMs take, and the driver.
+func (a *Agent) Info(ctx context.Context) (agentapi.Info, error) {
+	d := a.cfg.Driver
+	capacity, err := hostCapacity(a.cfg.StateDir)
+	if err != nil {
+		return agentapi.Info{}, fmt.Errorf("read host capacity: %w", err)
+	}
+	if a.cfg.Capacity.VCPUs > 0 {
+		capacity.VCPUs = a.cfg.Capacity.VCPUs
+	}
+	if a.cfg.Capacity.MemoryMiB > 0 {
+		capacity.MemoryMiB = a.cfg.Capacity.MemoryMiB
+	}
+	if a.cfg.Capacity.DiskMiB > 0 {
+		capacity.DiskMiB = a.cfg.Capacity.DiskMiB
+	}
+	var alloc agentapi.Resources
+	count := 0
+	a.mu.Lock()
+	entries := make([]*vmEntry, 0, len(a.vms))
+	for _, e := range a.vms {
+		entries = append(entries, e)
+	}
+	a.mu.Unlock()
+	for _, e := range entries {
+		r, _, gone := e.snapshot()
+		if gone {
+			continue
+		}
+		count++
+		// Stopped VMs keep their reservation, as in the control API.
+		alloc.VCPUs += r.VCPUs
+		alloc.MemoryMiB += r.MemoryMiB
+		alloc.DiskMiB += r.DiskMiB
+	}
+	accel, note := d.Accel()
+	host, _ := os.Hostname()
+	return agentapi.Info{
+		Hostname: host, Capacity: capacity, Allocated: alloc,
+		Free: agentapi.Resources{
+			VCPUs:     max(0, capacity.VCPUs-alloc.VCPUs),
+			MemoryMiB: max(0, capacity.MemoryMiB-alloc.MemoryMiB),
+			DiskMiB:   max(0, capacity.DiskMiB-alloc.DiskMiB),
+		},
+		Accel: accel, AccelNote: note, Driver: d.Name(), Images: d.Images(),
+		VMCount: count, Pool: a.pool.status(), AgentStart: a.started,
+	}, nil
+}

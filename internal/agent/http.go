@@ -1,0 +1,246 @@
+package agent
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"strings"
+
+	"github.com/labstack/echo/v4"
+	"github.com/labstack/echo/v4/middleware"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+)
+
+const (
+	bodyLimit = "1M"
+	// Console reads: 64 KiB unless ?bytes= asks for another amount, at most 1 MiB.
+	consoleDefault = 64 << 10
+	consoleMax     = 1 << 20
+)
+
+func (a *Agent) routes() http.Handler {
+	e := echo.New()
+	e.HideBanner, e.HidePort = true, true
+	e.HTTPErrorHandler = a.handleError
+
+	reg := prometheus.NewRegistry()
+	requests := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvmd_agent_http_requests_total", Help: "HTTP requests by route and status.",
+	}, []string{"method", "route", "code"})
+	reg.MustRegister(requests, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvmd_agent_vms", Help: "VMs on this agent.",
+	}, func() float64 {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		return float64(len(a.vms))
+	}))
+
+	e.Use(middleware.Recover())
+	e.Use(middleware.RequestID())
+	e.Use(middleware.RequestLoggerWithConfig(middleware.RequestLoggerConfig{
+		LogStatus: true, LogMethod: true, LogURI: true, LogRoutePath: true, LogLatency: true,
+		LogRequestID: true, LogError: true, HandleError: true,
+		LogValuesFunc: func(c echo.Context, v middleware.RequestLoggerValues) error {
+			requests.WithLabelValues(v.Method, v.RoutePath, strconv.Itoa(v.Status)).Inc()
+			level := slog.LevelInfo
+			switch {
+			case v.Status >= 500:
+				level = slog.LevelError
+			case v.Status >= 400:
+				level = slog.LevelDebug
+			}
+			attrs := []slog.Attr{
+				slog.String("request_id", v.RequestID), slog.String("method", v.Method),
+				slog.String("uri", v.URI), slog.Int("status", v.Status), slog.Duration("latency", v.Latency),
+			}
+			if v.Error != nil {
+				attrs = append(attrs, slog.String("err", v.Error.Error()))
+			}
+			a.log.LogAttrs(c.Request().Context(), level, "request", attrs...)
+			return nil
+		},
+	}))
+	e.Use(middleware.BodyLimit(bodyLimit))
+
+	e.GET("/healthz", func(c echo.Context) error {
+		return c.JSON(http.StatusOK, map[string]string{"status": "ok"})
+	})
+	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(reg, promhttp.HandlerOpts{})))
+
+	v1 := e.Group("/v1", a.authenticate)
+	v1.GET("/info", a.getInfo)
+	v1.GET("/vms", a.listVMs)
+	v1.PUT("/vms/:id", a.putVM)
+	v1.GET("/vms/:id", a.getVM)
+	v1.DELETE("/vms/:id", a.deleteVM)
+	v1.GET("/vms/:id/console", a.getConsole)
+	v1.POST("/vms/:id/:action", a.postAction)
+	a.snapshotRoutes(v1)
+	v1.GET("/pool", a.getPool)
+	v1.PUT("/pool/:image", a.putPool)
+	return e
+}
+
+// authenticate checks the bearer token in constant time (over hashes, so
+// that the token's length does not leak either).
+func (a *Agent) authenticate(next echo.HandlerFunc) echo.HandlerFunc {
+	want := sha256.Sum256([]byte(a.cfg.Token))
+	return func(c echo.Context) error {
+		h := c.Request().Header.Get(echo.HeaderAuthorization)
+		token, ok := strings.CutPrefix(h, "Bearer ")
+		got := sha256.Sum256([]byte(token))
+		if !ok || subtle.ConstantTimeCompare(got[:], want[:]) != 1 {
+			return &Error{Status: http.StatusUnauthorized, Code: CodeUnauthorized,
+				Message: "missing or wrong bearer token: send Authorization: Bearer <agent token>"}
+		}
+		return next(c)
+	}
+}
+
+// handleError writes every error as the one envelope. Domain errors carry
+// their status; anything else is a 500 whose cause is logged, not sent.
+func (a *Agent) handleError(err error, c echo.Context) {
+	if c.Response().Committed {
+		return
+	}
+	body := agentapi.ErrorBody{}
+	status := http.StatusInternalServerError
+	var de *Error
+	var he *echo.HTTPError
+	switch {
+	case errors.As(err, &de):
+		status = de.Status
+		body.Error = agentapi.ErrorDetail{Code: de.Code, Message: de.Message, Details: de.Details}
+		if status >= 500 && de.Err != nil {
+			body.Error.Message = de.Error()
+		}
+	case errors.As(err, &he):
+		status = he.Code
+		body.Error = agentapi.ErrorDetail{Code: codeForStatus(status), Message: fmt.Sprint(he.Message)}
+	default:
+		body.Error = agentapi.ErrorDetail{Code: CodeInternal, Message: err.Error()}
+	}
+	if status >= 500 {
+		a.log.Error("request failed", "request_id", c.Response().Header().Get(echo.HeaderXRequestID),
+			"method", c.Request().Method, "uri", c.Request().RequestURI, "err", err)
+	}
+	if c.Request().Method == http.MethodHead {
+		_ = c.NoContent(status)
+		return
+	}
+	_ = c.JSON(status, body)
+}
+
+func codeForStatus(status int) string {
+	switch status {
+	case http.StatusNotFound, http.StatusMethodNotAllowed:
+		return CodeNotFound
+	case http.StatusUnauthorized:
+		return CodeUnauthorized
+	case http.StatusRequestEntityTooLarge:
+		return CodeTooLarge
+	case http.StatusConflict:
+		return CodeConflict
+	}
+	if status >= 500 {
+		return CodeInternal
+	}
+	return CodeInvalid
+}
+
+// bindJSON decodes exactly one JSON value into v and refuses unknown fields.
+func bindJSON(c echo.Context, v any) error {
+	b, err := io.ReadAll(c.Request().Body)
+	if err != nil {
+		if errors.Is(err, echo.ErrStatusRequestEntityTooLarge) {
+			return &Error{Status: http.StatusRequestEntityTooLarge, Code: CodeTooLarge,
+				Message: "request body is larger than " + bodyLimit + "B"}
+		}
+		return errInvalid("read request body: %v", err)
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return errInvalid("request body is not valid JSON for this call: %v", err)
+	}
+	if dec.More() {
+		return errInvalid("request body has data after its JSON value")
+	}
+	return nil
+}
+
+func (a *Agent) getInfo(c echo.Context) error {
+	info, err := a.Info(c.Request().Context())
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, info)
+}
+
+func (a *Agent) listVMs(c echo.Context) error {
+	return c.JSON(http.StatusOK, agentapi.VMList{Items: a.ListVMs(c.Request().Context())})
+}
+
+func (a *Agent) putVM(c echo.Context) error {
+	var spec agentapi.VMSpec
+	if err := bindJSON(c, &spec); err != nil {
+		return err
+	}
+	vm, created, err := a.CreateVM(c.Request().Context(), c.Param("id"), spec)
+	if err != nil {
+		return err
+	}
+	if created {
+		return c.JSON(http.StatusCreated, vm)
+	}
+	return c.JSON(http.StatusOK, vm)
+}
+
+func (a *Agent) getVM(c echo.Context) error {
+	vm, err := a.GetVM(c.Request().Context(), c.Param("id"))
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, vm)
+}
+
+func (a *Agent) deleteVM(c echo.Context) error {
+	if err := a.DeleteVM(c.Request().Context(), c.Param("id")); err != nil {
+		return err
+	}
+	return c.NoContent(http.StatusNoContent)
+}
+
+func (a *Agent) postAction(c echo.Context) error {
+	vm, err := a.Action(c.Request().Context(), c.Param("id"), c.Param("action"))
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, vm)
+}
+
+func (a *Agent) getConsole(c echo.Context) error {
+	n := int64(consoleDefault)
+	if q := c.QueryParam("bytes"); q != "" {
+		v, err := strconv.ParseInt(q, 10, 64)
+		if err != nil || v < 1 || v > consoleMax {
+			return errInvalid("bytes must be a whole number from 1 to %d, got %q", consoleMax, q)
+		}
+		n = v
+	}
+	b, err := a.Console(c.Request().Context(), c.Param("id"), n)
+	if err != nil {
+		return err
+	}
+	return c.Blob(http.StatusOK, "text/plain; charset=utf-8", b)
+}

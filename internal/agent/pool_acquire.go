@@ -1,0 +1,98 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+)
+
+// handoverTimeout bounds a warm start once it began: it finishes even when
+// the caller gives up, so that a resumed VM is always recorded or destroyed.
+const handoverTimeout = 30 * time.Second
+
+// createWarm starts VM e.id from a warm VM matching spec. false means no
+// warm VM could be used: nothing of e exists yet and the caller boots cold.
+// A warm VM that fails to resume is destroyed and the next one tried. The
+// caller holds e's operation lock; r is e's record in state creating.
+func (a *Agent) createWarm(ctx context.Context, e *vmEntry, r vmRecord, spec agentapi.VMSpec) (agentapi.VM, bool) {
+	p := a.pool
+	if p.wd == nil || spec.NoWarm || spec.Stopped || spec.Snapshot != nil {
+		return agentapi.VM{}, false
+	}
+	key := poolKey{spec.Image, spec.VCPUs, spec.MemoryMiB, spec.DiskMiB}
+	for {
+		w := p.take(key)
+		if w == nil {
+			return agentapi.VM{}, false
+		}
+		hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), handoverTimeout)
+		start := time.Now()
+		rec, resumed, victim, err := p.handover(hctx, w, r)
+		cancel()
+		if err != nil {
+			a.log.Warn("warm vm unusable; destroyed, trying the next or a cold boot",
+				"vm", e.id, "warm_vm", w.ID, "err", err)
+			p.destroy(victim)
+			continue
+		}
+		e.set(rec)
+		a.log.Info("vm created", "vm", e.id, "image", rec.Image, "state", rec.State, "started_from", rec.StartedFrom,
+			"warm_vm", w.ID, "pid", rec.Process.PID, "resume", resumed, "total", time.Since(start))
+		return rec.wire(), true
+	}
+}
+
+// handover resumes warm VM w and makes it VM r: its process, disk and
+// console become r's, in r's directory, recorded in r's metadata. It returns
+// the record, how long the resume took (QMP cont until the VM is seen
+// running), and on failure the machine to destroy.
+func (p *pool) handover(ctx context.Context, w *warmVM, r vmRecord) (vmRecord, time.Duration, *Machine, error) {
+	d := p.a.cfg.Driver
+	from := p.machine(w)
+	to := machineOf(p.a, r)
+	if p.opts.Nice > 0 {
+		if err := p.wd.SetNice(from, 0); err != nil {
+			p.log.Warn("give a warm vm its normal priority back; it runs below other vms", "vm", r.ID, "warm_vm", w.ID, "err", err)
+		}
+	}
+	t0 := time.Now()
+	if err := d.Resume(ctx, from); err != nil {
+		return r, 0, from, fmt.Errorf("resume warm vm %s: %w", w.ID, err)
+	}
+	// Reported running only once the driver sees it running.
+	if obs := d.Observe(ctx, from, agentapi.StatePaused); obs.State != agentapi.StateRunning {
+		return r, 0, from, fmt.Errorf("warm vm %s is %s after the resume, not running: %s", w.ID, obs.State, obs.Reason)
+	}
+	resumed := time.Since(t0)
+	if err := p.wd.Handover(from, to); err != nil {
+		return r, 0, from, fmt.Errorf("hand warm vm %s over: %w", w.ID, err)
+	}
+	// From here the driver knows the VM as `to`, still in the pool directory.
+	inPool := *to
+	inPool.Dir = from.Dir
+	r.State, r.Reason, r.StartedFrom, r.Process = agentapi.StateRunning, "", agentapi.StartedWarm, to.Process
+	sync := !p.a.cfg.NoSync
+	// The metadata first: the directory is a whole VM the moment it
+	// appears under vms/. A plain write is enough: the directory is renamed
+	// into vms/ only after the file is complete and synced.
+	if err := writeNewRecord(filepath.Join(from.Dir, metaFile), &r, sync); err != nil {
+		return r, 0, &inPool, fmt.Errorf("write metadata of vm %s into warm vm %s: %w", r.ID, w.ID, err)
+	}
+	if err := os.Rename(from.Dir, to.Dir); err != nil {
+		return r, 0, &inPool, fmt.Errorf("move warm vm %s to vm %s: %w", w.ID, r.ID, err)
+	}
+	// The VM is the user's now: nothing below fails the create.
+	link := filepath.Join("..", filepath.Base(p.a.vmsDir()), r.ID)
+	if err := os.Symlink(link, from.Dir); err != nil {
+		p.log.Warn("link the pool path of a handed-out vm", "vm", r.ID, "warm_vm", w.ID, "err", err)
+	}
+	if sync {
+		// The VM's directory (its metadata entry), and both renames' parents.
+		syncDirs(p.log, to.Dir, p.a.vmsDir(), p.dir)
+	}
+	return r, resumed, nil, nil
+}

@@ -1,0 +1,52 @@
+package qemu
+
+import (
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// The KVM probe is only as good as its guest: under TCG (which always runs
+// guest code) the probe ROM must make QEMU exit with probeExit.
+func TestProbeROMRunsUnderTCG(t *testing.T) {
+	rom := filepath.Join(t.TempDir(), "probe.rom")
+	if err := os.WriteFile(rom, probeROM(), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("qemu-system-x86_64", "-accel", "tcg", "-machine", "pc", "-nodefaults", "-no-user-config",
+		"-display", "none", "-bios", rom, "-device", "isa-debug-exit,iobase=0xf4,iosize=0x04")
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != probeExit {
+		t.Fatalf("probe guest under tcg: %v (%s), want exit status %d", err, out, probeExit)
+	}
+}
+
+func TestChooseAccel(t *testing.T) {
+	ctx := context.Background()
+	probeErr := probeKVM(ctx, "qemu-system-x86_64")
+	accel, note, err := chooseAccel(ctx, "qemu-system-x86_64", "auto")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if probeErr == nil && accel != "kvm" {
+		t.Fatalf("auto with a working kvm chose %s (%s)", accel, note)
+	}
+	if probeErr != nil && (accel != "tcg" || !strings.Contains(note, probeErr.Error())) {
+		t.Fatalf("auto without a working kvm: %s (%s), want tcg with the reason %q", accel, note, probeErr)
+	}
+	_, _, err = chooseAccel(ctx, "qemu-system-x86_64", "kvm")
+	if (probeErr == nil) != (err == nil) {
+		t.Fatalf("--accel kvm: %v, while the probe says %v", err, probeErr)
+	}
+	if accel, _, err := chooseAccel(ctx, "qemu-system-x86_64", "tcg"); err != nil || accel != "tcg" {
+		t.Fatalf("--accel tcg: %s, %v", accel, err)
+	}
+	if _, _, err := chooseAccel(ctx, "qemu-system-x86_64", "hvf"); err == nil {
+		t.Fatal("--accel hvf accepted")
+	}
+}

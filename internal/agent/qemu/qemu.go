@@ -1,0 +1,423 @@
+// Package qemu is the real VMM driver of the host agent: one
+// qemu-system-x86_64 process per VM, started detached (-daemonize, its own
+// session) so that it outlives an agent restart, and driven over QMP on a
+// unix socket in the VM's directory.
+//
+// A VM's directory holds:
+//
+//	disk.qcow2   its disk: a qcow2 overlay on the image's disk, or a blank one
+//	             (a child's: on a snapshot's frozen disk, see snapshot.go)
+//	disk.N.qcow2 the overlay that snapshot N put on top of the one before;
+//	             the VM's metadata (Machine.Disk) names the one it writes
+//	console.log  the serial console (appended across boots)
+//	qmp.sock     the QMP monitor socket
+//	qemu.pid     QEMU's pid file; its path on QEMU's command line names the VM
+package qemu
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+)
+
+const (
+	diskFileName    = "disk.qcow2"
+	consoleFileName = "console.log"
+	qmpFileName     = "qmp.sock"
+	pidFileName     = "qemu.pid"
+	// startTimeout bounds QEMU's own start (until it daemonizes), not the
+	// guest's boot.
+	startTimeout = 60 * time.Second
+)
+
+// Options configures the driver.
+type Options struct {
+	ImageDir string       // one folder per image, each with an image.json
+	Accel    string       // auto (default), kvm or tcg
+	QEMU     string       // default qemu-system-x86_64
+	QEMUImg  string       // default qemu-img
+	Logger   *slog.Logger // default slog.Default()
+}
+
+// Driver runs VMs with QEMU.
+type Driver struct {
+	opts      Options
+	qemu      string
+	qemuImg   string
+	accel     string
+	accelNote string
+	log       *slog.Logger
+	// snapshotPauses counts the VM pauses of snapshots (snapshot.go).
+	snapshotPauses atomic.Int64
+}
+
+var _ agent.Driver = (*Driver)(nil)
+
+// New finds QEMU and picks the accelerator: with auto, KVM only when a probe
+// guest really runs under it (nested KVM may open and then hang guests).
+func New(ctx context.Context, opts Options) (*Driver, error) {
+	d := &Driver{opts: opts, qemu: opts.QEMU, qemuImg: opts.QEMUImg, log: opts.Logger}
+	if d.qemu == "" {
+		d.qemu = "qemu-system-x86_64"
+	}
+	if d.qemuImg == "" {
+		d.qemuImg = "qemu-img"
+	}
+	if d.log == nil {
+		d.log = slog.Default()
+	}
+	var err error
+	if d.qemu, err = exec.LookPath(d.qemu); err != nil {
+		return nil, fmt.Errorf("qemu driver: %w: install qemu-system-x86", err)
+	}
+	if d.qemuImg, err = exec.LookPath(d.qemuImg); err != nil {
+		return nil, fmt.Errorf("qemu driver: %w: install qemu-utils", err)
+	}
+	if opts.ImageDir != "" {
+		abs, err := filepath.Abs(opts.ImageDir)
+		if err != nil {
+			return nil, fmt.Errorf("qemu driver: image directory: %w", err)
+		}
+		d.opts.ImageDir = abs
+		if _, err := os.Stat(abs); err != nil {
+			return nil, fmt.Errorf("qemu driver: image directory: %w (build one with make image)", err)
+		}
+	}
+	d.accel, d.accelNote, err = chooseAccel(ctx, d.qemu, opts.Accel)
+	if err != nil {
+		return nil, fmt.Errorf("qemu driver: %w", err)
+	}
+	d.log.Info("qemu accelerator chosen", "accel", d.accel, "why", d.accelNote, "qemu", d.qemu)
+	return d, nil
+}
+
+// Name is "qemu".
+func (d *Driver) Name() string { return "qemu" }
+
+// Accel is kvm or tcg, and why.
+func (d *Driver) Accel() (string, string) { return d.accel, d.accelNote }
+
+// CheckSpec refuses less memory than the image needs to boot.
+func (d *Driver) CheckSpec(spec agentapi.VMSpec, img agent.Image) error {
+	m, err := d.loadImage(img.Name)
+	if err != nil {
+		return err
+	}
+	min := m.MinMemoryMiB
+	if min == 0 {
+		min = 64
+	}
+	if spec.MemoryMiB < min {
+		return agent.ErrInvalidSpec("memory_mib %d is too small for image %s: it needs at least %d", spec.MemoryMiB, img.Name, min)
+	}
+	return nil
+}
+
+// pidfileOf is the pid file on the command line of m's QEMU: in the
+// directory it was started in, which a warm VM handed to a new id left
+// (Process.LaunchDir).
+func pidfileOf(m *agent.Machine) string {
+	if m.Process.LaunchDir != "" {
+		return filepath.Join(m.Process.LaunchDir, pidFileName)
+	}
+	return filepath.Join(m.Dir, pidFileName)
+}
+func qmpPathOf(m *agent.Machine) string { return filepath.Join(m.Dir, qmpFileName) }
+
+// Create makes the VM's disk: a qcow2 overlay of disk_mib on the image's
+// disk, or a blank qcow2 when the image has none. An existing disk is kept.
+func (d *Driver) Create(ctx context.Context, m *agent.Machine) error {
+	if m.DiskMiB == 0 {
+		return nil
+	}
+	disk := diskPath(m)
+	if _, err := os.Stat(disk); err == nil {
+		return nil
+	} else if m.Disk != "" {
+		return fmt.Errorf("disk %s of vm %s: %w; its disk chain is broken", disk, m.ID, err)
+	}
+	img, err := d.loadImage(m.Image)
+	if err != nil {
+		return err
+	}
+	tmp := disk + ".tmp"
+	args := []string{"create", "-q", "-f", "qcow2"}
+	if img.Disk != "" {
+		args = append(args, "-b", d.path(img, img.Disk), "-F", "qcow2")
+	}
+	args = append(args, tmp, strconv.FormatInt(m.DiskMiB, 10)+"M")
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if out, err := exec.CommandContext(ctx, d.qemuImg, args...).CombinedOutput(); err != nil {
+		_ = os.Remove(tmp)
+		return fmt.Errorf("qemu-img create disk of vm %s: %w: %s", m.ID, err, bytes.TrimSpace(out))
+	}
+	// Renamed into place only when complete, so a crash never leaves a
+	// half-made disk that a retry would keep.
+	return os.Rename(tmp, disk)
+}
+
+// args is QEMU's command line for m.
+func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions) []string {
+	cpu := "max"
+	if d.accel == "kvm" {
+		cpu = "host"
+	}
+	args := []string{
+		// The VM id in -name lets an operator find its process with ps.
+		"-name", "guest=" + m.ID + ",debug-threads=on",
+		"-machine", img.Machine, "-accel", d.accel, "-cpu", cpu,
+		"-smp", strconv.FormatInt(m.VCPUs, 10), "-m", strconv.FormatInt(m.MemoryMiB, 10) + "M",
+		"-nodefaults", "-no-user-config", "-display", "none",
+		"-chardev", "file,id=console,append=on,path=" + filepath.Join(m.Dir, consoleFileName),
+		"-serial", "chardev:console",
+		// Relative to QEMU's working directory (the VM's): a unix socket
+		// path is limited to 108 bytes, a state directory is not.
+		"-chardev", "socket,id=qmp,server=on,wait=off,path=" + qmpFileName,
+		"-mon", "chardev=qmp,mode=control",
+		"-pidfile", pidfileOf(m),
+		"-daemonize",
+	}
+	blk := "virtio-blk-pci"
+	if img.Machine == "microvm" {
+		blk = "virtio-blk-device"
+	} else {
+		// vmgenid tells a guest that it was cloned (forks). Only q35/pc
+		// describe it in their ACPI tables: microvm's ACPI builder
+		// (hw/i386/acpi-microvm.c in QEMU 7.2) has no vmgenid entry, so the
+		// device would be invisible to the guest there and is left out.
+		args = append(args, "-device", "vmgenid,guid=auto")
+	}
+	if img.Kind == agent.ImageKernel {
+		args = append(args, "-kernel", d.path(img, img.Kernel))
+		if img.Initrd != "" {
+			args = append(args, "-initrd", d.path(img, img.Initrd))
+		}
+		if img.Cmdline != "" {
+			args = append(args, "-append", img.Cmdline)
+		}
+	}
+	if m.DiskMiB > 0 {
+		drive := "if=none,id=disk0,format=qcow2,discard=unmap,file=" + diskPath(m)
+		dev := blk + ",drive=disk0"
+		if img.Kind == agent.ImageDisk {
+			dev += ",bootindex=0"
+		}
+		args = append(args, "-drive", drive, "-device", dev)
+	}
+	if opts.Paused || opts.Incoming != "" {
+		args = append(args, "-S")
+	}
+	if opts.Incoming != "" {
+		args = append(args, "-incoming", "exec:cat "+shellQuote(opts.Incoming))
+	}
+	return args
+}
+
+// Boot starts QEMU detached: -daemonize returns once QEMU is set up (its
+// QMP socket listens, its pid file is written) and leaves the VM running in
+// a session of its own, not a child that dies with the agent.
+func (d *Driver) Boot(ctx context.Context, m *agent.Machine, opts agent.BootOptions) error {
+	img, err := d.loadImage(m.Image)
+	if err != nil {
+		return err
+	}
+	if alive, _ := checkProcess(m.Process, pidfileOf(m)); alive {
+		return fmt.Errorf("boot vm %s: qemu process %d still runs", m.ID, m.Process.PID)
+	}
+	for _, p := range findProcesses(pidfileOf(m)) {
+		return fmt.Errorf("boot vm %s: an earlier qemu process %d of it still runs; delete the vm", m.ID, p.PID)
+	}
+	// A new process, started in m.Dir.
+	m.Process = agent.Process{}
+	// Leftovers of an earlier run would confuse the checks below.
+	_ = os.Remove(qmpPathOf(m))
+	_ = os.Remove(pidfileOf(m))
+
+	// The start must finish even when the caller gives up: a half-started
+	// QEMU that nobody records is worse than a finished one.
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), startTimeout)
+	defer cancel()
+	cmd := exec.CommandContext(sctx, d.qemu, d.args(m, img, opts)...)
+	cmd.Dir = m.Dir
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	// QEMU's daemon child points its stdio at /dev/null; should it keep
+	// our pipe, Wait must not hang on it.
+	cmd.WaitDelay = 5 * time.Second
+	if err := cmd.Run(); err != nil {
+		d.killLeftovers(m)
+		return fmt.Errorf("start qemu for vm %s: %v: %s", m.ID, err, strings.TrimSpace(out.String()))
+	}
+	b, err := os.ReadFile(pidfileOf(m))
+	if err != nil {
+		d.killLeftovers(m)
+		return fmt.Errorf("start qemu for vm %s: read pid file: %w", m.ID, err)
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		d.killLeftovers(m)
+		return fmt.Errorf("start qemu for vm %s: pid file %q: %w", m.ID, b, err)
+	}
+	_, start, err := procStat(pid)
+	if err != nil {
+		d.killLeftovers(m)
+		return fmt.Errorf("start qemu for vm %s: qemu %d exited at once; see %s: %w", m.ID, pid, filepath.Join(m.Dir, consoleFileName), err)
+	}
+	m.Process = agent.Process{PID: pid, StartTime: start}
+	var st qmpStatus
+	if err := qmp(ctx, qmpPathOf(m), "query-status", nil, &st); err != nil {
+		d.killLeftovers(m)
+		return fmt.Errorf("start qemu for vm %s: %w", m.ID, err)
+	}
+	d.log.Info("qemu started", "vm", m.ID, "pid", pid, "status", st.Status, "accel", d.accel)
+	return nil
+}
+
+func (d *Driver) killLeftovers(m *agent.Machine) {
+	for _, p := range findProcesses(pidfileOf(m)) {
+		if err := killProcess(p, pidfileOf(m)); err != nil {
+			d.log.Error("kill qemu of a failed boot", "vm", m.ID, "pid", p.PID, "err", err)
+		}
+	}
+}
+
+// Shutdown asks the guest to power off (ACPI power button), waits up to
+// grace, then tells QEMU to quit, then kills it. A guest that ignores ACPI
+// (a busybox init without a handler) ends by the quit after grace.
+func (d *Driver) Shutdown(ctx context.Context, m *agent.Machine, grace time.Duration) error {
+	pidfile := pidfileOf(m)
+	if alive, _ := checkProcess(m.Process, pidfile); !alive {
+		return d.Kill(ctx, m) // only leftovers found by command line, if any
+	}
+	var st qmpStatus
+	qerr := qmp(ctx, qmpPathOf(m), "query-status", nil, &st)
+	// A paused guest cannot see the power button: go straight to quit.
+	if qerr == nil && st.Running {
+		if err := qmp(ctx, qmpPathOf(m), "system_powerdown", nil, nil); err != nil {
+			d.log.Warn("acpi power-down failed", "vm", m.ID, "err", err)
+		} else if waitGone(m.Process, pidfile, grace) {
+			d.log.Info("guest powered off", "vm", m.ID)
+			return nil
+		}
+	}
+	if err := qmp(ctx, qmpPathOf(m), "quit", nil, nil); err != nil {
+		d.log.Warn("qmp quit failed", "vm", m.ID, "err", err)
+	}
+	if waitGone(m.Process, pidfile, 5*time.Second) {
+		d.log.Info("qemu quit", "vm", m.ID, "after_acpi_timeout", qerr == nil && st.Running)
+		return nil
+	}
+	return d.Kill(ctx, m)
+}
+
+// Kill ends QEMU at once.
+func (d *Driver) Kill(_ context.Context, m *agent.Machine) error {
+	var errs []error
+	if err := killProcess(m.Process, pidfileOf(m)); err != nil {
+		errs = append(errs, err)
+	}
+	for _, p := range findProcesses(pidfileOf(m)) {
+		if err := killProcess(p, pidfileOf(m)); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	// A warm VM handed to m whose metadata no longer names its pool
+	// directory (pool.go).
+	for _, h := range handedOverProcesses(m.Dir) {
+		if err := killProcess(h.process, h.pidfile); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("kill qemu of vm %s: %w", m.ID, err)
+	}
+	return nil
+}
+
+// Pause stops the vCPUs (QMP stop).
+func (d *Driver) Pause(ctx context.Context, m *agent.Machine) error {
+	return qmp(ctx, qmpPathOf(m), "stop", nil, nil)
+}
+
+// Resume continues the vCPUs (QMP cont).
+func (d *Driver) Resume(ctx context.Context, m *agent.Machine) error {
+	return qmp(ctx, qmpPathOf(m), "cont", nil, nil)
+}
+
+// Observe checks that the VM's QEMU is alive and is that VM's (pid, start
+// time, command line), then asks QMP for its run state.
+func (d *Driver) Observe(ctx context.Context, m *agent.Machine, last string) agent.Observed {
+	alive, why := checkProcess(m.Process, pidfileOf(m))
+	var found agent.Process
+	if !alive {
+		// A QEMU that the metadata does not name (the agent died between
+		// starting it and recording its pid) is still this VM's.
+		if ps := findProcesses(pidfileOf(m)); len(ps) == 1 {
+			found, alive = ps[0], true
+			found.LaunchDir = m.Process.LaunchDir
+			m.Process = found
+		}
+	}
+	if !alive {
+		switch last {
+		case agentapi.StateStopped:
+			return agent.Observed{State: agentapi.StateStopped}
+		case agentapi.StateCreating:
+			return agent.Observed{State: agentapi.StateStopped, Reason: "the agent stopped while it was creating this vm: " + why + "; start it again"}
+		}
+		return agent.Observed{State: agentapi.StateStopped,
+			Reason: why + " (crashed, killed, or powered off from inside); start the vm to boot it again"}
+	}
+	var st qmpStatus
+	if err := qmp(ctx, qmpPathOf(m), "query-status", nil, &st); err != nil {
+		return agent.Observed{State: agentapi.StateError, Process: found,
+			Reason: fmt.Sprintf("qemu process %d runs but its qmp socket does not answer: %v", m.Process.PID, err)}
+	}
+	obs := agent.Observed{Process: found}
+	switch st.Status {
+	case "running":
+		obs.State = agentapi.StateRunning
+	case "paused", "prelaunch", "suspended", "inmigrate", "postmigrate", "finish-migrate",
+		"save-vm", "restore-vm", "debug", "colo":
+		obs.State = agentapi.StatePaused
+	default:
+		// internal-error, io-error, guest-panicked, watchdog, shutdown
+		// (with -no-shutdown): QEMU runs but the guest cannot go on.
+		obs.State, obs.Reason = agentapi.StateError, "qemu run state "+st.Status+"; stop and start the vm"
+	}
+	return obs
+}
+
+// Console returns the end of the VM's serial console log.
+func (d *Driver) Console(m *agent.Machine, limit int64) ([]byte, error) {
+	f, err := os.Open(filepath.Join(m.Dir, consoleFileName))
+	if errors.Is(err, os.ErrNotExist) {
+		return []byte{}, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("console of vm %s: %w", m.ID, err)
+	}
+	defer func() { _ = f.Close() }()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	off := max(0, fi.Size()-limit)
+	return io.ReadAll(io.NewSectionReader(f, off, fi.Size()-off))
+}

@@ -1,0 +1,322 @@
+package qemu
+
+// Snapshots of running guests and children started from them.
+//
+// A snapshot of a VM freezes its current disk file and saves its memory, in
+// one window in which the vCPUs are stopped:
+//
+//  1. qemu-img makes disk.<n+1>.qcow2, an overlay whose backing file is the
+//     current disk.<n>.qcow2 (disk.qcow2 for n = 0), named relative to it;
+//  2. QMP stop;
+//  3. QMP blockdev-snapshot-sync (mode existing) moves the guest's drive onto
+//     the new overlay; QEMU reopens the old file read-only, and nothing
+//     writes it again: it is the frozen disk;
+//  4. the frozen disk and the files below it are hard-linked into the
+//     snapshot directory (same names, so relative backing names resolve);
+//  5. QMP migrate to "exec:cat > memory.state" saves RAM and device state;
+//  6. QMP cont, unless the source is to stay paused.
+//
+// A child's disk is an overlay named relative to the frozen disk, e.g.
+// ../../snapshots/<id>/disk.qcow2: vms/<id> and snapshots/<id> sit at the
+// same depth of every agent's state directory, so the name resolves on any
+// agent that has the snapshot. The child's QEMU has the source's command
+// line (same machine, memory, devices) with its own disk, -S and
+// -incoming "exec:cat memory.state"; once the state is loaded it is
+// continued. vmgenid,guid=auto gives it a new generation id, which QEMU
+// writes into the guest's memory after loading the state and signals with
+// an ACPI notification. VMs have no NIC, so there is no MAC to change.
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+)
+
+const (
+	memoryFileName = "memory.state"
+	// migrateTimeout bounds saving a VM's memory to a file, and loading it.
+	migrateTimeout = 5 * time.Minute
+	// migrateBandwidth lifts QEMU's migration rate limit (32 MiB/s by
+	// default): the target is a local file and the vCPUs are stopped, so
+	// the fastest copy is the shortest pause.
+	migrateBandwidth = 64 << 30
+	migratePoll      = 2 * time.Millisecond
+	// driveID is the -drive id of a VM's disk (args in qemu.go).
+	driveID = "disk0"
+)
+
+var _ agent.Snapshotter = (*Driver)(nil)
+
+// diskPath is the disk file m writes to.
+func diskPath(m *agent.Machine) string {
+	if m.Disk != "" {
+		return filepath.Join(m.Dir, m.Disk)
+	}
+	return filepath.Join(m.Dir, diskFileName)
+}
+
+// diskFile is the name of generation g of a VM's disk chain.
+func diskFile(g int) string {
+	if g == 0 {
+		return diskFileName
+	}
+	return "disk." + strconv.Itoa(g) + ".qcow2"
+}
+
+var (
+	diskFilePattern = regexp.MustCompile(`^disk(?:\.([1-9][0-9]*))?\.qcow2$`)
+	diskNodePattern = regexp.MustCompile(`^disk-g([1-9][0-9]*)$`)
+)
+
+// shellQuote quotes s for /bin/sh, which runs QEMU's exec: migration URIs.
+func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
+
+// SnapshotPauses is how many times this driver stopped a VM for a
+// snapshot: a retried snapshot must not stop its VM again.
+func (d *Driver) SnapshotPauses() int64 { return d.snapshotPauses.Load() }
+
+// activeDisk asks QEMU which generation of the disk chain the guest writes
+// to: QEMU is the truth, also when the agent died before recording a switch.
+func (d *Driver) activeDisk(ctx context.Context, m *agent.Machine) (int, int64, error) {
+	var blocks []struct {
+		Device   string `json:"device"`
+		Inserted *struct {
+			NodeName string `json:"node-name"`
+			File     string `json:"file"`
+			Image    struct {
+				VirtualSize int64 `json:"virtual-size"`
+			} `json:"image"`
+		} `json:"inserted"`
+	}
+	if err := qmp(ctx, qmpPathOf(m), "query-block", nil, &blocks); err != nil {
+		return 0, 0, err
+	}
+	for _, b := range blocks {
+		if b.Device != driveID || b.Inserted == nil {
+			continue
+		}
+		// A node made by a snapshot carries its generation in its name; a
+		// drive opened from the command line names its file.
+		if sm := diskNodePattern.FindStringSubmatch(b.Inserted.NodeName); sm != nil {
+			g, _ := strconv.Atoi(sm[1])
+			return g, b.Inserted.Image.VirtualSize, nil
+		}
+		if sm := diskFilePattern.FindStringSubmatch(filepath.Base(b.Inserted.File)); sm != nil {
+			g, _ := strconv.Atoi(sm[1]) // "" for disk.qcow2: 0
+			return g, b.Inserted.Image.VirtualSize, nil
+		}
+		return 0, 0, fmt.Errorf("vm %s: drive %s is node %q on %q, not a disk chain file of this driver", m.ID, driveID, b.Inserted.NodeName, b.Inserted.File)
+	}
+	return 0, 0, fmt.Errorf("vm %s: qemu has no drive %s", m.ID, driveID)
+}
+
+func (d *Driver) qemuImgCreate(ctx context.Context, path, backing string, size int64) error {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	tmp := path + ".tmp"
+	// -u: the backing file is in use by the guest; the size is given.
+	out, err := exec.CommandContext(ctx, d.qemuImg, "create", "-q", "-f", "qcow2", "-u", "-b", backing, "-F", "qcow2",
+		tmp, strconv.FormatInt(size, 10)).CombinedOutput()
+	if err != nil {
+		_ = os.Remove(tmp)
+		return fmt.Errorf("qemu-img create %s on %s: %w: %s", path, backing, err, bytes.TrimSpace(out))
+	}
+	return os.Rename(tmp, path)
+}
+
+// Snapshot implements agent.Snapshotter (see the file comment).
+func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opts agent.SnapshotOptions) (agent.SnapshotFiles, error) {
+	files := agent.SnapshotFiles{Memory: memoryFileName}
+	if alive, why := checkProcess(m.Process, pidfileOf(m)); !alive {
+		return files, fmt.Errorf("snapshot vm %s: %s", m.ID, why)
+	}
+	sock := qmpPathOf(m)
+	var st qmpStatus
+	if err := qmp(ctx, sock, "query-status", nil, &st); err != nil {
+		return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
+	}
+	if st.Status == "postmigrate" {
+		// QEMU refuses a second migration until the VM has run again.
+		return files, agent.ErrSnapshotConflict("vm %s is still paused by an earlier snapshot that kept it paused; resume it before taking another snapshot", m.ID)
+	}
+	wasRunning := st.Running
+	if err := qmp(ctx, sock, "migrate-set-parameters", map[string]any{"max-bandwidth": migrateBandwidth}, nil); err != nil {
+		return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
+	}
+
+	gen, next := -1, ""
+	if m.DiskMiB > 0 {
+		g, size, err := d.activeDisk(ctx, m)
+		if err != nil {
+			return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
+		}
+		gen, next = g, diskFile(g+1)
+		// Made before the pause, which it does not need.
+		if err := d.qemuImgCreate(ctx, filepath.Join(m.Dir, next), diskFile(gen), size); err != nil {
+			return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
+		}
+		if err := opts.RecordDisk(next); err != nil {
+			_ = os.Remove(filepath.Join(m.Dir, next))
+			return files, fmt.Errorf("snapshot vm %s: record its new disk %s: %w", m.ID, next, err)
+		}
+	}
+
+	d.snapshotPauses.Add(1)
+	// From here the VM is stopped; every failure continues it if it ran.
+	fail := func(err error) (agent.SnapshotFiles, error) {
+		if wasRunning {
+			if cerr := qmp(context.WithoutCancel(ctx), sock, "cont", nil, nil); cerr != nil {
+				err = errors.Join(err, fmt.Errorf("continue the vm: %w", cerr))
+			}
+		}
+		return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
+	}
+	// Before the switch the guest still writes to the old file: record it
+	// again. (Were that to fail, the record names the empty overlay on the
+	// file the guest writes, which reads the same.)
+	unswitch := func(err error) (agent.SnapshotFiles, error) {
+		if m.DiskMiB > 0 {
+			if rerr := opts.RecordDisk(diskFile(gen)); rerr != nil {
+				err = errors.Join(err, fmt.Errorf("record the disk back: %w", rerr))
+			} else {
+				_ = os.Remove(filepath.Join(m.Dir, next))
+			}
+		}
+		return fail(err)
+	}
+	if err := qmp(ctx, sock, "stop", nil, nil); err != nil {
+		return unswitch(err)
+	}
+	if m.DiskMiB > 0 {
+		err := qmp(ctx, sock, "blockdev-snapshot-sync", map[string]any{
+			"device": driveID, "snapshot-file": filepath.Join(m.Dir, next),
+			"snapshot-node-name": fmt.Sprintf("disk-g%d", gen+1), "format": "qcow2", "mode": "existing",
+		}, nil)
+		if err != nil {
+			return unswitch(err)
+		}
+		m.Disk = next
+		for g := gen; g >= 0; g-- {
+			name := diskFile(g)
+			if err := os.Link(filepath.Join(m.Dir, name), filepath.Join(dir, name)); err != nil {
+				return fail(fmt.Errorf("link frozen disk %s into the snapshot: %w", name, err))
+			}
+			// The frozen files are read-only from now on, for every link.
+			if err := os.Chmod(filepath.Join(dir, name), 0o444); err != nil {
+				return fail(err)
+			}
+			if g == gen {
+				files.Disk = name
+			} else {
+				files.Backing = append(files.Backing, name)
+			}
+		}
+	}
+	if err := d.saveMemory(ctx, sock, filepath.Join(dir, memoryFileName)); err != nil {
+		return fail(err)
+	}
+	if wasRunning && !opts.KeepPaused {
+		if err := qmp(ctx, sock, "cont", nil, nil); err != nil {
+			return files, fmt.Errorf("snapshot vm %s: saved, but continuing the vm failed: %w", m.ID, err)
+		}
+	}
+	return files, nil
+}
+
+// saveMemory migrates the stopped VM into the file path and waits until the
+// migration is complete.
+func (d *Driver) saveMemory(ctx context.Context, sock, path string) error {
+	if err := qmp(ctx, sock, "migrate", map[string]any{"uri": "exec:cat > " + shellQuote(path)}, nil); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(migrateTimeout)
+	for {
+		var info struct {
+			Status    string `json:"status"`
+			ErrorDesc string `json:"error-desc"`
+		}
+		if err := qmp(ctx, sock, "query-migrate", nil, &info); err != nil {
+			return err
+		}
+		switch info.Status {
+		case "completed":
+			return nil
+		case "failed", "cancelled":
+			return fmt.Errorf("save memory to %s: migration %s: %s", path, info.Status, info.ErrorDesc)
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			_ = qmp(context.WithoutCancel(ctx), sock, "migrate_cancel", nil, nil)
+			return fmt.Errorf("save memory to %s: not done after %s (status %s): cancelled", path, migrateTimeout, info.Status)
+		}
+		time.Sleep(migratePoll)
+	}
+}
+
+// Spawn implements agent.Snapshotter (see the file comment).
+func (d *Driver) Spawn(ctx context.Context, m *agent.Machine, dir string, files agent.SnapshotFiles) error {
+	t0 := time.Now()
+	m.Disk = ""
+	if m.DiskMiB > 0 {
+		if files.Disk == "" {
+			return fmt.Errorf("start vm %s: the snapshot has no disk, the vm has %d MiB", m.ID, m.DiskMiB)
+		}
+		backing, err := filepath.Rel(m.Dir, filepath.Join(dir, files.Disk))
+		if err != nil {
+			return fmt.Errorf("start vm %s: %w", m.ID, err)
+		}
+		if err := d.qemuImgCreate(ctx, diskPath(m), backing, m.DiskMiB<<20); err != nil {
+			return fmt.Errorf("start vm %s: %w", m.ID, err)
+		}
+	}
+	t1 := time.Now()
+	if err := d.Boot(ctx, m, agent.BootOptions{Incoming: filepath.Join(dir, files.Memory)}); err != nil {
+		return err
+	}
+	t2 := time.Now()
+	if err := d.waitIncoming(ctx, m); err != nil {
+		d.killLeftovers(m)
+		return err
+	}
+	t3 := time.Now()
+	if err := qmp(ctx, qmpPathOf(m), "cont", nil, nil); err != nil {
+		d.killLeftovers(m)
+		return fmt.Errorf("start vm %s: continue after loading the snapshot: %w", m.ID, err)
+	}
+	d.log.Info("vm continued from snapshot", "vm", m.ID, "overlay_ms", t1.Sub(t0).Milliseconds(),
+		"qemu_start_ms", t2.Sub(t1).Milliseconds(), "load_wait_ms", t3.Sub(t2).Milliseconds(), "cont_ms", time.Since(t3).Milliseconds())
+	return nil
+}
+
+// waitIncoming waits until QEMU has loaded the memory state (QEMU exits if
+// the state does not load).
+func (d *Driver) waitIncoming(ctx context.Context, m *agent.Machine) error {
+	deadline := time.Now().Add(migrateTimeout)
+	for {
+		var st qmpStatus
+		err := qmp(ctx, qmpPathOf(m), "query-status", nil, &st)
+		switch {
+		case err != nil:
+			if alive, why := checkProcess(m.Process, pidfileOf(m)); !alive {
+				return fmt.Errorf("start vm %s: loading the snapshot failed: %s", m.ID, why)
+			}
+			return fmt.Errorf("start vm %s: %w", m.ID, err)
+		case st.Status == "paused":
+			return nil
+		case st.Status != "inmigrate":
+			return fmt.Errorf("start vm %s: qemu run state %s after loading the snapshot, want paused", m.ID, st.Status)
+		case time.Now().After(deadline) || ctx.Err() != nil:
+			return fmt.Errorf("start vm %s: the snapshot did not load within %s", m.ID, migrateTimeout)
+		}
+		time.Sleep(migratePoll)
+	}
+}

@@ -1,0 +1,355 @@
+package qemu_test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/qemu"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
+)
+
+// forkAgent is an agent built here rather than by testenv, so that the test
+// can read its driver's pause counter.
+type forkAgent struct {
+	dir    string
+	driver *qemu.Driver
+	ag     *agent.Agent
+	srv    *httptest.Server
+	client *agentapi.Client
+}
+
+func startForkAgent(t *testing.T, dir string) *forkAgent {
+	t.Helper()
+	ctx := context.Background()
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	if os.Getenv("KVM_TEST_LOG") != "" {
+		log = slog.New(slog.NewTextHandler(os.Stderr, nil))
+	}
+	d, err := qemu.New(ctx, qemu.Options{ImageDir: testenv.GuestImageDir(t), Accel: "auto", Logger: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := agent.New(ctx, agent.Config{StateDir: dir, Driver: d, Token: "agent-token", Logger: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &forkAgent{dir: dir, driver: d, ag: a, srv: httptest.NewServer(a.Handler())}
+	f.client = agentapi.NewClient(f.srv.URL, "agent-token")
+	t.Cleanup(func() {
+		f.stop()
+		for _, pid := range qemu.ProcessesUnder(dir) {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+	})
+	return f
+}
+
+func (f *forkAgent) stop() {
+	f.srv.Close()
+	_ = f.ag.Close()
+}
+
+func (f *forkAgent) console(t *testing.T, id string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(f.dir, "vms", id, "console.log"))
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+var tickLine = regexp.MustCompile(`(?m)^tick ([0-9]+)\r?$`)
+
+// ticks returns the tick numbers on a console, in order.
+func ticks(con string) []int {
+	var out []int
+	for _, m := range tickLine.FindAllStringSubmatch(con, -1) {
+		n, _ := strconv.Atoi(m[1])
+		out = append(out, n)
+	}
+	return out
+}
+
+// waitTicks waits until vm id has printed at least n tick lines.
+func (f *forkAgent) waitTicks(t *testing.T, id string, n int) []int {
+	t.Helper()
+	deadline := time.Now().Add(bootWait)
+	for {
+		con := f.console(t, id)
+		if ts := ticks(con); len(ts) >= n {
+			return ts
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("vm %s: fewer than %d tick lines within %s; console:\n%s", id, n, bootWait, con)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// generationID asks a VM's QEMU for its vmgenid over QMP.
+func generationID(t *testing.T, dir, id string) string {
+	t.Helper()
+	conn, err := net.DialTimeout("unix", filepath.Join(dir, "vms", id, "qmp.sock"), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close() }()
+	_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+	r := bufio.NewReader(conn)
+	var out struct {
+		Return struct {
+			GUID string `json:"guid"`
+		} `json:"return"`
+	}
+	for _, cmd := range []string{"", `{"execute":"qmp_capabilities"}`, `{"execute":"query-vm-generation-id"}`} {
+		if cmd != "" {
+			if _, err := conn.Write([]byte(cmd + "\n")); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for {
+			line, err := r.ReadBytes('\n')
+			if err != nil {
+				t.Fatalf("qmp of %s: %v", id, err)
+			}
+			if !bytes.Contains(line, []byte(`"event"`)) {
+				_ = json.Unmarshal(line, &out)
+				break
+			}
+		}
+	}
+	return out.Return.GUID
+}
+
+// tamperProxy forwards to an agent; with tamper set it flips one byte of
+// every snapshot file it serves.
+type tamperProxy struct {
+	srv    *httptest.Server
+	tamper atomic.Bool
+}
+
+func startTamperProxy(t *testing.T, target string) *tamperProxy {
+	t.Helper()
+	u, err := url.Parse(target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &tamperProxy{}
+	rp := httputil.NewSingleHostReverseProxy(u)
+	rp.ModifyResponse = func(resp *http.Response) error {
+		if !p.tamper.Load() || !strings.Contains(resp.Request.URL.Path, "/files/") || resp.StatusCode != http.StatusOK {
+			return nil
+		}
+		b, err := io.ReadAll(resp.Body)
+		_ = resp.Body.Close()
+		if err != nil {
+			return err
+		}
+		b[len(b)/3] ^= 0x01
+		resp.Body = io.NopCloser(bytes.NewReader(b))
+		return nil
+	}
+	p.srv = httptest.NewServer(rp)
+	t.Cleanup(p.srv.Close)
+	return p
+}
+
+// TestForkGuest forks a guest that counts: every child continues from the
+// snapshot's tick, on this agent and on another one, and the source goes on.
+func TestForkGuest(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	a := startForkAgent(t, t.TempDir())
+	if _, err := a.client.CreateVM(ctx, "src", guest); err != nil {
+		t.Fatalf("create source: %v", err)
+	}
+	a.waitTicks(t, "src", 2)
+
+	// The snapshot keeps the source paused, so that its last tick is the
+	// snapshot point.
+	snap, err := a.client.CreateSnapshot(ctx, "s1", agentapi.SnapshotSpec{VMID: "src", PauseSource: true})
+	if err != nil {
+		t.Fatalf("snapshot: %v", err)
+	}
+	if a.driver.SnapshotPauses() != 1 {
+		t.Fatalf("pauses after one snapshot = %d", a.driver.SnapshotPauses())
+	}
+	if vm, _ := a.client.GetVM(ctx, "src"); vm.State != agentapi.StatePaused {
+		t.Fatalf("source after a pause_source snapshot = %+v, want paused", vm)
+	}
+	srcTicks := ticks(a.console(t, "src"))
+	point := srcTicks[len(srcTicks)-1]
+	kinds := map[string]int{}
+	for _, f := range snap.Files {
+		kinds[f.Kind]++
+	}
+	if kinds[agentapi.SnapshotFileMemory] != 1 || kinds[agentapi.SnapshotFileDisk] != 1 || snap.SizeBytes < 1<<20 {
+		t.Fatalf("snapshot files = %+v", snap.Files)
+	}
+	again, err := a.client.CreateSnapshot(ctx, "s1", agentapi.SnapshotSpec{VMID: "src", PauseSource: true})
+	if err != nil || again.SHA256 != snap.SHA256 || a.driver.SnapshotPauses() != 1 {
+		t.Fatalf("second PUT = %+v, %v, pauses %d; want the same snapshot and no new pause", again, err, a.driver.SnapshotPauses())
+	}
+
+	// Three children at once.
+	child := guest
+	child.Snapshot = &agentapi.SnapshotSource{ID: "s1"}
+	children := []string{"c0", "c1", "c2"}
+	var wg sync.WaitGroup
+	for _, id := range children {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			vm, err := a.client.CreateVM(ctx, id, child)
+			if err != nil || vm.State != agentapi.StateRunning || vm.StartedFrom != agentapi.StartedSnapshot {
+				t.Errorf("child %s = %+v, %v", id, vm, err)
+			}
+		}()
+	}
+	wg.Wait()
+	if t.Failed() {
+		t.FailNow()
+	}
+	if _, err := a.client.Action(ctx, "src", agentapi.ActionResume); err != nil {
+		t.Fatalf("resume source: %v", err)
+	}
+	t.Logf("snapshot taken after tick %d: %d bytes in %d files", point, snap.SizeBytes, len(snap.Files))
+	genids := map[string]string{"src": generationID(t, a.dir, "src")}
+	for _, id := range children {
+		ts := a.waitTicks(t, id, 1)
+		if ts[0] != point+1 {
+			t.Errorf("child %s starts at tick %d; the snapshot was taken after tick %d", id, ts[0], point)
+		}
+		if con := a.console(t, id); strings.Contains(con, "kvm-guest-ready") {
+			t.Errorf("child %s booted instead of continuing the snapshot:\n%s", id, con)
+		}
+		genids[id] = generationID(t, a.dir, id)
+	}
+	if ts := a.waitTicks(t, "src", len(srcTicks)+1); ts[len(srcTicks)] != point+1 {
+		t.Errorf("source continues with tick %d after tick %d", ts[len(srcTicks)], point)
+	}
+	seen := map[string]string{}
+	for id, g := range genids {
+		if g == "" || seen[g] != "" {
+			t.Errorf("vmgenid of %s = %q, the same as %s's: children need a new one", id, g, seen[g])
+		}
+		seen[g] = id
+	}
+
+	// A child on another agent pulls the snapshot; a tampered pull starts
+	// nothing and leaves nothing.
+	b := startForkAgent(t, t.TempDir())
+	proxy := startTamperProxy(t, a.srv.URL)
+	remote := guest
+	remote.Snapshot = &agentapi.SnapshotSource{ID: "s1", Address: proxy.srv.URL}
+	proxy.tamper.Store(true)
+	if _, err := b.client.CreateVM(ctx, "far", remote); err == nil || !strings.Contains(err.Error(), "sha256") {
+		t.Fatalf("child from a tampered pull: %v, want a sha256 mismatch", err)
+	}
+	if pids := qemu.ProcessesUnder(b.dir); len(pids) != 0 {
+		t.Fatalf("a tampered pull started qemu %v", pids)
+	}
+	for _, sub := range []string{"vms", "snapshots"} {
+		if entries, _ := os.ReadDir(filepath.Join(b.dir, sub)); len(entries) != 0 {
+			t.Fatalf("a tampered pull left %s/%s", sub, entries[0].Name())
+		}
+	}
+	proxy.tamper.Store(false)
+	if vm, err := b.client.CreateVM(ctx, "far", remote); err != nil || vm.State != agentapi.StateRunning {
+		t.Fatalf("child on another agent = %+v, %v", vm, err)
+	}
+	if ts := b.waitTicks(t, "far", 1); ts[0] != point+1 {
+		t.Errorf("child on another agent starts at tick %d; the snapshot was taken after tick %d", ts[0], point)
+	}
+
+	// Without pause_source the source goes on by itself.
+	if _, err := a.client.CreateSnapshot(ctx, "s2", agentapi.SnapshotSpec{VMID: "src"}); err != nil {
+		t.Fatalf("second snapshot: %v", err)
+	}
+	if vm, _ := a.client.GetVM(ctx, "src"); vm.State != agentapi.StateRunning || a.driver.SnapshotPauses() != 2 {
+		t.Fatalf("source after a snapshot = %+v, pauses %d; want running, 2", vm, a.driver.SnapshotPauses())
+	}
+	n := len(ticks(a.console(t, "src")))
+	a.waitTicks(t, "src", n+2)
+
+	// A restart keeps snapshots and children; a child is a normal VM: a
+	// start after a stop boots it from its own disk.
+	a.stop()
+	a2 := startForkAgent(t, a.dir)
+	if got, err := a2.client.GetSnapshot(ctx, "s1"); err != nil || got.SHA256 != snap.SHA256 {
+		t.Fatalf("snapshot after restart = %+v, %v", got, err)
+	}
+	for _, id := range children {
+		if vm, err := a2.client.GetVM(ctx, id); err != nil || vm.State != agentapi.StateRunning {
+			t.Fatalf("child %s after restart = %+v, %v", id, vm, err)
+		}
+	}
+	if _, err := a2.client.Action(ctx, "c0", agentapi.ActionStop); err != nil {
+		t.Fatalf("stop child: %v", err)
+	}
+	if vm, err := a2.client.Action(ctx, "c0", agentapi.ActionStart); err != nil || vm.State != agentapi.StateRunning {
+		t.Fatalf("start child = %+v, %v", vm, err)
+	}
+	waitConsoleFile(t, a2, "c0", "(?m)^disk vda 67108864\r?$", 1)
+
+	// Delete: refused while children use the snapshot, then the files go.
+	if err := a2.client.DeleteSnapshot(ctx, "s1"); !errors.Is(err, agentapi.ErrConflict) {
+		t.Fatalf("delete of a snapshot with children: %v, want 409", err)
+	}
+	for _, id := range children {
+		if err := a2.client.DeleteVM(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, id := range []string{"s1", "s2"} {
+		if err := a2.client.DeleteSnapshot(ctx, id); err != nil {
+			t.Fatalf("delete %s: %v", id, err)
+		}
+		if _, err := os.Stat(filepath.Join(a2.dir, "snapshots", id)); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("files of snapshot %s after delete: %v", id, err)
+		}
+	}
+	// The source's disk chain does not need the snapshots: it still boots.
+	if _, err := a2.client.Action(ctx, "src", agentapi.ActionStop); err != nil {
+		t.Fatalf("stop source: %v", err)
+	}
+	if vm, err := a2.client.Action(ctx, "src", agentapi.ActionStart); err != nil || vm.State != agentapi.StateRunning {
+		t.Fatalf("start source = %+v, %v", vm, err)
+	}
+	waitConsoleFile(t, a2, "src", "(?m)^disk vda 67108864\r?$", 2) // the first boot's, then this one's
+}
+
+// waitConsoleFile waits until pattern appears n times on vm id's console.
+func waitConsoleFile(t *testing.T, f *forkAgent, id, pattern string, n int) {
+	t.Helper()
+	re := regexp.MustCompile(pattern)
+	deadline := time.Now().Add(bootWait)
+	for len(re.FindAllString(f.console(t, id), -1)) < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("vm %s: no %q on its console within %s:\n%s", id, pattern, bootWait, f.console(t, id))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}

@@ -1,0 +1,169 @@
+// Package sim is a simulated VMM for scale tests and benchmarks: its VMs are
+// entries in memory, with no guest and no process. It calls itself "sim" in
+// /v1/info, so nothing mistakes it for real VMs, and it always offers the
+// built-in image "sim" (no files) beside those of its image directory.
+package sim
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+)
+
+// BuiltinImage is the image every sim driver offers.
+const BuiltinImage = "sim"
+
+// Options configures the simulated host.
+type Options struct {
+	// ImageDir adds its image folders (any folder with an image.json) to
+	// the image list; the sim never reads the files.
+	ImageDir string
+	// BootDelay is how long a simulated boot takes (default 0).
+	BootDelay time.Duration
+}
+
+// Driver is the simulated VMM. It is safe for concurrent use.
+type Driver struct {
+	opts Options
+
+	mu    sync.Mutex
+	state map[string]string // VM id -> running | paused; absent: stopped
+}
+
+var _ agent.Driver = (*Driver)(nil)
+
+// New returns a simulated driver.
+func New(opts Options) *Driver { return &Driver{opts: opts, state: map[string]string{}} }
+
+// Name is "sim".
+func (d *Driver) Name() string { return "sim" }
+
+// Accel is "sim": no VMM runs anything.
+func (d *Driver) Accel() (string, string) {
+	return "sim", "simulated driver: VMs are entries in memory, no guest runs"
+}
+
+// Images lists "sim" and the folders of the image directory.
+func (d *Driver) Images() []string {
+	names := []string{BuiltinImage}
+	if d.opts.ImageDir != "" {
+		entries, _ := os.ReadDir(d.opts.ImageDir)
+		for _, e := range entries {
+			if e.Name() == BuiltinImage || !e.IsDir() {
+				continue
+			}
+			if _, err := os.Stat(filepath.Join(d.opts.ImageDir, e.Name(), "image.json")); err == nil {
+				names = append(names, e.Name())
+			}
+		}
+	}
+	sort.Strings(names)
+	return names
+}
+
+// Image returns one image by name.
+func (d *Driver) Image(name string) (agent.Image, error) {
+	for _, n := range d.Images() {
+		if n == name {
+			return agent.Image{Name: name, Kind: agent.ImageKernel}, nil
+		}
+	}
+	return agent.Image{}, fmt.Errorf("image %s: %w", name, agent.ErrUnknownImage)
+}
+
+// CheckSpec accepts every shape the agent accepts.
+func (d *Driver) CheckSpec(agentapi.VMSpec, agent.Image) error { return nil }
+
+// Create has no files to make.
+func (d *Driver) Create(context.Context, *agent.Machine) error { return nil }
+
+// Boot marks the VM running (or paused) after BootDelay.
+func (d *Driver) Boot(ctx context.Context, m *agent.Machine, opts agent.BootOptions) error {
+	if d.opts.BootDelay > 0 {
+		t := time.NewTimer(d.opts.BootDelay)
+		defer t.Stop()
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("boot sim vm %s: %w", m.ID, ctx.Err())
+		case <-t.C:
+		}
+	}
+	st := agentapi.StateRunning
+	if opts.Paused {
+		st = agentapi.StatePaused
+	}
+	d.mu.Lock()
+	d.state[m.ID] = st
+	d.mu.Unlock()
+	return nil
+}
+
+func (d *Driver) forget(id string) {
+	d.mu.Lock()
+	delete(d.state, id)
+	d.mu.Unlock()
+}
+
+// Shutdown marks the VM stopped.
+func (d *Driver) Shutdown(_ context.Context, m *agent.Machine, _ time.Duration) error {
+	d.forget(m.ID)
+	return nil
+}
+
+// Kill marks the VM stopped.
+func (d *Driver) Kill(_ context.Context, m *agent.Machine) error {
+	d.forget(m.ID)
+	return nil
+}
+
+func (d *Driver) setIf(id, from, to string) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if cur := d.state[id]; cur != from && cur != to {
+		return fmt.Errorf("sim vm %s is not %s", id, from)
+	}
+	d.state[id] = to
+	return nil
+}
+
+// Pause marks a running VM paused.
+func (d *Driver) Pause(_ context.Context, m *agent.Machine) error {
+	return d.setIf(m.ID, agentapi.StateRunning, agentapi.StatePaused)
+}
+
+// Resume marks a paused VM running.
+func (d *Driver) Resume(_ context.Context, m *agent.Machine) error {
+	return d.setIf(m.ID, agentapi.StatePaused, agentapi.StateRunning)
+}
+
+// Observe reports the simulated state. A VM this driver has not seen is
+// one a previous agent ran: simulated VMs outlive an agent restart like
+// real ones, so it is adopted in its last recorded state.
+func (d *Driver) Observe(_ context.Context, m *agent.Machine, last string) agent.Observed {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if st, ok := d.state[m.ID]; ok {
+		return agent.Observed{State: st}
+	}
+	switch last {
+	case agentapi.StateRunning, agentapi.StatePaused:
+		d.state[m.ID] = last
+		return agent.Observed{State: last}
+	case agentapi.StateCreating:
+		return agent.Observed{State: agentapi.StateStopped, Reason: "the agent stopped while it was creating this vm"}
+	}
+	return agent.Observed{State: last}
+}
+
+// Console says that there is no guest.
+func (d *Driver) Console(m *agent.Machine, limit int64) ([]byte, error) {
+	b := []byte("sim: vm " + m.ID + " is simulated; there is no guest and no serial console\n")
+	return b[max(0, int64(len(b))-limit):], nil
+}

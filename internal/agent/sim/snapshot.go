@@ -1,0 +1,53 @@
+package sim
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+)
+
+var _ agent.Snapshotter = (*Driver)(nil)
+
+// Snapshot writes two small files that stand for the memory state and the
+// frozen disk, so that the agent's metadata, pulls and checksums work as
+// with real VMs, and keeps the VM paused when asked.
+func (d *Driver) Snapshot(_ context.Context, m *agent.Machine, dir string, opts agent.SnapshotOptions) (agent.SnapshotFiles, error) {
+	d.mu.Lock()
+	st, ok := d.state[m.ID]
+	d.mu.Unlock()
+	if !ok {
+		return agent.SnapshotFiles{}, fmt.Errorf("snapshot sim vm %s: it is not running", m.ID)
+	}
+	files := agent.SnapshotFiles{Memory: "memory.state"}
+	at := time.Now().UTC().Format(time.RFC3339Nano)
+	mem := fmt.Sprintf("sim memory state of vm %s: %d vcpus, %d MiB, %s at %s\n", m.ID, m.VCPUs, m.MemoryMiB, st, at)
+	if err := os.WriteFile(filepath.Join(dir, files.Memory), []byte(mem), 0o640); err != nil {
+		return files, fmt.Errorf("snapshot sim vm %s: %w", m.ID, err)
+	}
+	if m.DiskMiB > 0 {
+		files.Disk = "disk.img"
+		disk := fmt.Sprintf("sim frozen disk of vm %s: %d MiB at %s\n", m.ID, m.DiskMiB, at)
+		if err := os.WriteFile(filepath.Join(dir, files.Disk), []byte(disk), 0o444); err != nil {
+			return files, fmt.Errorf("snapshot sim vm %s: %w", m.ID, err)
+		}
+	}
+	if opts.KeepPaused {
+		d.mu.Lock()
+		d.state[m.ID] = agentapi.StatePaused
+		d.mu.Unlock()
+	}
+	return files, nil
+}
+
+// Spawn checks that the snapshot's memory file is there and boots the VM.
+func (d *Driver) Spawn(ctx context.Context, m *agent.Machine, dir string, files agent.SnapshotFiles) error {
+	if _, err := os.Stat(filepath.Join(dir, files.Memory)); err != nil {
+		return fmt.Errorf("start sim vm %s from snapshot: %w", m.ID, err)
+	}
+	return d.Boot(ctx, m, agent.BootOptions{})
+}

@@ -1,0 +1,79 @@
+package testenv
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// guestImageName is the demo image scripts/build-image.sh builds.
+const guestImageName = "busybox"
+
+var guestImage struct {
+	sync.Mutex
+	dir string
+}
+
+// imageRepoRoot is the module's root directory (found from this file's path).
+func imageRepoRoot() string {
+	_, file, _, _ := runtime.Caller(0)
+	return filepath.Clean(filepath.Join(filepath.Dir(file), "..", ".."))
+}
+
+// GuestImageDir returns an image directory holding the busybox guest image
+// (guestImageName), building it once per machine into $KVM_IMAGE_DIR or
+// <repo>/.cache/images. A file lock keeps parallel test packages from
+// building it twice at once. It fails the test (never skips) when the image
+// cannot be built.
+func GuestImageDir(t testing.TB) string {
+	t.Helper()
+	guestImage.Lock()
+	defer guestImage.Unlock()
+	if guestImage.dir != "" {
+		return guestImage.dir
+	}
+	dir := os.Getenv("KVM_IMAGE_DIR")
+	if dir == "" {
+		dir = filepath.Join(imageRepoRoot(), ".cache", "images")
+	}
+	if err := buildGuestImage(dir); err != nil {
+		t.Fatalf("testenv: build the guest image into %s: %v", dir, err)
+	}
+	guestImage.dir = dir
+	return dir
+}
+
+func buildGuestImage(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	lock, err := os.OpenFile(filepath.Join(dir, ".build.lock"), os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = lock.Close() }()
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+		return fmt.Errorf("lock %s: %w", lock.Name(), err)
+	}
+	defer func() { _ = syscall.Flock(int(lock.Fd()), syscall.LOCK_UN) }()
+	// Downloading the kernel package takes seconds to minutes; the script
+	// does nothing when the image is up to date.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "bash", filepath.Join(imageRepoRoot(), "scripts", "build-image.sh"), dir)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("scripts/build-image.sh: %w\n%s", err, out)
+	}
+	if _, err := os.Stat(filepath.Join(dir, guestImageName, "image.json")); err != nil {
+		return fmt.Errorf("scripts/build-image.sh wrote no %s/image.json: %w\n%s", guestImageName, err, out)
+	}
+	return nil
+}

@@ -1,0 +1,207 @@
+#!/usr/bin/env bash
+# build-image.sh IMAGE_DIR: build the demo guest image "busybox" into
+# IMAGE_DIR/busybox from Debian packages only: the kernel of linux-image-amd64
+# (direct boot) and an initramfs with busybox-static, the virtio modules the
+# guest needs and an /init that prints "kvm-guest-ready", whether it sees a
+# vmgenid device, the disk it sees ("disk vda <bytes>"), then "tick N" every
+# second on the serial console.
+#
+# Idempotent: an image built by this script version from the same packages
+# is left alone. Run as root or as a user who may run apt-get download.
+set -euo pipefail
+
+# Bump when the init, the module list or the manifest changes.
+SCRIPT_VERSION=5
+NAME=busybox
+# Modules the guest loads, in dependency order after resolution: virtio-mmio
+# (microvm) and virtio-pci (q35) transports, the disk, and the ACPI power
+# button with evdev so that a stop's ACPI power-down reaches the init.
+MODULES="virtio_mmio virtio_pci virtio_blk button evdev"
+
+out=${1:?usage: build-image.sh IMAGE_DIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+img="$out/$NAME"
+
+log() { printf 'build-image: %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+for c in apt-cache apt-get dpkg-deb cpio gzip xz; do
+	command -v "$c" >/dev/null || die "$c not found: this script needs a Debian host with apt and cpio"
+done
+
+# The kernel package behind linux-image-amd64, e.g. linux-image-6.1.0-57-amd64.
+resolve_kernel() {
+	apt-cache depends linux-image-amd64 2>/dev/null |
+		awk '$1 == "Depends:" && $2 ~ /^linux-image-6\.1\..*-amd64$/ { print $2; exit }'
+}
+kpkg=$(resolve_kernel || true)
+if [ -z "$kpkg" ]; then
+	log "linux-image-amd64 not known to apt: running apt-get update"
+	apt-get update -qq >&2 || die "apt-get update failed"
+	kpkg=$(resolve_kernel) || true
+	[ -n "$kpkg" ] || die "cannot resolve linux-image-amd64 to a linux-image-6.1.*-amd64 package"
+fi
+kver=${kpkg#linux-image-}
+
+build_id="script=$SCRIPT_VERSION kernel=$kpkg busybox=$(dpkg-query -W -f='${Version}' busybox-static 2>/dev/null || echo download)"
+if [ -f "$img/image.json" ] && [ -f "$img/vmlinux" ] && [ -f "$img/initrd.img" ] &&
+	grep -qF "\"build\": \"$build_id\"" "$img/image.json"; then
+	log "$img is up to date ($build_id)"
+	exit 0
+fi
+
+work=$(mktemp -d "$out/.build.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+cd "$work"
+
+# Keep downloaded packages beside the images so a rebuild needs no network.
+debs="$out/.debs"
+mkdir -p "$debs"
+fetch_deb() { # package -> path of its .deb in $debs
+	local pkg=$1 f
+	f=$(ls "$debs/${pkg}_"*.deb 2>/dev/null | head -n1 || true)
+	if [ -z "$f" ]; then
+		log "downloading $pkg"
+		(cd "$debs" && apt-get download -q "$pkg" >&2 2>/dev/null) ||
+			{ log "apt-get download $pkg failed: running apt-get update"; apt-get update -qq >&2 && (cd "$debs" && apt-get download -q "$pkg" >&2); } ||
+			die "cannot download $pkg"
+		f=$(ls "$debs/${pkg}_"*.deb | head -n1)
+	fi
+	echo "$f"
+}
+
+kdeb=$(fetch_deb "$kpkg")
+log "extracting the kernel and modules of $kpkg"
+mkdir kpkg
+dpkg-deb --fsys-tarfile "$kdeb" | tar -x -C kpkg --wildcards \
+	"./boot/vmlinuz-$kver" "./lib/modules/$kver/kernel/drivers/virtio/*" \
+	"./lib/modules/$kver/kernel/drivers/block/virtio_blk.ko" \
+	"./lib/modules/$kver/kernel/drivers/acpi/button.ko" \
+	"./lib/modules/$kver/kernel/drivers/input/evdev.ko"
+moddir="kpkg/lib/modules/$kver/kernel"
+
+# busybox-static: the installed one, else from its package.
+if dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'install ok installed' && [ -x /bin/busybox ]; then
+	busybox=/bin/busybox
+else
+	bdeb=$(fetch_deb busybox-static)
+	mkdir bpkg
+	dpkg-deb -x "$bdeb" bpkg
+	busybox=bpkg/bin/busybox
+fi
+banner=$("$busybox" --help 2>&1 | head -n1 || true)
+case "$banner" in BusyBox*) ;; *) die "$busybox does not run" ;; esac
+
+root="$work/root"
+mkdir -p "$root"/{bin,dev,proc,sys,tmp,etc,lib/modules}
+cp "$busybox" "$root/bin/busybox"
+for applet in $("$busybox" --list); do
+	[ -e "$root/bin/$applet" ] || ln -s busybox "$root/bin/$applet"
+done
+mknod "$root/dev/console" c 5 1 2>/dev/null || log "cannot mknod /dev/console (not root): the init opens it after mounting devtmpfs"
+
+# Resolve module dependencies (depends= in each .ko) into a load order.
+declare -A seen=()
+order=()
+modpath() {
+	local f
+	f=$(find "$moddir" -name "$1.ko" -o -name "${1//_/-}.ko" | head -n1)
+	[ -n "$f" ] || die "module $1 not found in $kpkg"
+	echo "$f"
+}
+add_module() {
+	local m=$1 f dep deps
+	[ -n "${seen[$m]:-}" ] && return
+	seen[$m]=1
+	f=$(modpath "$m")
+	deps=$(tr '\0' '\n' <"$f" | sed -n 's/^depends=//p' | tr ',' ' ')
+	for dep in $deps; do add_module "$dep"; done
+	cp "$f" "$root/lib/modules/$m.ko"
+	order+=("$m")
+}
+for m in $MODULES; do add_module "$m"; done
+printf '%s\n' "${order[@]}" >"$root/etc/modules"
+log "modules: ${order[*]}"
+
+cat >"$root/init" <<'EOF'
+#!/bin/busybox sh
+# The guest's whole userland: mount, load modules, report, tick.
+mount -t devtmpfs devtmpfs /dev 2>/dev/null
+exec 0</dev/console 1>/dev/console 2>&1
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+# The kernel's uptime when init starts: the boot time split of bench/.
+echo "kvm-guest-init uptime $(cut -d' ' -f1 /proc/uptime)"
+while read -r m; do
+	insmod "/lib/modules/$m.ko" 2>/dev/null
+done </etc/modules
+# Disks show up as their driver probes; give them a moment.
+i=0
+while [ $i -lt 20 ] && ! ls /sys/block/vd* >/dev/null 2>&1 && ls /sys/bus/virtio/devices/* >/dev/null 2>&1; do
+	sleep 0.1
+	i=$((i + 1))
+done
+# A stop sends an ACPI power-button press: power off on any input event.
+# kvm_guest_ignore_acpi on the kernel command line leaves it out, so tests
+# can prove that a stop also ends a guest that ignores ACPI.
+if ! grep -q kvm_guest_ignore_acpi /proc/cmdline; then
+	for ev in /dev/input/event*; do
+		[ -e "$ev" ] || continue
+		# Through the kernel log: printk reaches the serial port before the
+		# power-off, a tty write may still sit in its buffer.
+		(dd if="$ev" bs=24 count=1 >/dev/null 2>&1 && echo "<2>kvm-guest-powerdown" >/dev/kmsg && sync && poweroff -f) &
+	done
+fi
+echo "kvm-guest-ready"
+# The VM generation id device (q35 describes it in ACPI; forks change it).
+if [ -e /sys/bus/acpi/devices/QEMUVGID:00 ]; then echo "vmgenid present"; else echo "vmgenid absent"; fi
+found=0
+for d in /sys/block/vd*; do
+	[ -e "$d" ] || continue
+	echo "disk ${d##*/} $(($(cat "$d/size") * 512))"
+	found=1
+done
+[ $found = 1 ] || echo "disk none"
+n=0
+while :; do
+	echo "tick $n"
+	n=$((n + 1))
+	sleep 1
+done
+EOF
+chmod 755 "$root/init"
+
+new="$out/.$NAME.new"
+rm -rf "$new"
+mkdir -p "$new"
+# The bzImage holds an xz-compressed ELF vmlinux with a PVH entry note.
+# QEMU boots that ELF directly (PVH), which skips the real-mode setup and the
+# in-guest decompression: under TCG that saves about half the boot.
+off=$(LC_ALL=C grep -obUaP '\xfd7zXZ' "kpkg/boot/vmlinuz-$kver" | head -n1 | cut -d: -f1 || true)
+[ -n "$off" ] || die "no xz stream in vmlinuz-$kver: cannot extract vmlinux"
+# (tail may die of SIGPIPE once xz has its one stream: only xz's status counts.)
+xz -dc --single-stream <(tail -c +$((off + 1)) "kpkg/boot/vmlinuz-$kver") >"$new/vmlinux" ||
+	die "extracting vmlinux from vmlinuz-$kver failed"
+[ "$(head -c 4 "$new/vmlinux" | od -An -tx1 | tr -d ' ')" = 7f454c46 ] || die "extracted vmlinux is not an ELF file"
+(cd "$root" && find . | LC_ALL=C sort | cpio -o -H newc -R 0:0 --quiet) | gzip -9 >"$new/initrd.img"
+cat >"$new/image.json" <<EOF
+{
+  "name": "$NAME",
+  "kind": "kernel",
+  "kernel": "vmlinux",
+  "initrd": "initrd.img",
+  "cmdline": "console=ttyS0 panic=-1 loglevel=4",
+  "machine": "q35",
+  "min_memory_mib": 64,
+  "build": "$build_id"
+}
+EOF
+# Swap the new image in; QEMU processes already running read their kernel
+# at start and do not notice.
+if [ -d "$img" ]; then
+	mv "$img" "$out/.$NAME.old"
+fi
+mv "$new" "$img"
+rm -rf "$out/.$NAME.old"
+log "built $img ($build_id)"
