@@ -1,0 +1,98 @@
+package control
+
+import (
+	"context"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+)
+
+// agentPool keeps one client per agent address for operations (with
+// retries: every agent call is idempotent on the id) and one for the host
+// monitor (no retries and a short timeout: a missed sync is simply counted).
+type agentPool struct {
+	token       string
+	httpClient  *http.Client
+	timeout     time.Duration
+	syncTimeout time.Duration
+	metrics     *metrics
+
+	mu   sync.Mutex
+	ops  map[string]*agentapi.Client
+	sync map[string]*agentapi.Client
+}
+
+func newAgentPool(token string, hc *http.Client, timeout, syncTimeout time.Duration, m *metrics) *agentPool {
+	if hc == nil {
+		hc = &http.Client{}
+	}
+	return &agentPool{token: token, httpClient: hc, timeout: timeout, syncTimeout: syncTimeout, metrics: m,
+		ops: map[string]*agentapi.Client{}, sync: map[string]*agentapi.Client{}}
+}
+
+// syncTimeout bounds one sync call so that a round of syncs never takes
+// much longer than the interval, whatever a dead host does.
+func syncTimeout(interval time.Duration) time.Duration {
+	return min(max(interval, time.Second), 10*time.Second)
+}
+
+func (p *agentPool) client(address string) *agentapi.Client {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	c, ok := p.ops[address]
+	if !ok {
+		c = agentapi.NewClient(address, p.token, agentapi.WithHTTPClient(p.httpClient), agentapi.WithTimeout(p.timeout))
+		p.ops[address] = c
+	}
+	return c
+}
+
+func (p *agentPool) syncClient(address string) *agentapi.Client {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	c, ok := p.sync[address]
+	if !ok {
+		c = agentapi.NewClient(address, p.token, agentapi.WithHTTPClient(p.httpClient),
+			agentapi.WithTimeout(p.syncTimeout), agentapi.WithRetries(0))
+		p.sync[address] = c
+	}
+	return c
+}
+
+// call runs one metered agent call.
+func (p *agentPool) call(op string, fn func() error) error {
+	start := time.Now()
+	err := fn()
+	p.metrics.observeAgent(op, start, err)
+	return err
+}
+
+func (p *agentPool) info(ctx context.Context, c *agentapi.Client) (agentapi.Info, error) {
+	var out agentapi.Info
+	err := p.call("info", func() (err error) { out, err = c.Info(ctx); return err })
+	return out, err
+}
+
+func (p *agentPool) listVMs(ctx context.Context, c *agentapi.Client) ([]agentapi.VM, error) {
+	var out []agentapi.VM
+	err := p.call("list_vms", func() (err error) { out, err = c.ListVMs(ctx); return err })
+	return out, err
+}
+
+func (p *agentPool) createVM(ctx context.Context, c *agentapi.Client, id string, spec agentapi.VMSpec) (agentapi.VM, error) {
+	var out agentapi.VM
+	err := p.call("create_vm", func() (err error) { out, err = c.CreateVM(ctx, id, spec); return err })
+	return out, err
+}
+
+func (p *agentPool) deleteVM(ctx context.Context, c *agentapi.Client, id string) error {
+	return p.call("delete_vm", func() error { return c.DeleteVM(ctx, id) })
+}
+
+func (p *agentPool) action(ctx context.Context, c *agentapi.Client, id, action string) (agentapi.VM, error) {
+	var out agentapi.VM
+	err := p.call(action, func() (err error) { out, err = c.Action(ctx, id, action); return err })
+	return out, err
+}

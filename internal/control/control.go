@@ -1,0 +1,187 @@
+// Package control holds the use cases of the control plane: hosts, VMs,
+// placement with atomic reservation, idempotency keys and the host monitor.
+// The database is the only thing replicas share; the in-memory host view
+// here is a cache that the database's conditional UPDATE arbitrates.
+package control
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/scheduler"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
+)
+
+// Options configure a Service. Zero values take the defaults noted.
+type Options struct {
+	// AgentToken authenticates the control plane to host agents.
+	AgentToken string
+	// AgentHTTPClient is used for agent calls (TLS settings); default plain HTTP.
+	AgentHTTPClient *http.Client
+	// AgentTimeout bounds one attempt of an agent call (default 10 s; creates get 6x).
+	AgentTimeout time.Duration
+	// SyncInterval is how often the host monitor asks every agent (default 10 s).
+	SyncInterval time.Duration
+	// DeadAfter is the number of missed syncs in a row that mark a host dead (default 3).
+	DeadAfter int
+	// Weights of the score (default scheduler.DefaultWeights).
+	Weights *scheduler.Weights
+	// CandidateLimit is how many feasible hosts a placement scores (default 32).
+	CandidateLimit int
+	// IdempotencyTTL is how long Idempotency-Keys are kept (default and minimum 24 h).
+	IdempotencyTTL time.Duration
+	// Registry receives the metrics; default a new registry per Service, so
+	// that several replicas can run in one process.
+	Registry *prometheus.Registry
+	Logger   *slog.Logger
+	// Hooks are seams for tests that inject failures; nil in production.
+	Hooks *Hooks
+}
+
+// Hooks let tests inject failures at points that are otherwise hard to reach.
+type Hooks struct {
+	// AfterAgentCreate runs after the agent created a VM and before the VM
+	// is marked created in the database. An error is handled exactly like a
+	// failed database write at that point.
+	AfterAgentCreate func(ctx context.Context, vmID string) error
+}
+
+// Service runs the control plane's use cases.
+type Service struct {
+	store   *store.Store
+	opts    Options
+	log     *slog.Logger
+	view    *hostView
+	agents  *agentPool
+	metrics *metrics
+	hooks   Hooks
+
+	// reloadMu and lastReload coalesce the full reloads of placements that
+	// fall to the slow path at the same time (a burst of no_capacity).
+	reloadMu   sync.Mutex
+	lastReload time.Time
+}
+
+const (
+	defaultSyncInterval   = 10 * time.Second
+	defaultAgentTimeout   = 10 * time.Second
+	defaultDeadAfter      = 3
+	defaultCandidateLimit = 32
+	minIdempotencyTTL     = 24 * time.Hour
+	// idempotencyLease is how long a request may hold its key in flight
+	// before another replica may assume it was abandoned (its replica died).
+	idempotencyLease = 15 * time.Minute
+	// createGrace is how long a VM may stay "creating" before the host
+	// monitor treats it like any other VM its agent does not have.
+	createGrace = 15 * time.Minute
+)
+
+// New returns a Service on st and loads the host view from the database.
+// Call Run to start the host monitor.
+func New(ctx context.Context, st *store.Store, opts Options) (*Service, error) {
+	if st == nil {
+		return nil, errors.New("control: no store")
+	}
+	if opts.SyncInterval <= 0 {
+		opts.SyncInterval = defaultSyncInterval
+	}
+	if opts.AgentTimeout <= 0 {
+		opts.AgentTimeout = defaultAgentTimeout
+	}
+	if opts.DeadAfter <= 0 {
+		opts.DeadAfter = defaultDeadAfter
+	}
+	if opts.CandidateLimit <= 0 {
+		opts.CandidateLimit = defaultCandidateLimit
+	}
+	if opts.IdempotencyTTL < minIdempotencyTTL {
+		opts.IdempotencyTTL = minIdempotencyTTL
+	}
+	w := scheduler.DefaultWeights()
+	if opts.Weights != nil {
+		w = *opts.Weights
+	}
+	if w.Saturation <= 1 {
+		return nil, fmt.Errorf("control: score saturation constant must exceed 1, got %v", w.Saturation)
+	}
+	if opts.Registry == nil {
+		opts.Registry = prometheus.NewRegistry()
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	s := &Service{
+		store: st,
+		opts:  opts,
+		log:   opts.Logger,
+		view:  newHostView(w, opts.CandidateLimit),
+	}
+	if opts.Hooks != nil {
+		s.hooks = *opts.Hooks
+	}
+	s.metrics = newMetrics(opts.Registry, st)
+	s.agents = newAgentPool(opts.AgentToken, opts.AgentHTTPClient, opts.AgentTimeout, syncTimeout(opts.SyncInterval), s.metrics)
+	if err := s.reloadView(ctx); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// Registry is where the Service's metrics are registered.
+func (s *Service) Registry() *prometheus.Registry { return s.opts.Registry }
+
+// Ready reports whether the database answers.
+func (s *Service) Ready(ctx context.Context) error { return s.store.Ping(ctx) }
+
+// reloadView replaces the host view with the database's hosts.
+func (s *Service) reloadView(ctx context.Context) error {
+	hosts, err := s.store.AllHosts(ctx)
+	if err != nil {
+		return fmt.Errorf("load hosts: %w", err)
+	}
+	s.view.load(hosts)
+	return nil
+}
+
+// reloadViewSince reloads the host view unless another caller reloaded it
+// after `since`: then that reload already shows what this caller needs.
+func (s *Service) reloadViewSince(ctx context.Context, since time.Time) error {
+	s.reloadMu.Lock()
+	defer s.reloadMu.Unlock()
+	if s.lastReload.After(since) {
+		return nil
+	}
+	start := time.Now()
+	if err := s.reloadView(ctx); err != nil {
+		return err
+	}
+	s.lastReload = start
+	return nil
+}
+
+// refreshHost re-reads one host into the view, after a lost reservation
+// race or any release of capacity.
+func (s *Service) refreshHost(ctx context.Context, name string) {
+	h, err := s.store.GetHost(ctx, name)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		s.view.remove(name)
+	case err != nil:
+		s.log.Warn("refresh host view", "host", name, "err", err)
+	default:
+		s.view.upsert(h)
+	}
+}
+
+// detached returns a context that outlives the request (a client that
+// hangs up must not leave a create or delete half done) with a bound.
+func detached(ctx context.Context, d time.Duration) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), d)
+}

@@ -1,0 +1,133 @@
+package control
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/scheduler"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
+)
+
+// PutHost registers a host or updates it (idempotent). The capacity, accel,
+// driver and images come from the agent's GET /v1/info, so the agent must
+// answer; nothing is written when it does not.
+func (s *Service) PutHost(ctx context.Context, name string, in api.HostPut) (api.Host, error) {
+	if err := validateHostPut(name, in); err != nil {
+		return api.Host{}, err
+	}
+	info, err := s.agents.info(ctx, s.agents.client(in.Address))
+	if err != nil {
+		return api.Host{}, fromAgent(err, name, fmt.Sprintf("register host: GET /v1/info at %s", in.Address))
+	}
+	h := store.Host{
+		Name: name, Address: in.Address, Labels: in.Labels, Schedulable: true,
+		CPUAllocationRatio: 1, Accel: info.Accel, Driver: info.Driver, Images: info.Images,
+		Total: agentResources(info.Capacity),
+	}
+	if in.Schedulable != nil {
+		h.Schedulable = *in.Schedulable
+	}
+	if in.CPUAllocationRatio != nil {
+		h.CPUAllocationRatio = *in.CPUAllocationRatio
+	}
+	if in.MemoryReservedMiB != nil {
+		h.MemoryReservedMiB = *in.MemoryReservedMiB
+	}
+	h.Capacity = capacityOf(h.Total, h.CPUAllocationRatio, h.MemoryReservedMiB)
+	for _, p := range in.WarmPool {
+		h.WarmPool = append(h.WarmPool, store.PoolTarget{Image: p.Image, VCPUs: p.VCPUs, MemoryMiB: p.MemoryMiB, DiskMiB: p.DiskMiB, Size: p.Size})
+	}
+	saved, err := s.store.UpsertHost(ctx, h)
+	if err != nil {
+		return api.Host{}, fromStore(err, "save host "+name)
+	}
+	s.view.upsert(saved)
+	s.log.Info("host registered", "host", name, "address", in.Address, "capacity", saved.Capacity, "images", saved.Images)
+	return apiHost(saved), nil
+}
+
+// GetHost returns one host.
+func (s *Service) GetHost(ctx context.Context, name string) (api.Host, error) {
+	h, err := s.store.GetHost(ctx, name)
+	if err != nil {
+		return api.Host{}, fromStore(err, "read host "+name)
+	}
+	return apiHost(h), nil
+}
+
+// ListHosts returns one page of hosts, by name.
+func (s *Service) ListHosts(ctx context.Context, p Page) (api.List[api.Host], error) {
+	size, after, err := p.bounds()
+	if err != nil {
+		return api.List[api.Host]{}, err
+	}
+	hs, err := s.store.ListHosts(ctx, after, size+1)
+	if err != nil {
+		return api.List[api.Host]{}, fromStore(err, "list hosts")
+	}
+	out := api.List[api.Host]{Items: []api.Host{}}
+	for i, h := range hs {
+		if i == size {
+			out.NextPageToken = pageToken(hs[i-1].Name)
+			break
+		}
+		out.Items = append(out.Items, apiHost(h))
+	}
+	return out, nil
+}
+
+// DeleteHost deregisters a host; a conflict while VMs are placed there.
+func (s *Service) DeleteHost(ctx context.Context, name string) error {
+	err := s.store.DeleteHost(ctx, name)
+	if errors.Is(err, store.ErrHostInUse) {
+		n, _ := s.store.CountVMsOnHost(ctx, name)
+		return &Error{Code: api.CodeConflict, Err: err,
+			Message: fmt.Sprintf("host %s still has %d VMs placed on it; delete them first", name, n),
+			Details: map[string]any{"vms": n}}
+	}
+	if err != nil {
+		return fromStore(err, "delete host "+name)
+	}
+	s.view.remove(name)
+	s.log.Info("host deregistered", "host", name)
+	return nil
+}
+
+func agentResources(r agentapi.Resources) store.Resources {
+	return store.Resources{VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB}
+}
+
+// capacityOf applies the scheduler's capacity rule to store values.
+func capacityOf(total store.Resources, cpuRatio float64, memoryReservedMiB int64) store.Resources {
+	return storeResources(scheduler.Capacity(schedResources(total), cpuRatio, memoryReservedMiB))
+}
+
+func apiResources(r store.Resources) api.Resources {
+	return api.Resources{VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB}
+}
+
+func apiHost(h store.Host) api.Host {
+	out := api.Host{
+		Name: h.Name, Address: h.Address, Labels: h.Labels, Schedulable: h.Schedulable, Alive: h.Alive,
+		LastSeen: h.LastSeen, Accel: h.Accel, Driver: h.Driver, Images: h.Images,
+		CPUAllocationRatio: h.CPUAllocationRatio, MemoryReservedMiB: h.MemoryReservedMiB,
+		Capacity:  apiResources(h.Capacity),
+		Allocated: apiResources(h.Allocated),
+		Free: api.Resources{VCPUs: h.Capacity.VCPUs - h.Allocated.VCPUs, MemoryMiB: h.Capacity.MemoryMiB - h.Allocated.MemoryMiB,
+			DiskMiB: h.Capacity.DiskMiB - h.Allocated.DiskMiB},
+		WarmPool: []api.WarmPoolTarget{},
+	}
+	if out.Labels == nil {
+		out.Labels = map[string]string{}
+	}
+	if out.Images == nil {
+		out.Images = []string{}
+	}
+	for _, p := range h.WarmPool {
+		out.WarmPool = append(out.WarmPool, api.WarmPoolTarget{Image: p.Image, VCPUs: p.VCPUs, MemoryMiB: p.MemoryMiB, DiskMiB: p.DiskMiB, Size: p.Size})
+	}
+	return out
+}

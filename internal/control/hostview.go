@@ -1,0 +1,146 @@
+package control
+
+import (
+	"sync"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/scheduler"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
+)
+
+// hostView is this replica's cached picture of the hosts, indexed for
+// placement. It may be a little stale: the database's conditional UPDATE
+// decides every reservation, and a lost race refreshes the host. A
+// placement "assumes" its reservation here before the database answers
+// (as the Kubernetes scheduler cache does), so that concurrent placements
+// in this replica spread over hosts instead of queueing on one row.
+type hostView struct {
+	mu    sync.Mutex
+	w     scheduler.Weights
+	limit int
+	ix    *scheduler.Index
+	// gen counts database refreshes per host; an assumption is undone only
+	// if no refresh replaced it meanwhile.
+	gen map[string]uint64
+	// addr is each host's agent address.
+	addr map[string]string
+}
+
+func newHostView(w scheduler.Weights, limit int) *hostView {
+	return &hostView{w: w, limit: limit, ix: scheduler.NewIndex(w), gen: map[string]uint64{}, addr: map[string]string{}}
+}
+
+func schedHost(h store.Host) scheduler.Host {
+	return scheduler.Host{
+		Name: h.Name, Alive: h.Alive, Schedulable: h.Schedulable, Images: h.Images,
+		Total:              schedResources(h.Total),
+		CPUAllocationRatio: h.CPUAllocationRatio, MemoryReservedMiB: h.MemoryReservedMiB,
+		Allocated: schedResources(h.Allocated),
+	}
+}
+
+func schedResources(r store.Resources) scheduler.Resources {
+	return scheduler.Resources{VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB}
+}
+
+func storeResources(r scheduler.Resources) store.Resources {
+	return store.Resources{VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB}
+}
+
+func (v *hostView) load(hosts []store.Host) {
+	ix := scheduler.NewIndex(v.w)
+	for _, h := range hosts {
+		ix.Upsert(schedHost(h))
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.ix = ix
+	gen := make(map[string]uint64, len(hosts))
+	addr := make(map[string]string, len(hosts))
+	for _, h := range hosts {
+		gen[h.Name] = v.gen[h.Name] + 1
+		addr[h.Name] = h.Address
+	}
+	v.gen, v.addr = gen, addr
+}
+
+func (v *hostView) upsert(h store.Host) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.ix.Upsert(schedHost(h))
+	v.gen[h.Name]++
+	v.addr[h.Name] = h.Address
+}
+
+func (v *hostView) remove(name string) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.ix.Remove(name)
+	delete(v.gen, name)
+	delete(v.addr, name)
+}
+
+// assumption is a reservation counted in the view before the database
+// confirmed it.
+type assumption struct {
+	host string
+	req  scheduler.Resources
+	gen  uint64
+}
+
+// pick ranks up to limit candidates for req and assumes the best one.
+func (v *hostView) pick(req scheduler.Request) (scheduler.Result, assumption, bool) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	res := v.ix.Candidates(req, v.limit)
+	best, ok := res.Best()
+	if !ok {
+		return res, assumption{}, false
+	}
+	v.ix.Adjust(best.Host, req.Resources)
+	return res, assumption{host: best.Host, req: req.Resources, gen: v.gen[best.Host]}, true
+}
+
+// assume counts a reservation on a given host (the slow path's choices).
+func (v *hostView) assume(host string, r scheduler.Resources) assumption {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.ix.Adjust(host, r)
+	return assumption{host: host, req: r, gen: v.gen[host]}
+}
+
+// undo takes back an assumption whose reservation failed.
+func (v *hostView) undo(a assumption) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.gen[a.host] == a.gen {
+		v.ix.Adjust(a.host, scheduler.Resources{}.Sub(a.req))
+	}
+}
+
+// rankAll scores every host: dry runs and no_capacity explanations.
+func (v *hostView) rankAll(req scheduler.Request) scheduler.Result {
+	v.mu.Lock()
+	hosts := v.ix.All()
+	v.mu.Unlock()
+	return scheduler.Rank(v.w, hosts, req)
+}
+
+func (v *hostView) get(name string) (scheduler.Host, bool) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.ix.Get(name)
+}
+
+// agent returns a host's agent address and whether the host is alive.
+func (v *hostView) agent(name string) (address string, alive, known bool) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	h, ok := v.ix.Get(name)
+	return v.addr[name], h.Alive, ok
+}
+
+func (v *hostView) hasImage(image string) bool {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.ix.HasImage(image)
+}

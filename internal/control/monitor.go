@@ -1,0 +1,159 @@
+package control
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
+)
+
+const (
+	// maxConcurrentSyncs bounds the agents asked at once in a round.
+	maxConcurrentSyncs = 64
+	// keyCleanupEvery is how often expired idempotency keys are deleted.
+	keyCleanupEvery = time.Hour
+)
+
+// Run is the host monitor: every SyncInterval it asks each agent for its
+// info and its whole VM list (concurrently, each call with a timeout),
+// records what it finds, and reloads the host view. It returns when ctx
+// ends. A host that misses DeadAfter syncs in a row is marked dead; in the
+// first round after start-up one miss is enough, so a host that is down
+// when the control API starts is not offered for placement. A dead host
+// never delays start-up or the other hosts.
+func (s *Service) Run(ctx context.Context) error {
+	tick := time.NewTicker(s.opts.SyncInterval)
+	defer tick.Stop()
+	var lastKeyCleanup time.Time
+	for first := true; ; first = false {
+		s.syncHosts(ctx, first)
+		if time.Since(lastKeyCleanup) >= keyCleanupEvery {
+			if n, err := s.store.DeleteExpiredIdempotencyKeys(ctx); err != nil {
+				s.log.Warn("delete expired idempotency keys", "err", err)
+			} else if n > 0 {
+				s.log.Info("deleted expired idempotency keys", "count", n)
+			}
+			lastKeyCleanup = time.Now()
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+		}
+	}
+}
+
+// SyncNow runs one round of the host monitor (for tools and tests).
+func (s *Service) SyncNow(ctx context.Context) { s.syncHosts(ctx, false) }
+
+func (s *Service) syncHosts(ctx context.Context, first bool) {
+	hosts, err := s.store.AllHosts(ctx)
+	if err != nil {
+		if ctx.Err() == nil {
+			s.log.Error("host monitor: read hosts", "err", err)
+		}
+		return
+	}
+	sem := make(chan struct{}, maxConcurrentSyncs)
+	var wg sync.WaitGroup
+	for _, h := range hosts {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			s.syncHost(ctx, h, first)
+		})
+	}
+	wg.Wait()
+	if err := s.reloadView(ctx); err != nil && ctx.Err() == nil {
+		s.log.Error("host monitor: reload hosts", "err", err)
+	}
+}
+
+func (s *Service) syncHost(ctx context.Context, h store.Host, first bool) {
+	log := s.log.With("host", h.Name, "address", h.Address)
+	// The rows are read before the agent is asked: a VM that was past
+	// "creating" here must be in the agent's list unless it is gone.
+	rows, err := s.store.ListVMs(ctx, store.VMFilter{Host: h.Name})
+	if err != nil {
+		log.Error("host monitor: read vms", "err", err)
+		return
+	}
+	c := s.agents.syncClient(h.Address)
+	info, err := s.agents.info(ctx, c)
+	var vms []agentapi.VM
+	if err == nil {
+		vms, err = s.agents.listVMs(ctx, c)
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			return
+		}
+		deadAfter := s.opts.DeadAfter
+		if first {
+			deadAfter = 1
+		}
+		alive, rerr := s.store.RecordHostMissed(ctx, h.Name, deadAfter)
+		switch {
+		case rerr != nil:
+			log.Error("host monitor: record missed sync", "err", rerr)
+		case h.Alive && !alive:
+			log.Warn("host marked dead: its agent does not answer", "err", err)
+			s.refreshHost(ctx, h.Name)
+		default:
+			log.Debug("host missed a sync", "err", err)
+		}
+		return
+	}
+	facts := store.HostFacts{Total: agentResources(info.Capacity), Accel: info.Accel, Driver: info.Driver, Images: info.Images}
+	if err := s.store.RecordHostSeen(ctx, h.Name, facts, capacityOf); err != nil {
+		if !errors.Is(err, store.ErrNotFound) {
+			log.Error("host monitor: record sync", "err", err)
+		}
+		return
+	}
+	if !h.Alive {
+		log.Info("host alive: its agent answers again")
+		s.refreshHost(ctx, h.Name)
+	}
+	s.reconcileVMs(ctx, h.Name, rows, vms)
+}
+
+// reconcileVMs records the agent's state of each VM and marks the VMs it
+// does not have as missing, releasing their capacity.
+func (s *Service) reconcileVMs(ctx context.Context, host string, rows []store.VM, vms []agentapi.VM) {
+	onAgent := make(map[string]agentapi.VM, len(vms))
+	for _, v := range vms {
+		onAgent[v.ID] = v
+	}
+	for _, row := range rows {
+		if row.ObservedState == api.StateMissing {
+			continue
+		}
+		a, ok := onAgent[row.ID]
+		creating := row.ObservedState == api.StateCreating
+		switch {
+		case !ok && creating && time.Since(row.CreatedAt) < createGrace:
+			// Its create is still running; the create records the outcome.
+		case !ok:
+			reason := fmt.Sprintf("the agent of host %s does not have this VM", host)
+			_, released, err := s.store.ReleaseVM(ctx, row.ID, api.StateMissing, reason)
+			if err != nil && !errors.Is(err, store.ErrNotFound) {
+				s.log.Error("host monitor: mark vm missing", "vm", row.ID, "host", host, "err", err)
+			}
+			if released {
+				s.log.Warn("vm missing on its host; capacity released", "vm", row.ID, "name", row.Name, "host", host)
+				s.refreshHost(ctx, host)
+			}
+		case creating:
+		case a.State != row.ObservedState || a.Reason != row.Reason || (a.StartedFrom != "" && a.StartedFrom != row.StartedFrom):
+			if err := s.store.SetVMState(ctx, row.ID, a.State, a.Reason, a.StartedFrom); err != nil {
+				s.log.Error("host monitor: record vm state", "vm", row.ID, "err", err)
+			}
+		}
+	}
+}

@@ -1,0 +1,217 @@
+package control
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/scheduler"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
+)
+
+const (
+	// fastAttempts is how many candidates from the host view a placement
+	// tries before it reloads every host from the database.
+	fastAttempts = 8
+	// slowRounds bounds the reload-and-retry rounds under heavy contention,
+	// and slowCandidates the hosts tried per round.
+	slowRounds     = 4
+	slowCandidates = 16
+	// maxRejectionsInError bounds the per-host reasons of a 409.
+	maxRejectionsInError = 1000
+)
+
+// placeAndReserve chooses a host for vm and reserves its capacity in the
+// database together with the VM row. It tries the best candidates of the
+// (possibly stale) host view first; each lost race refreshes that host and
+// moves on to the next best. Only when that fails does it reload every
+// host and rank them all, which also yields the explanation of a 409.
+func (s *Service) placeAndReserve(ctx context.Context, vm *store.VM, req scheduler.Request) error {
+	start := time.Now()
+	err := s.reserve(ctx, vm, req)
+	s.metrics.placementSeconds.Observe(time.Since(start).Seconds())
+	var e *Error
+	switch {
+	case err == nil:
+		s.metrics.placements.WithLabelValues(resultPlaced).Inc()
+	case errors.As(err, &e) && e.Code == api.CodeNoCapacity:
+		s.metrics.placements.WithLabelValues(resultNoCapacity).Inc()
+	default:
+		s.metrics.placements.WithLabelValues(resultError).Inc()
+	}
+	return err
+}
+
+func (s *Service) reserve(ctx context.Context, vm *store.VM, req scheduler.Request) error {
+	for range fastAttempts {
+		res, a, ok := s.view.pick(req)
+		if !ok {
+			break
+		}
+		done, err := s.tryReserve(ctx, vm, res, a)
+		if done || err != nil {
+			return err
+		}
+	}
+	for range slowRounds {
+		if err := s.reloadViewSince(ctx, time.Now()); err != nil {
+			return internal(err, "reload hosts for placement")
+		}
+		res := s.view.rankAll(req)
+		if len(res.Ranked) == 0 {
+			return noCapacity(req, res)
+		}
+		for i := range min(len(res.Ranked), slowCandidates) {
+			a := s.view.assume(res.Ranked[i].Host, req.Resources)
+			explained := scheduler.Result{Ranked: res.Ranked[i:], Rejected: res.Rejected}
+			done, err := s.tryReserve(ctx, vm, explained, a)
+			if done || err != nil {
+				return err
+			}
+		}
+	}
+	return unavailable(nil, "placement of VM %q kept losing reservation races to other requests; retry", vm.Name)
+}
+
+// tryReserve reserves on the best host of res (already assumed as a). It
+// reports done when the VM is placed; false with no error means the host
+// filled up meanwhile and the caller tries the next one.
+func (s *Service) tryReserve(ctx context.Context, vm *store.VM, res scheduler.Result, a assumption) (bool, error) {
+	best := res.Ranked[0]
+	vm.HostName = best.Host
+	vm.Placement = placementJSON(best, res.Rejected)
+	err := s.store.ReserveAndInsertVM(ctx, *vm)
+	if err == nil {
+		return true, nil
+	}
+	s.view.undo(a)
+	switch {
+	case errors.Is(err, store.ErrNoRoom):
+		s.metrics.conflicts.Inc()
+		s.refreshHost(ctx, best.Host)
+		return false, nil
+	case errors.Is(err, store.ErrDuplicateName):
+		return false, s.nameTaken(ctx, vm.Name, err)
+	case errors.Is(err, store.ErrNotFound):
+		return false, notFoundf("host %s was deregistered during placement; retry", best.Host)
+	}
+	return false, internal(err, "reserve capacity on host "+best.Host)
+}
+
+// nameTaken is the 409 for a VM name in use; it names the existing VM.
+func (s *Service) nameTaken(ctx context.Context, name string, cause error) error {
+	existing, err := s.store.GetVMByName(ctx, name)
+	if err != nil {
+		return &Error{Code: api.CodeConflict, Message: fmt.Sprintf("a VM named %q already exists", name), Err: cause}
+	}
+	return &Error{Code: api.CodeConflict, Err: cause,
+		Message: fmt.Sprintf("a VM named %q already exists (id %s); choose another name or import that VM", name, existing.ID),
+		Details: map[string]any{"existing_id": existing.ID, "name": name}}
+}
+
+func noCapacity(req scheduler.Request, res scheduler.Result) error {
+	r := req.Resources
+	shape := describeShape(req.Image, api.Resources{VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB})
+	if req.Host != "" {
+		res.Rejected = dropOtherHosts(res.Rejected, req.Host)
+	}
+	rejected := apiRejections(res.Rejected)
+	details := map[string]any{"rejected_total": len(rejected)}
+	if len(rejected) > maxRejectionsInError {
+		rejected = rejected[:maxRejectionsInError]
+	}
+	details["rejected"] = rejected
+	msg := fmt.Sprintf("no host can take %s: %d hosts rejected it (reasons per host in details)", shape, len(res.Rejected))
+	if req.Host != "" {
+		msg = fmt.Sprintf("pinned host %s cannot take %s", req.Host, shape)
+		if len(res.Rejected) == 1 {
+			msg += ": " + res.Rejected[0].Reason
+		}
+	}
+	return &Error{Code: api.CodeNoCapacity, Message: msg, Details: details}
+}
+
+func apiRejections(rs []scheduler.Rejection) []api.Rejection {
+	out := make([]api.Rejection, 0, len(rs))
+	for _, r := range rs {
+		out = append(out, api.Rejection{Host: r.Host, Reason: r.Reason})
+	}
+	return out
+}
+
+func placementJSON(best scheduler.Ranked, rejected []scheduler.Rejection) string {
+	b, _ := json.Marshal(api.Placement{Host: best.Host, Score: best.Score, Terms: best.Terms.Map(), Rejected: apiRejections(rejected)})
+	return string(b)
+}
+
+// Place is the dry run of POST /v1/placements: every host ranked, every
+// rejection explained, nothing reserved.
+func (s *Service) Place(ctx context.Context, in api.PlacementRequest) (api.PlacementResult, error) {
+	if err := validateShape(in.Image, in.VCPUs, in.MemoryMiB, in.DiskMiB); err != nil {
+		return api.PlacementResult{}, err
+	}
+	req := scheduler.Request{Image: in.Image, Host: in.Host,
+		Resources: scheduler.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB}}
+	res := s.view.rankAll(req)
+	if in.Host != "" {
+		if _, ok := s.view.get(in.Host); !ok {
+			return api.PlacementResult{}, invalidf("host %q is not registered", in.Host)
+		}
+		res.Rejected = dropOtherHosts(res.Rejected, in.Host)
+	}
+	out := api.PlacementResult{Ranked: []api.RankedHost{}, Rejected: apiRejections(res.Rejected)}
+	for _, r := range res.Ranked {
+		out.Ranked = append(out.Ranked, api.RankedHost{Host: r.Host, Score: r.Score, Terms: r.Terms.Map()})
+	}
+	if best, ok := res.Best(); ok {
+		out.Host, out.Score = best.Host, best.Score
+	}
+	return out, nil
+}
+
+// dropOtherHosts keeps the pinned host's rejection only: the others were
+// never candidates.
+func dropOtherHosts(rs []scheduler.Rejection, host string) []scheduler.Rejection {
+	var out []scheduler.Rejection
+	for _, r := range rs {
+		if r.Host == host {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// ReserveRequest is a VM to place and reserve without starting it.
+type ReserveRequest struct {
+	ID        string
+	Name      string
+	Image     string
+	Resources api.Resources
+	Labels    map[string]string
+}
+
+// Reserve places a VM and reserves its capacity (the VM row is inserted in
+// state creating) without calling any agent. It is the placement half of a
+// create, exposed for benchmarks and capacity tools; it returns the host.
+func (s *Service) Reserve(ctx context.Context, r ReserveRequest) (string, error) {
+	if err := validateName("name", r.Name); err != nil {
+		return "", err
+	}
+	if err := validateShape(r.Image, r.Resources.VCPUs, r.Resources.MemoryMiB, r.Resources.DiskMiB); err != nil {
+		return "", err
+	}
+	if r.ID == "" {
+		r.ID = newID()
+	}
+	vm := store.VM{ID: r.ID, Name: r.Name, Image: r.Image, Labels: r.Labels,
+		Resources:  store.Resources{VCPUs: r.Resources.VCPUs, MemoryMiB: r.Resources.MemoryMiB, DiskMiB: r.Resources.DiskMiB},
+		PowerState: api.PowerRunning, ObservedState: api.StateCreating}
+	req := scheduler.Request{Image: r.Image, Resources: schedResources(vm.Resources)}
+	if err := s.placeAndReserve(ctx, &vm, req); err != nil {
+		return "", err
+	}
+	return vm.HostName, nil
+}

@@ -1,0 +1,162 @@
+package control
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"regexp"
+	"strings"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+)
+
+// Limits of one VM. Anything larger is a typo, not a VM.
+const (
+	MaxVCPUs     = 1024
+	MaxMemoryMiB = 16 << 20 // 16 TiB
+	MaxDiskMiB   = 1 << 30  // 1 PiB
+	maxLabels    = 64
+	maxImageLen  = 128
+)
+
+var (
+	namePattern     = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$`)
+	labelKeyPattern = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?$`)
+	imagePattern    = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._:-]*$`)
+)
+
+func validateName(what, name string) error {
+	if name == "" {
+		return invalidf("%s is required", what)
+	}
+	if !namePattern.MatchString(name) {
+		return invalidf("%s %q is not valid: use 1-63 letters, digits, '.', '_' or '-', starting and ending with a letter or digit", what, name)
+	}
+	return nil
+}
+
+func validateSize(field string, v, maxV int64, unit string) error {
+	if v <= 0 || v > maxV {
+		return invalidf("%s must be between 1 and %d%s, got %d", field, maxV, unit, v)
+	}
+	return nil
+}
+
+func validateShape(image string, vcpus, memoryMiB, diskMiB int64) error {
+	if image == "" {
+		return invalidf("image is required")
+	}
+	if len(image) > maxImageLen || !imagePattern.MatchString(image) {
+		return invalidf("image %q is not a valid image name", image)
+	}
+	if err := validateSize("vcpus", vcpus, MaxVCPUs, ""); err != nil {
+		return err
+	}
+	if err := validateSize("memory_mib", memoryMiB, MaxMemoryMiB, " MiB"); err != nil {
+		return err
+	}
+	return validateSize("disk_mib", diskMiB, MaxDiskMiB, " MiB")
+}
+
+func validateLabels(labels map[string]string) error {
+	if len(labels) > maxLabels {
+		return invalidf("at most %d labels, got %d", maxLabels, len(labels))
+	}
+	for k, v := range labels {
+		if !labelKeyPattern.MatchString(k) {
+			return invalidf("label key %q is not valid: use 1-63 letters, digits, '.', '_', '/' or '-'", k)
+		}
+		if len(v) > 255 {
+			return invalidf("label %q: value longer than 255 characters", k)
+		}
+	}
+	return nil
+}
+
+func validatePowerState(p string) error {
+	switch p {
+	case api.PowerRunning, api.PowerStopped:
+		return nil
+	}
+	return invalidf("power_state must be %q or %q, got %q", api.PowerRunning, api.PowerStopped, p)
+}
+
+func validateVMCreate(in api.VMCreate) error {
+	if err := validateName("name", in.Name); err != nil {
+		return err
+	}
+	if err := validateShape(in.Image, in.VCPUs, in.MemoryMiB, in.DiskMiB); err != nil {
+		return err
+	}
+	if in.Host != "" {
+		if err := validateName("host", in.Host); err != nil {
+			return err
+		}
+	}
+	if in.PowerState != "" {
+		if err := validatePowerState(in.PowerState); err != nil {
+			return err
+		}
+	}
+	return validateLabels(in.Labels)
+}
+
+func validateHostPut(name string, in api.HostPut) error {
+	if err := validateName("host name", name); err != nil {
+		return err
+	}
+	if err := validateAddress(in.Address); err != nil {
+		return err
+	}
+	if r := in.CPUAllocationRatio; r != nil && (*r <= 0 || *r > 64) {
+		return invalidf("cpu_allocation_ratio must be above 0 and at most 64, got %v", *r)
+	}
+	if m := in.MemoryReservedMiB; m != nil && (*m < 0 || *m > MaxMemoryMiB) {
+		return invalidf("memory_reserved_mib must be between 0 and %d, got %d", MaxMemoryMiB, *m)
+	}
+	for i, p := range in.WarmPool {
+		if err := validateShape(p.Image, p.VCPUs, p.MemoryMiB, p.DiskMiB); err != nil {
+			var e *Error
+			if errors.As(err, &e) {
+				return invalidf("warm_pool[%d]: %s", i, e.Message)
+			}
+			return err
+		}
+		if p.Size < 0 || p.Size > 1000 {
+			return invalidf("warm_pool[%d]: size must be between 0 and 1000, got %d", i, p.Size)
+		}
+	}
+	return validateLabels(in.Labels)
+}
+
+// validateAddress accepts host:port or an http(s) URL.
+func validateAddress(addr string) error {
+	if addr == "" {
+		return invalidf("address is required: the agent's host:port or URL")
+	}
+	if strings.Contains(addr, "://") {
+		u, err := url.Parse(addr)
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			return invalidf("address %q is not an http(s) URL or host:port", addr)
+		}
+		return nil
+	}
+	if _, port, err := net.SplitHostPort(addr); err != nil || port == "" {
+		return invalidf("address %q is not host:port or an http(s) URL", addr)
+	}
+	return nil
+}
+
+// parseLabelFilter splits "key=value".
+func parseLabelFilter(s string) (string, string, error) {
+	k, v, ok := strings.Cut(s, "=")
+	if !ok || k == "" {
+		return "", "", invalidf("label filter %q must be key=value", s)
+	}
+	return k, v, nil
+}
+
+func describeShape(image string, r api.Resources) string {
+	return fmt.Sprintf("%d vCPUs, %d MiB memory, %d MiB disk of image %q", r.VCPUs, r.MemoryMiB, r.DiskMiB, image)
+}

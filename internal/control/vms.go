@@ -1,0 +1,358 @@
+package control
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/scheduler"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
+)
+
+// createTimeout bounds a whole create: placement, the agent's boot (which
+// can be slow under TCG) and the cleanup of a failure.
+const createTimeout = 10 * time.Minute
+
+// idempotencyScopeVMs scopes the Idempotency-Keys of VM creates.
+const idempotencyScopeVMs = "POST /v1/vms"
+
+// CreateVM places, reserves and starts a VM. With an idempotency key, a
+// retry of the same request returns the same VM instead of a second one.
+func (s *Service) CreateVM(ctx context.Context, in api.VMCreate, idempotencyKey string) (api.VM, error) {
+	if err := validateVMCreate(in); err != nil {
+		return api.VM{}, err
+	}
+	if in.PowerState == "" {
+		in.PowerState = api.PowerRunning
+	}
+	if idempotencyKey == "" {
+		return s.createVM(ctx, in)
+	}
+	return idempotent(ctx, s, idempotencyScopeVMs, idempotencyKey, in, func(ctx context.Context) (api.VM, error) {
+		return s.createVM(ctx, in)
+	})
+}
+
+// createVM runs DESIGN.md section 6: reserve (DB) -> agent PUT -> mark
+// created (DB). Every step that succeeds pushes its undo on a cleanup
+// chain; a failure runs the chain, so the agent deletes the VM before its
+// capacity is released.
+func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error) {
+	ctx, cancel := detached(ctx, createTimeout)
+	defer cancel()
+	if err := s.checkPlaceable(ctx, in.Image, in.Host); err != nil {
+		return api.VM{}, err
+	}
+	if existing, err := s.store.GetVMByName(ctx, in.Name); err == nil {
+		return api.VM{}, s.nameTaken(ctx, existing.Name, nil)
+	}
+	vm := store.VM{
+		ID: newID(), Name: in.Name, Image: in.Image, Labels: in.Labels,
+		Resources:  store.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB},
+		PowerState: in.PowerState, ObservedState: api.StateCreating,
+		CreatedAt: time.Now().UTC().Truncate(time.Microsecond),
+	}
+	req := scheduler.Request{Image: in.Image, Host: in.Host, Resources: schedResources(vm.Resources)}
+	if err := s.placeAndReserve(ctx, &vm, req); err != nil {
+		return api.VM{}, err
+	}
+	chain := &cleanup{log: s.log.With("vm", vm.ID, "host", vm.HostName)}
+	chain.push("release capacity", func(ctx context.Context) error { return s.forgetVM(ctx, vm.ID, vm.HostName) })
+
+	address, _, _ := s.view.agent(vm.HostName)
+	agent := s.agents.client(address)
+	// Pushed before the PUT: a timeout leaves it unknown whether the agent
+	// created the VM, so any failure from here on deletes it there first.
+	chain.push("delete on agent", func(ctx context.Context) error {
+		err := s.agents.deleteVM(ctx, agent, vm.ID)
+		if errors.Is(err, agentapi.ErrNotFound) {
+			return nil
+		}
+		return err
+	})
+	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
+		DiskMiB: vm.Resources.DiskMiB, Stopped: in.PowerState == api.PowerStopped}
+	created, err := s.agents.createVM(ctx, agent, vm.ID, spec)
+	if err != nil {
+		return api.VM{}, s.failCreate(ctx, chain, vm, fromAgent(err, vm.HostName, "create VM "+vm.ID))
+	}
+	if hook := s.hooks.AfterAgentCreate; hook != nil {
+		if err := hook(ctx, vm.ID); err != nil {
+			return api.VM{}, s.failCreate(ctx, chain, vm, internal(err, "record created VM "+vm.ID))
+		}
+	}
+	if err := s.store.MarkVMCreated(ctx, vm.ID, created.State, created.Reason, created.StartedFrom); err != nil {
+		return api.VM{}, s.failCreate(ctx, chain, vm, fromStore(err, "record created VM "+vm.ID))
+	}
+	chain.commit()
+	vm.ObservedState, vm.Reason, vm.StartedFrom = created.State, created.Reason, created.StartedFrom
+	s.log.Info("vm created", "vm", vm.ID, "name", vm.Name, "host", vm.HostName, "state", created.State)
+	return apiVM(vm, true), nil
+}
+
+// failCreate runs the cleanup chain of a failed create and returns cause.
+// When the agent could not confirm the delete, the VM may still run, so the
+// row stays with its capacity reserved and says how to finish the cleanup.
+func (s *Service) failCreate(ctx context.Context, chain *cleanup, vm store.VM, cause error) error {
+	s.log.Warn("vm create failed; cleaning up", "vm", vm.ID, "host", vm.HostName, "err", cause)
+	undoErr := chain.run(ctx)
+	if undoErr == nil {
+		return cause
+	}
+	reason := fmt.Sprintf("create failed (%v) and the agent of host %s did not confirm deleting the VM, so its capacity stays reserved; DELETE /v1/vms/%s retries the cleanup", cause, vm.HostName, vm.ID)
+	if err := s.store.SetVMState(ctx, vm.ID, api.StateError, reason, ""); err != nil {
+		s.log.Error("record failed create", "vm", vm.ID, "err", err)
+	}
+	var e *Error
+	if errors.As(cause, &e) {
+		e.Message += fmt.Sprintf("; VM %s is kept in state error until its host confirms the delete (DELETE it to retry)", vm.ID)
+		e.Details = map[string]any{"vm_id": vm.ID}
+	}
+	return cause
+}
+
+// forgetVM releases a VM's capacity and removes its row (the last undo of
+// a failed create, and the end of a delete).
+func (s *Service) forgetVM(ctx context.Context, id, host string) error {
+	_, _, err := s.store.DeleteVM(ctx, id)
+	if err != nil && !errors.Is(err, store.ErrNotFound) {
+		return err
+	}
+	s.refreshHost(ctx, host)
+	return nil
+}
+
+// checkPlaceable refuses requests that no amount of capacity could place:
+// an image that no host offers and an unregistered pinned host.
+func (s *Service) checkPlaceable(ctx context.Context, image, host string) error {
+	known := func() bool {
+		_, _, hostKnown := s.view.agent(host)
+		return s.view.hasImage(image) && (host == "" || hostKnown)
+	}
+	if !known() {
+		// Another replica may have registered it: look again before refusing.
+		if err := s.reloadView(ctx); err != nil {
+			return internal(err, "load hosts")
+		}
+	}
+	if host != "" {
+		if _, _, ok := s.view.agent(host); !ok {
+			return invalidf("host %q is not registered", host)
+		}
+	}
+	if !s.view.hasImage(image) {
+		return invalidf("image %q is not offered by any registered host", image)
+	}
+	return nil
+}
+
+// GetVM returns one VM.
+func (s *Service) GetVM(ctx context.Context, id string) (api.VM, error) {
+	vm, err := s.store.GetVM(ctx, id)
+	if err != nil {
+		return api.VM{}, fromStore(err, "read vm "+id)
+	}
+	out, err := s.apiVMs(ctx, []store.VM{vm})
+	if err != nil {
+		return api.VM{}, err
+	}
+	return out[0], nil
+}
+
+// VMQuery filters and pages a VM list.
+type VMQuery struct {
+	Page
+	Host   string
+	Name   string
+	Label  string // key=value
+	ForkID string
+}
+
+// ListVMs returns one page of VMs matching q.
+func (s *Service) ListVMs(ctx context.Context, q VMQuery) (api.List[api.VM], error) {
+	size, after, err := q.bounds()
+	if err != nil {
+		return api.List[api.VM]{}, err
+	}
+	f := store.VMFilter{Host: q.Host, Name: q.Name, ForkID: q.ForkID, After: after, Limit: size + 1}
+	if q.Label != "" {
+		if f.LabelKey, f.LabelValue, err = parseLabelFilter(q.Label); err != nil {
+			return api.List[api.VM]{}, err
+		}
+	}
+	vms, err := s.store.ListVMs(ctx, f)
+	if err != nil {
+		return api.List[api.VM]{}, fromStore(err, "list vms")
+	}
+	out := api.List[api.VM]{}
+	if len(vms) > size {
+		vms = vms[:size]
+		out.NextPageToken = pageToken(vms[size-1].ID)
+	}
+	if out.Items, err = s.apiVMs(ctx, vms); err != nil {
+		return api.List[api.VM]{}, err
+	}
+	return out, nil
+}
+
+// UpdateVM changes power state and labels in place. Asking for the power
+// state a VM already has still acts when the agent reports otherwise: that
+// is how an apply repairs a VM stopped behind Terraform's back.
+func (s *Service) UpdateVM(ctx context.Context, id string, in api.VMPatch) (api.VM, error) {
+	if in.PowerState != nil {
+		if err := validatePowerState(*in.PowerState); err != nil {
+			return api.VM{}, err
+		}
+	}
+	if in.Labels != nil {
+		if err := validateLabels(*in.Labels); err != nil {
+			return api.VM{}, err
+		}
+	}
+	ctx, cancel := detached(ctx, createTimeout)
+	defer cancel()
+	vm, err := s.store.GetVM(ctx, id)
+	if err != nil {
+		return api.VM{}, fromStore(err, "read vm "+id)
+	}
+	if in.PowerState != nil {
+		if err := s.setPower(ctx, vm, *in.PowerState); err != nil {
+			return api.VM{}, err
+		}
+	}
+	if in.Labels != nil {
+		if err := s.store.SetVMLabels(ctx, id, *in.Labels); err != nil {
+			return api.VM{}, fromStore(err, "update labels of vm "+id)
+		}
+	}
+	return s.GetVM(ctx, id)
+}
+
+func (s *Service) setPower(ctx context.Context, vm store.VM, want string) error {
+	if vm.ObservedState == api.StateMissing {
+		return conflictf("VM %s is missing on host %s; delete it and create it again", vm.ID, vm.HostName)
+	}
+	if observedPower(vm.ObservedState) == want {
+		if vm.PowerState == want {
+			return nil
+		}
+		return fromStore(s.store.SetVMPower(ctx, vm.ID, want, vm.ObservedState, vm.Reason), "record power state of vm "+vm.ID)
+	}
+	address, alive, _ := s.view.agent(vm.HostName)
+	if !alive {
+		return unavailable(nil, "host %s of VM %s does not answer; retry when it is back", vm.HostName, vm.ID)
+	}
+	action := agentapi.ActionStart
+	if want == api.PowerStopped {
+		action = agentapi.ActionStop
+	}
+	got, err := s.agents.action(ctx, s.agents.client(address), vm.ID, action)
+	if err != nil {
+		return fromAgent(err, vm.HostName, fmt.Sprintf("%s VM %s", action, vm.ID))
+	}
+	return fromStore(s.store.SetVMPower(ctx, vm.ID, want, got.State, got.Reason), "record power state of vm "+vm.ID)
+}
+
+// DeleteVM deletes a VM on its agent, then releases its capacity and
+// removes the row in one transaction. Capacity is never released while the
+// VM may still run: if its host does not answer, the delete fails.
+func (s *Service) DeleteVM(ctx context.Context, id string) error {
+	ctx, cancel := detached(ctx, createTimeout)
+	defer cancel()
+	vm, err := s.store.GetVM(ctx, id)
+	if err != nil {
+		return fromStore(err, "read vm "+id)
+	}
+	address, alive, _ := s.view.agent(vm.HostName)
+	// A VM its agent reported missing holds no capacity and runs nowhere.
+	if vm.ObservedState != api.StateMissing || alive {
+		if !alive {
+			return unavailable(nil, "host %s does not answer, and VM %s may still run there, so it is kept with its capacity reserved; retry when the host is back", vm.HostName, id)
+		}
+		err := s.agents.deleteVM(ctx, s.agents.client(address), id)
+		if err != nil && !errors.Is(err, agentapi.ErrNotFound) {
+			return fromAgent(err, vm.HostName, "delete VM "+id)
+		}
+	}
+	if err := s.forgetVM(ctx, id, vm.HostName); err != nil {
+		return internal(err, "release capacity of vm "+id)
+	}
+	s.log.Info("vm deleted", "vm", id, "name", vm.Name, "host", vm.HostName)
+	return nil
+}
+
+// observedPower maps an observed state to the power state it amounts to.
+func observedPower(state string) string {
+	switch state {
+	case api.StateRunning:
+		return api.PowerRunning
+	case api.StateStopped:
+		return api.PowerStopped
+	}
+	return ""
+}
+
+// apiVMs converts VMs for the wire with their hosts' liveness as the
+// database has it now (not this replica's view, which may lag a round).
+func (s *Service) apiVMs(ctx context.Context, vms []store.VM) ([]api.VM, error) {
+	var names []string
+	for _, vm := range vms {
+		if !slices.Contains(names, vm.HostName) {
+			names = append(names, vm.HostName)
+		}
+	}
+	alive, err := s.store.HostsAlive(ctx, names)
+	if err != nil {
+		return nil, fromStore(err, "read vms")
+	}
+	out := make([]api.VM, 0, len(vms))
+	for _, vm := range vms {
+		out = append(out, apiVM(vm, alive[vm.HostName]))
+	}
+	return out, nil
+}
+
+// apiVM is the wire form of a VM. power_state reports the agent's view
+// when it is running or stopped, so that a VM stopped behind Terraform's
+// back shows as drift; observed_state is unknown while its host is dead.
+func apiVM(vm store.VM, hostAlive bool) api.VM {
+	out := api.VM{
+		ID: vm.ID, Name: vm.Name, Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
+		DiskMiB: vm.Resources.DiskMiB, Host: vm.HostName, PowerState: vm.PowerState, ObservedState: vm.ObservedState,
+		Reason: vm.Reason, StartedFrom: vm.StartedFrom, Labels: vm.Labels, CreatedAt: vm.CreatedAt,
+	}
+	if p := observedPower(vm.ObservedState); p != "" {
+		out.PowerState = p
+	}
+	if vm.ForkID != nil {
+		out.ForkID = *vm.ForkID
+	}
+	if out.Labels == nil {
+		out.Labels = map[string]string{}
+	}
+	if !hostAlive && vm.ObservedState != api.StateMissing {
+		out.ObservedState = api.StateUnknown
+	}
+	if vm.Placement != "" {
+		var p api.Placement
+		if json.Unmarshal([]byte(vm.Placement), &p) == nil {
+			out.Placement = &p
+		}
+	}
+	return out
+}
+
+func newID() string {
+	id, err := uuid.NewV7()
+	if err != nil {
+		return uuid.NewString()
+	}
+	return id.String()
+}

@@ -1,0 +1,253 @@
+package scheduler
+
+import (
+	"hash/fnv"
+	"slices"
+	"strings"
+)
+
+// Index keeps hosts ordered by pressure, the score a host has right now
+// (the score of an empty request), so that placement scores only a bounded
+// number of the least loaded feasible hosts instead of every host.
+//
+// Why: scoring every host on every placement costs O(hosts), which does not
+// reach thousands of placements per second at 10,000 hosts. Like Nomad's
+// candidate limit and Kubernetes' percentageOfNodesToScore, Candidates walks
+// hosts from the least loaded, skips the ones that do not fit, and stops
+// after `limit` feasible ones; those are scored exactly. Because pressure is
+// the same formula as the score without the request, the best host is among
+// the first candidates in all but contrived fleets. Walking and updating the
+// order cost O(log hosts) per host visited. Hosts that are dead or not
+// schedulable are kept out of the order but remain known for explanations.
+//
+// Index is not safe for concurrent use; the caller holds a lock.
+type Index struct {
+	weights Weights
+	hosts   map[string]*indexEntry
+	root    *treapNode
+	images  map[string]int // image -> number of hosts offering it
+}
+
+type indexEntry struct {
+	host   Host
+	node   *treapNode // nil when the host is not in the order
+	images []string
+}
+
+// NewIndex returns an empty index that orders hosts with these weights.
+func NewIndex(w Weights) *Index {
+	return &Index{weights: w, hosts: map[string]*indexEntry{}, images: map[string]int{}}
+}
+
+// Len is the number of hosts known.
+func (ix *Index) Len() int { return len(ix.hosts) }
+
+// Get returns a host by name.
+func (ix *Index) Get(name string) (Host, bool) {
+	e, ok := ix.hosts[name]
+	if !ok {
+		return Host{}, false
+	}
+	return e.host, true
+}
+
+// HasImage says whether any known host offers the image.
+func (ix *Index) HasImage(image string) bool { return ix.images[image] > 0 }
+
+// Upsert adds a host or replaces what is known about it.
+func (ix *Index) Upsert(h Host) {
+	ix.Remove(h.Name)
+	h.Images = slices.Clone(h.Images)
+	e := &indexEntry{host: h, images: h.Images}
+	for _, img := range h.Images {
+		ix.images[img]++
+	}
+	ix.hosts[h.Name] = e
+	ix.order(e)
+}
+
+// Remove forgets a host.
+func (ix *Index) Remove(name string) {
+	e, ok := ix.hosts[name]
+	if !ok {
+		return
+	}
+	ix.unorder(e)
+	for _, img := range e.images {
+		if ix.images[img]--; ix.images[img] <= 0 {
+			delete(ix.images, img)
+		}
+	}
+	delete(ix.hosts, name)
+}
+
+// Adjust adds delta to a host's allocation (negative to release) and moves
+// it in the order. Unknown hosts are ignored.
+func (ix *Index) Adjust(name string, delta Resources) {
+	e, ok := ix.hosts[name]
+	if !ok {
+		return
+	}
+	ix.unorder(e)
+	e.host.Allocated = e.host.Allocated.Add(delta)
+	ix.order(e)
+}
+
+// All returns every known host, sorted by name.
+func (ix *Index) All() []Host {
+	out := make([]Host, 0, len(ix.hosts))
+	for _, e := range ix.hosts {
+		out = append(out, e.host)
+	}
+	slices.SortFunc(out, func(a, b Host) int { return strings.Compare(a.Name, b.Name) })
+	return out
+}
+
+// Candidates returns up to limit feasible hosts for req, scored and ranked,
+// found by walking hosts from the least loaded. Rejected lists at most
+// limit of the hosts skipped on the way; use Rank over All for the full
+// explanation.
+func (ix *Index) Candidates(req Request, limit int) Result {
+	var res Result
+	if req.Host != "" {
+		e, ok := ix.hosts[req.Host]
+		if !ok {
+			res.Rejected = []Rejection{{Host: req.Host, Reason: "not registered"}}
+			return res
+		}
+		return Rank(ix.weights, []Host{e.host}, req)
+	}
+	ix.root.walk(func(n *treapNode) bool {
+		h := n.entry.host
+		if reason := Reject(h, req); reason != "" {
+			if len(res.Rejected) < limit {
+				res.Rejected = append(res.Rejected, Rejection{Host: h.Name, Reason: reason})
+			}
+			return true
+		}
+		s, terms := Score(ix.weights, h.Capacity(), h.Free(), req.Resources)
+		res.Ranked = append(res.Ranked, Ranked{Host: h.Name, Score: s, Terms: terms})
+		return len(res.Ranked) < limit
+	})
+	sortRanked(res.Ranked)
+	return res
+}
+
+func (ix *Index) order(e *indexEntry) {
+	if !e.host.Alive || !e.host.Schedulable {
+		return
+	}
+	pressure, _ := Score(ix.weights, e.host.Capacity(), e.host.Free(), Resources{})
+	e.node = &treapNode{pressure: pressure, name: e.host.Name, prio: priority(e.host.Name), entry: e}
+	ix.root = ix.root.insert(e.node)
+}
+
+func (ix *Index) unorder(e *indexEntry) {
+	if e.node == nil {
+		return
+	}
+	ix.root = ix.root.remove(e.node)
+	e.node = nil
+}
+
+// treapNode is a node of a treap ordered by (pressure, name). Priorities
+// come from a hash of the name, so the shape is balanced in expectation and
+// yet fully deterministic.
+type treapNode struct {
+	pressure    float64
+	name        string
+	prio        uint64
+	entry       *indexEntry
+	left, right *treapNode
+}
+
+func (n *treapNode) before(o *treapNode) bool {
+	if n.pressure != o.pressure {
+		return n.pressure < o.pressure
+	}
+	return n.name < o.name
+}
+
+func (n *treapNode) insert(x *treapNode) *treapNode {
+	if n == nil {
+		return x
+	}
+	if x.prio > n.prio {
+		x.left, x.right = n.split(x)
+		return x
+	}
+	if x.before(n) {
+		n.left = n.left.insert(x)
+	} else {
+		n.right = n.right.insert(x)
+	}
+	return n
+}
+
+// split returns the nodes ordered before k and the others.
+func (n *treapNode) split(k *treapNode) (*treapNode, *treapNode) {
+	if n == nil {
+		return nil, nil
+	}
+	if n.before(k) {
+		l, r := n.right.split(k)
+		n.right = l
+		return n, r
+	}
+	l, r := n.left.split(k)
+	n.left = r
+	return l, n
+}
+
+func (n *treapNode) remove(x *treapNode) *treapNode {
+	if n == nil {
+		return nil
+	}
+	if n == x {
+		return merge(n.left, n.right)
+	}
+	if x.before(n) {
+		n.left = n.left.remove(x)
+	} else {
+		n.right = n.right.remove(x)
+	}
+	return n
+}
+
+// merge joins two treaps where every node of l is ordered before r.
+func merge(l, r *treapNode) *treapNode {
+	if l == nil {
+		return r
+	}
+	if r == nil {
+		return l
+	}
+	if l.prio > r.prio {
+		l.right = merge(l.right, r)
+		return l
+	}
+	r.left = merge(l, r.left)
+	return r
+}
+
+// walk visits nodes in order until fn returns false; it reports whether
+// the walk went to the end.
+func (n *treapNode) walk(fn func(*treapNode) bool) bool {
+	if n == nil {
+		return true
+	}
+	return n.left.walk(fn) && fn(n) && n.right.walk(fn)
+}
+
+func priority(name string) uint64 {
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(name))
+	// splitmix64 finaliser: spreads similar names (host-0001, host-0002).
+	x := h.Sum64()
+	x ^= x >> 30
+	x *= 0xbf58476d1ce4e5b9
+	x ^= x >> 27
+	x *= 0x94d049bb133111eb
+	x ^= x >> 31
+	return x
+}

@@ -1,0 +1,393 @@
+package store
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"gorm.io/gorm"
+)
+
+// VM is a row of vms.
+type VM struct {
+	ID            string            `gorm:"column:id;primaryKey"`
+	Name          string            `gorm:"column:name"`
+	HostName      string            `gorm:"column:host_name"`
+	Image         string            `gorm:"column:image"`
+	Resources     Resources         `gorm:"embedded"`
+	PowerState    string            `gorm:"column:power_state"`
+	ObservedState string            `gorm:"column:observed_state"`
+	Reason        string            `gorm:"column:reason"`
+	StartedFrom   string            `gorm:"column:started_from"`
+	HoldsCapacity bool              `gorm:"column:holds_capacity"`
+	ForkID        *string           `gorm:"column:fork_id"`
+	Labels        map[string]string `gorm:"column:labels;serializer:json"`
+	// Placement is the placement explanation as JSON (written by control).
+	Placement string    `gorm:"column:placement"`
+	CreatedAt time.Time `gorm:"column:created_at"`
+	UpdatedAt time.Time `gorm:"column:updated_at"`
+}
+
+// TableName is the table of VM.
+func (VM) TableName() string { return "vms" }
+
+type vmLabel struct {
+	VMID  string `gorm:"column:vm_id;primaryKey"`
+	Key   string `gorm:"column:label_key;primaryKey"`
+	Value string `gorm:"column:label_value"`
+}
+
+func (vmLabel) TableName() string { return "vm_labels" }
+
+// ReserveAndInsertVM is the atomic reservation: one conditional UPDATE adds
+// the VM's resources to its host only if they fit, and the VM row (with
+// its labels) is inserted in the same transaction (on SQLite, a savepoint
+// of a transaction shared with concurrent reservations; see batch.go). ErrNoRoom when the host
+// (as the database sees it now) cannot take the VM or is not alive and
+// schedulable; ErrDuplicateName when the name is taken.
+func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
+	t := now()
+	if vm.CreatedAt.IsZero() {
+		vm.CreatedAt = t
+	}
+	vm.UpdatedAt, vm.HoldsCapacity = t, true
+	if vm.Labels == nil {
+		vm.Labels = map[string]string{}
+	}
+	var err error
+	if s.dialect == DialectPostgres {
+		err = s.reserveInOneStatement(ctx, vm)
+	} else {
+		err = s.batcher.reserve(ctx, vm)
+	}
+	switch {
+	case err == nil || errors.Is(err, ErrNoRoom):
+		return err
+	case isDuplicate(err):
+		return fmt.Errorf("vm name %q: %w", vm.Name, ErrDuplicateName)
+	case isForeignKey(err):
+		return fmt.Errorf("host %s: %w", vm.HostName, ErrNotFound)
+	}
+	return fmt.Errorf("reserve vm %s on host %s: %w", vm.ID, vm.HostName, err)
+}
+
+// reserveOnHost is the conditional UPDATE; RowsAffected decides.
+func reserveOnHost(tx *gorm.DB, host string, r Resources) error {
+	res := tx.Exec(`UPDATE hosts SET
+		alloc_vcpus = alloc_vcpus + ?, alloc_memory_mib = alloc_memory_mib + ?, alloc_disk_mib = alloc_disk_mib + ?
+		WHERE name = ? AND alive AND schedulable
+		AND alloc_vcpus + ? <= cap_vcpus AND alloc_memory_mib + ? <= cap_memory_mib AND alloc_disk_mib + ? <= cap_disk_mib`,
+		r.VCPUs, r.MemoryMiB, r.DiskMiB, host, r.VCPUs, r.MemoryMiB, r.DiskMiB)
+	if res.Error != nil {
+		return res.Error
+	}
+	if res.RowsAffected != 1 {
+		return fmt.Errorf("host %s: %w", host, ErrNoRoom)
+	}
+	return nil
+}
+
+// reserveInOneStatement is the same reservation on PostgreSQL as one
+// statement: data-modifying CTEs run the conditional UPDATE, the VM insert
+// (only if the UPDATE matched) and the label inserts atomically, in one
+// round trip instead of four (BEGIN, UPDATE, INSERT, COMMIT).
+func (s *Store) reserveInOneStatement(ctx context.Context, vm VM) error {
+	labels, err := jsonText(vm.Labels)
+	if err != nil {
+		return err
+	}
+	r := vm.Resources
+	args := []any{
+		r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName, r.VCPUs, r.MemoryMiB, r.DiskMiB,
+		vm.ID, vm.Name, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.PowerState, vm.ObservedState, vm.Reason,
+		vm.StartedFrom, vm.ForkID, labels, vm.Placement, vm.CreatedAt, vm.UpdatedAt,
+	}
+	var sql strings.Builder
+	sql.WriteString(`WITH reserved AS (
+		UPDATE hosts SET
+			alloc_vcpus = alloc_vcpus + ?, alloc_memory_mib = alloc_memory_mib + ?, alloc_disk_mib = alloc_disk_mib + ?
+		WHERE name = ? AND alive AND schedulable
+			AND alloc_vcpus + ? <= cap_vcpus AND alloc_memory_mib + ? <= cap_memory_mib AND alloc_disk_mib + ? <= cap_disk_mib
+		RETURNING name
+	), vm AS (
+		INSERT INTO vms (id, name, host_name, image, vcpus, memory_mib, disk_mib, power_state, observed_state,
+			reason, started_from, holds_capacity, fork_id, labels, placement, created_at, updated_at)
+		SELECT ?, ?, name, ?, ?, ?, ?, ?, ?, ?, ?, TRUE, ?::text, ?, ?, ?::timestamp, ?::timestamp FROM reserved
+		RETURNING id
+	)`)
+	if len(vm.Labels) > 0 {
+		sql.WriteString(`, label AS (
+		INSERT INTO vm_labels (vm_id, label_key, label_value)
+		SELECT vm.id, l.k, l.v FROM vm, (VALUES `)
+		first := true
+		for k, v := range vm.Labels {
+			if !first {
+				sql.WriteString(", ")
+			}
+			first = false
+			sql.WriteString("(?::text, ?::text)")
+			args = append(args, k, v)
+		}
+		sql.WriteString(`) AS l(k, v) RETURNING 1)`)
+	}
+	sql.WriteString(` SELECT COUNT(*) FROM vm`)
+	var placed int
+	for attempt := 0; ; attempt++ {
+		err = s.db.WithContext(ctx).Raw(sql.String(), args...).Scan(&placed).Error
+		if !retryable(err) || attempt == 4 || ctx.Err() != nil {
+			break
+		}
+	}
+	if err != nil {
+		return err
+	}
+	if placed != 1 {
+		return fmt.Errorf("host %s: %w", vm.HostName, ErrNoRoom)
+	}
+	return nil
+}
+
+func insertLabels(tx *gorm.DB, vmID string, labels map[string]string) error {
+	if len(labels) == 0 {
+		return nil
+	}
+	rows := make([]vmLabel, 0, len(labels))
+	for k, v := range labels {
+		rows = append(rows, vmLabel{VMID: vmID, Key: k, Value: v})
+	}
+	if err := tx.Create(&rows).Error; err != nil {
+		return fmt.Errorf("insert labels of vm %s: %w", vmID, err)
+	}
+	return nil
+}
+
+// releaseInTx gives the VM's resources back to its host if it still holds
+// them. The conditional UPDATE on holds_capacity makes a release happen
+// exactly once, whichever path (delete, missing, failed create) gets there.
+func releaseInTx(tx *gorm.DB, vm VM) (bool, error) {
+	res := tx.Exec("UPDATE vms SET holds_capacity = FALSE, updated_at = ? WHERE id = ? AND holds_capacity", now(), vm.ID)
+	if res.Error != nil {
+		return false, fmt.Errorf("release vm %s: %w", vm.ID, res.Error)
+	}
+	if res.RowsAffected == 0 {
+		return false, nil
+	}
+	r := vm.Resources
+	res = tx.Exec(`UPDATE hosts SET alloc_vcpus = alloc_vcpus - ?, alloc_memory_mib = alloc_memory_mib - ?,
+		alloc_disk_mib = alloc_disk_mib - ? WHERE name = ?`, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName)
+	if res.Error != nil {
+		return false, fmt.Errorf("release vm %s on host %s: %w", vm.ID, vm.HostName, res.Error)
+	}
+	return true, nil
+}
+
+// DeleteVM releases the VM's capacity (if it still holds it) and removes
+// the row in one transaction. It returns the deleted row and whether
+// capacity was released.
+func (s *Store) DeleteVM(ctx context.Context, id string) (VM, bool, error) {
+	var (
+		vm       VM
+		released bool
+	)
+	err := s.inTx(ctx, func(tx *gorm.DB) error {
+		var err error
+		if vm, err = getVM(tx, id); err != nil {
+			return err
+		}
+		if released, err = releaseInTx(tx, vm); err != nil {
+			return err
+		}
+		if err := tx.Exec("DELETE FROM vm_labels WHERE vm_id = ?", id).Error; err != nil {
+			return fmt.Errorf("delete labels of vm %s: %w", id, err)
+		}
+		if err := tx.Exec("DELETE FROM vms WHERE id = ?", id).Error; err != nil {
+			return fmt.Errorf("delete vm %s: %w", id, err)
+		}
+		return nil
+	})
+	return vm, released, err
+}
+
+// ReleaseVM marks a VM with a final observed state (missing, error) and
+// releases its capacity in one transaction; it reports whether capacity
+// was released by this call.
+func (s *Store) ReleaseVM(ctx context.Context, id, observedState, reason string) (VM, bool, error) {
+	var (
+		vm       VM
+		released bool
+	)
+	err := s.inTx(ctx, func(tx *gorm.DB) error {
+		var err error
+		if vm, err = getVM(tx, id); err != nil {
+			return err
+		}
+		if released, err = releaseInTx(tx, vm); err != nil || !released {
+			return err
+		}
+		return tx.Exec("UPDATE vms SET observed_state = ?, reason = ?, updated_at = ? WHERE id = ?",
+			observedState, reason, now(), id).Error
+	})
+	return vm, released, err
+}
+
+// GetVM returns one VM; ErrNotFound when there is none with this id.
+func (s *Store) GetVM(ctx context.Context, id string) (VM, error) {
+	return getVM(s.db.WithContext(ctx), id)
+}
+
+func getVM(db *gorm.DB, id string) (VM, error) {
+	var vm VM
+	err := db.Where("id = ?", id).Take(&vm).Error
+	if errors.Is(err, gorm.ErrRecordNotFound) {
+		return VM{}, fmt.Errorf("vm %s: %w", id, ErrNotFound)
+	}
+	if err != nil {
+		return VM{}, fmt.Errorf("read vm %s: %w", id, err)
+	}
+	return vm, nil
+}
+
+// GetVMByName returns the VM with this name; ErrNotFound when none.
+func (s *Store) GetVMByName(ctx context.Context, name string) (VM, error) {
+	var vm VM
+	err := s.db.WithContext(ctx).Where("name = ?", name).Take(&vm).Error
+	if errors.Is(err, gorm.ErrRecordNotFound) {
+		return VM{}, fmt.Errorf("vm named %q: %w", name, ErrNotFound)
+	}
+	if err != nil {
+		return VM{}, fmt.Errorf("read vm named %q: %w", name, err)
+	}
+	return vm, nil
+}
+
+// VMFilter selects VMs in a list. Empty fields match everything.
+type VMFilter struct {
+	Host       string
+	Name       string
+	LabelKey   string
+	LabelValue string
+	ForkID     string
+	// After is the last id of the previous page.
+	After string
+	Limit int
+}
+
+// ListVMs returns VMs matching f, ordered by id (ids are time-ordered).
+func (s *Store) ListVMs(ctx context.Context, f VMFilter) ([]VM, error) {
+	q := s.db.WithContext(ctx).Order("id")
+	if f.Limit > 0 {
+		q = q.Limit(f.Limit)
+	}
+	if f.After != "" {
+		q = q.Where("id > ?", f.After)
+	}
+	if f.Host != "" {
+		q = q.Where("host_name = ?", f.Host)
+	}
+	if f.Name != "" {
+		q = q.Where("name = ?", f.Name)
+	}
+	if f.ForkID != "" {
+		q = q.Where("fork_id = ?", f.ForkID)
+	}
+	if f.LabelKey != "" {
+		q = q.Where("id IN (SELECT vm_id FROM vm_labels WHERE label_key = ? AND label_value = ?)", f.LabelKey, f.LabelValue)
+	}
+	var vms []VM
+	if err := q.Find(&vms).Error; err != nil {
+		return nil, fmt.Errorf("list vms: %w", err)
+	}
+	return vms, nil
+}
+
+// SetVMState records what the agent says about a VM: its observed state,
+// reason and how it started. A VM already marked missing keeps that state.
+func (s *Store) SetVMState(ctx context.Context, id, observedState, reason, startedFrom string) error {
+	res := s.db.WithContext(ctx).Exec(`UPDATE vms SET observed_state = ?, reason = ?,
+		started_from = CASE WHEN ? = '' THEN started_from ELSE ? END, updated_at = ?
+		WHERE id = ? AND observed_state <> 'missing'`,
+		observedState, reason, startedFrom, startedFrom, now(), id)
+	if res.Error != nil {
+		return fmt.Errorf("record state of vm %s: %w", id, res.Error)
+	}
+	return nil
+}
+
+// SetVMPower records a new desired power state and what the agent reported.
+func (s *Store) SetVMPower(ctx context.Context, id, powerState, observedState, reason string) error {
+	res := s.db.WithContext(ctx).Exec(`UPDATE vms SET power_state = ?, observed_state = ?, reason = ?, updated_at = ?
+		WHERE id = ?`, powerState, observedState, reason, now(), id)
+	if res.Error != nil {
+		return fmt.Errorf("record power state of vm %s: %w", id, res.Error)
+	}
+	if res.RowsAffected == 0 {
+		return fmt.Errorf("vm %s: %w", id, ErrNotFound)
+	}
+	return nil
+}
+
+// SetVMLabels replaces a VM's labels.
+func (s *Store) SetVMLabels(ctx context.Context, id string, labels map[string]string) error {
+	if labels == nil {
+		labels = map[string]string{}
+	}
+	text, err := jsonText(labels)
+	if err != nil {
+		return err
+	}
+	return s.inTx(ctx, func(tx *gorm.DB) error {
+		res := tx.Exec("UPDATE vms SET labels = ?, updated_at = ? WHERE id = ?", text, now(), id)
+		if res.Error != nil {
+			return fmt.Errorf("update labels of vm %s: %w", id, res.Error)
+		}
+		if res.RowsAffected == 0 {
+			return fmt.Errorf("vm %s: %w", id, ErrNotFound)
+		}
+		if err := tx.Exec("DELETE FROM vm_labels WHERE vm_id = ?", id).Error; err != nil {
+			return fmt.Errorf("update labels of vm %s: %w", id, err)
+		}
+		return insertLabels(tx, id, labels)
+	})
+}
+
+// CountVMsByState counts VMs per observed state (for metrics).
+func (s *Store) CountVMsByState(ctx context.Context) (map[string]int64, error) {
+	var rows []struct {
+		ObservedState string
+		N             int64
+	}
+	err := s.db.WithContext(ctx).Raw("SELECT observed_state, COUNT(*) AS n FROM vms GROUP BY observed_state").Scan(&rows).Error
+	if err != nil {
+		return nil, fmt.Errorf("count vms by state: %w", err)
+	}
+	out := make(map[string]int64, len(rows))
+	for _, r := range rows {
+		out[r.ObservedState] = r.N
+	}
+	return out, nil
+}
+
+func jsonText(v any) (string, error) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return "", fmt.Errorf("encode %T: %w", v, err)
+	}
+	return string(b), nil
+}
+
+// MarkVMCreated records the agent's answer to a create. ErrNotFound when
+// the row is gone (deleted while it was being created).
+func (s *Store) MarkVMCreated(ctx context.Context, id, observedState, reason, startedFrom string) error {
+	res := s.db.WithContext(ctx).Exec(`UPDATE vms SET observed_state = ?, reason = ?, started_from = ?, updated_at = ?
+		WHERE id = ?`, observedState, reason, startedFrom, now(), id)
+	if res.Error != nil {
+		return fmt.Errorf("mark vm %s created: %w", id, res.Error)
+	}
+	if res.RowsAffected == 0 {
+		return fmt.Errorf("vm %s: %w", id, ErrNotFound)
+	}
+	return nil
+}
