@@ -1,0 +1,169 @@
+package cmd
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/qemu"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/sim"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+)
+
+// agentConfig is the configuration of one host agent server.
+type agentConfig struct {
+	Listen          string
+	StateDir        string
+	ImageDir        string
+	Driver          string // qemu or sim
+	Accel           string // auto, kvm or tcg
+	Token           string
+	Capacity        agentapi.Resources // zero fields: the host's own
+	StopTimeout     time.Duration
+	TLSCert, TLSKey string
+	Pool            agent.PoolOptions
+}
+
+// runAgent runs the host agent (kvmd agent) until ctx ends. Its VMs keep
+// running when it stops; the next agent on the same --state-dir re-adopts them.
+func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) error {
+	fs := flag.NewFlagSet("kvmd agent", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var cfg agentConfig
+	var tokenFile, logLevel string
+	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:8471", "address to serve the agent API on")
+	fs.StringVar(&cfg.StateDir, "state-dir", "", "directory of the VMs' disks, consoles and metadata (required)")
+	fs.StringVar(&cfg.ImageDir, "image-dir", "", "directory of images, one folder with an image.json each (make image)")
+	fs.StringVar(&cfg.Driver, "driver", "qemu", "VMM driver: qemu (real guests) or sim (simulated, for scale tests)")
+	fs.StringVar(&cfg.Accel, "accel", "auto", "qemu accelerator: auto (kvm when it really runs guests, else tcg), kvm or tcg")
+	fs.StringVar(&cfg.Token, "token", "", "bearer token of the agent API")
+	fs.StringVar(&tokenFile, "token-file", "", "file holding the bearer token (instead of --token)")
+	fs.Int64Var(&cfg.Capacity.VCPUs, "vcpus", 0, "vCPUs to advertise (default: the host's; the sim driver needs it)")
+	fs.Int64Var(&cfg.Capacity.MemoryMiB, "memory-mib", 0, "memory to advertise in MiB (default: the host's)")
+	fs.Int64Var(&cfg.Capacity.DiskMiB, "disk-mib", 0, "disk to advertise in MiB (default: the state directory's filesystem)")
+	fs.DurationVar(&cfg.StopTimeout, "stop-timeout", 10*time.Second, "how long a stop waits for the guest's ACPI power-off before ending QEMU")
+	fs.IntVar(&cfg.Pool.Concurrency, "pool-concurrency", 1, "warm pool: how many warm VMs boot at once")
+	fs.IntVar(&cfg.Pool.Nice, "pool-nice", 10, "warm pool: nice value warm VMs boot at, below user VMs (0: the default 10; negative: the agent's own priority)")
+	fs.IntVar(&cfg.Pool.MaxSize, "pool-max-size", 32, "warm pool: the most warm VMs all targets together may ask for")
+	fs.DurationVar(&cfg.Pool.BootTimeout, "pool-boot-timeout", 3*time.Minute, "warm pool: how long a warm boot may take until the guest's ready line")
+	fs.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn or error")
+	fs.StringVar(&cfg.TLSCert, "tls-cert", "", "TLS certificate file (with --tls-key): serve HTTPS")
+	fs.StringVar(&cfg.TLSKey, "tls-key", "", "TLS key file")
+	if err := parseFlags(fs, args, getenv); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil
+		}
+		return err
+	}
+	secret, err := readSecret(cfg.Token, tokenFile, "token")
+	if err != nil {
+		return err
+	}
+	cfg.Token = secret
+	return serveAgent(ctx, cfg, newLogger(stderr, logLevel), nil)
+}
+
+func (cfg agentConfig) validate() error {
+	var errs []error
+	if cfg.Token == "" {
+		errs = append(errs, errors.New("no token: give --token, --token-file or KVMD_TOKEN"))
+	}
+	if cfg.StateDir == "" {
+		errs = append(errs, errors.New("no state directory: give --state-dir or KVMD_STATE_DIR"))
+	}
+	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
+		errs = append(errs, errors.New("give both --tls-cert and --tls-key, or neither"))
+	}
+	switch cfg.Driver {
+	case "qemu":
+	case "sim":
+		if cfg.Capacity.VCPUs <= 0 || cfg.Capacity.MemoryMiB <= 0 || cfg.Capacity.DiskMiB <= 0 {
+			errs = append(errs, errors.New("the sim driver needs the capacity to advertise: give --vcpus, --memory-mib and --disk-mib"))
+		}
+	default:
+		errs = append(errs, fmt.Errorf("unknown driver %q: want qemu or sim", cfg.Driver))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("kvmd agent: %w", err)
+	}
+	return nil
+}
+
+// newDriver builds the VMM driver the configuration names.
+func newDriver(ctx context.Context, cfg agentConfig, log *slog.Logger) (agent.Driver, error) {
+	if cfg.Driver == "sim" {
+		return sim.New(sim.Options{ImageDir: cfg.ImageDir}), nil
+	}
+	d, err := qemu.New(ctx, qemu.Options{ImageDir: cfg.ImageDir, Accel: cfg.Accel, Logger: log})
+	if err != nil {
+		return nil, fmt.Errorf("kvmd agent: %w", err)
+	}
+	return d, nil
+}
+
+// serveAgent runs an agent server until ctx ends, then shuts down
+// gracefully; its VMs keep running. ready, when set, is called with the
+// listening address once connections are accepted.
+func serveAgent(ctx context.Context, cfg agentConfig, log *slog.Logger, ready func(addr string)) error {
+	if err := cfg.validate(); err != nil {
+		return err
+	}
+	driver, err := newDriver(ctx, cfg, log)
+	if err != nil {
+		return err
+	}
+	a, err := agent.New(ctx, agent.Config{
+		StateDir: cfg.StateDir, Driver: driver, Token: cfg.Token, StopTimeout: cfg.StopTimeout, Logger: log,
+		Capacity: cfg.Capacity, Pool: cfg.Pool,
+	})
+	if err != nil {
+		return err
+	}
+	defer func() { _ = a.Close() }()
+
+	ln, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return fmt.Errorf("kvmd agent: listen on %s: %w", cfg.Listen, err)
+	}
+	srv := &http.Server{
+		Handler:           a.Handler(),
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       2 * time.Minute,
+		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	}
+	served := make(chan error, 1)
+	go func() {
+		if cfg.TLSCert != "" {
+			served <- srv.ServeTLS(ln, cfg.TLSCert, cfg.TLSKey)
+		} else {
+			served <- srv.Serve(ln)
+		}
+	}()
+	log.Info("kvmd agent listening", "address", ln.Addr().String(), "driver", cfg.Driver, "tls", cfg.TLSCert != "")
+	if ready != nil {
+		ready(ln.Addr().String())
+	}
+	select {
+	case err := <-served:
+		return fmt.Errorf("kvmd agent: serve: %w", err)
+	case <-ctx.Done():
+	}
+	// A create may be booting a guest: give calls in flight time to finish.
+	shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(shutdownCtx); err != nil {
+		return fmt.Errorf("kvmd agent: shutdown: %w", err)
+	}
+	if err := <-served; err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("kvmd agent: serve: %w", err)
+	}
+	log.Info("kvmd agent stopped; its VMs keep running")
+	return nil
+}
