@@ -1,0 +1,22 @@
+terraform {
+  required_providers {
+    kvm = {
+      source = "kvmfleet/kvm"
+    }
+  }
+}
+
+# Every setting may be left out: endpoint and token then come from the
+# KVM_ENDPOINT and KVM_TOKEN environment variables.
+provider "kvm" {
+  endpoint        = "http://127.0.0.1:8470"
+  token           = var.kvm_token
+  request_timeout = "2m"
+  max_retries     = 4
+}
+
+variable "kvm_token" {
+  description = "Bearer token of the control API (kvmd control --token)."
+  type        = string
+  sensitive   = true
+}

@@ -1,0 +1,106 @@
+package provider
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+	"strings"
+
+	"github.com/hashicorp/terraform-plugin-framework/diag"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
+)
+
+// The diagnostic wording of the provider, kept in one place. A summary names
+// the failed operation; a detail says which object, what to do next, and
+// then the original error.
+const (
+	summaryUnknownSetting     = "Unknown KVM Provider Setting"
+	summaryUnexpectedData     = "Unexpected Provider Data"
+	summaryCreateVM           = "Unable to Create VM"
+	summaryReadVM             = "Unable to Read VM"
+	summaryUpdateVM           = "Unable to Update VM"
+	summaryDeleteVM           = "Unable to Delete VM"
+	summaryImportVM           = "Unable to Import VM"
+	summaryCreateHost         = "Unable to Register Host"
+	summaryReadHost           = "Unable to Read Host"
+	summaryUpdateHost         = "Unable to Update Host"
+	summaryDeleteHost         = "Unable to Deregister Host"
+	summaryReadHosts          = "Unable to List Hosts"
+	summaryPlacement          = "Unable to Plan Placement"
+	summaryTimeouts           = "Invalid Timeouts"
+	summaryVMFailed           = "VM Failed to Reach Its Power State"
+	summaryHostAlreadyExists  = "Host Already Registered"
+	summaryVMNameAlreadyTaken = "VM Name Already Taken"
+)
+
+// addAPIError adds an error diagnostic for a failed control API call:
+// subject says what was being done to which object ("creating VM \"web-1\"").
+func addAPIError(diags *diag.Diagnostics, summary, subject string, err error) {
+	diags.AddError(summary, apiErrorDetail(subject, err))
+}
+
+func apiErrorDetail(subject string, err error) string {
+	return fmt.Sprintf("The control API failed %s. %s\n\nError: %s", subject, nextStep(err), err)
+}
+
+// nextStep tells the operator what to do about an error of the client.
+func nextStep(err error) string {
+	switch {
+	case errors.Is(err, client.ErrUnauthorized):
+		return "It rejected the token: check the provider's \"token\" (or KVM_TOKEN) against the control API's --token."
+	case errors.Is(err, client.ErrNoCapacity):
+		return "No host can take it: free capacity, register another host (kvm_host), or choose a smaller shape." +
+			rejectionLines(err)
+	case errors.Is(err, client.ErrIdempotencyMismatch):
+		return "A retry carried a different body under the same Idempotency-Key; run terraform apply again."
+	case errors.Is(err, client.ErrInFlight):
+		return "The same request is still running on the control API; wait a moment and run terraform apply again."
+	case errors.Is(err, client.ErrUnavailable):
+		return "The control API did not answer successfully after the configured retries: check that kvmd control " +
+			"is running and reachable at the provider's \"endpoint\", then run terraform apply again."
+	case errors.Is(err, client.ErrNotFound):
+		return "The object does not exist on the control API."
+	case errors.Is(err, client.ErrConflict):
+		return "It conflicts with the current state of the fleet; see the error below."
+	case errors.Is(err, client.ErrInvalid):
+		return "It rejected the request as invalid: fix the configuration as the error below says."
+	default:
+		return "Check the error below, then run terraform apply again."
+	}
+}
+
+// rejectionLines lists the per-host reasons a no_capacity answer carries in
+// its details, if any.
+func rejectionLines(err error) string {
+	rej := rejectionsOf(err)
+	if len(rej) == 0 {
+		return ""
+	}
+	lines := make([]string, len(rej))
+	for i, r := range rej {
+		lines[i] = fmt.Sprintf("  - %s: %s", r.Host, r.Reason)
+	}
+	sort.Strings(lines)
+	return "\n\nRejected hosts:\n" + strings.Join(lines, "\n")
+}
+
+// conflictingVMID is the id of the VM that already holds a name, when the
+// control API says so in a 409's details.
+func conflictingVMID(err error) string {
+	var ae *client.Error
+	if !errors.As(err, &ae) {
+		return ""
+	}
+	for _, k := range []string{"existing_id", "id", "vm_id"} {
+		if id, ok := ae.Details[k].(string); ok && id != "" {
+			return id
+		}
+	}
+	return ""
+}
+
+func addUnexpectedDataError(diags *diag.Diagnostics, data any) {
+	diags.AddError(summaryUnexpectedData, fmt.Sprintf(
+		"Expected *provider.providerData, got %T. This is a bug in the provider; please report it.", data))
+}

@@ -1,0 +1,271 @@
+package provider
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/hashicorp/terraform-plugin-framework-validators/float64validator"
+	"github.com/hashicorp/terraform-plugin-framework-validators/int64validator"
+	"github.com/hashicorp/terraform-plugin-framework-validators/stringvalidator"
+	"github.com/hashicorp/terraform-plugin-framework/path"
+	"github.com/hashicorp/terraform-plugin-framework/resource"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/booldefault"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/float64default"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/int64default"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/mapdefault"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/planmodifier"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringplanmodifier"
+	"github.com/hashicorp/terraform-plugin-framework/schema/validator"
+	"github.com/hashicorp/terraform-plugin-framework/types"
+	"github.com/hashicorp/terraform-plugin-log/tflog"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
+)
+
+// Defaults of a host registration; they match what the control API applies
+// when a PUT leaves the field out, so an unset argument never shows a diff.
+const (
+	defaultSchedulable        = true
+	defaultCPUAllocationRatio = 1.0
+	defaultMemoryReservedMiB  = 0
+)
+
+var (
+	_ resource.Resource                = (*hostResource)(nil)
+	_ resource.ResourceWithConfigure   = (*hostResource)(nil)
+	_ resource.ResourceWithImportState = (*hostResource)(nil)
+)
+
+// NewHostResource is the kvm_host resource.
+func NewHostResource() resource.Resource { return &hostResource{} }
+
+type hostResource struct {
+	data *providerData
+}
+
+func (r *hostResource) Metadata(_ context.Context, req resource.MetadataRequest, resp *resource.MetadataResponse) {
+	resp.TypeName = req.ProviderTypeName + "_host"
+}
+
+func resourcesAttribute(description string) schema.SingleNestedAttribute {
+	return schema.SingleNestedAttribute{
+		MarkdownDescription: description,
+		Computed:            true,
+		Attributes: map[string]schema.Attribute{
+			"vcpus":      schema.Int64Attribute{MarkdownDescription: "Virtual CPUs.", Computed: true},
+			"memory_mib": schema.Int64Attribute{MarkdownDescription: "Memory in MiB.", Computed: true},
+			"disk_mib":   schema.Int64Attribute{MarkdownDescription: "Disk in MiB.", Computed: true},
+		},
+	}
+}
+
+func (r *hostResource) Schema(_ context.Context, _ resource.SchemaRequest, resp *resource.SchemaResponse) {
+	resp.Schema = schema.Schema{
+		MarkdownDescription: "Registers a host agent (`kvmd agent`) with the control API, which then reads its capacity " +
+			"and places VMs on it. Deleting the resource deregisters the host; the control API refuses while VMs are " +
+			"placed there, so delete or move them first (a `kvm_vm` that pins `host = kvm_host.x.name` is destroyed " +
+			"before its host).",
+		Attributes: map[string]schema.Attribute{
+			"name": schema.StringAttribute{
+				MarkdownDescription: "Name of the host, unique in the fleet. `terraform import` takes it. Changing it " +
+					"deregisters the host and registers it again under the new name.",
+				Required:      true,
+				Validators:    []validator.String{stringvalidator.LengthAtLeast(1)},
+				PlanModifiers: []planmodifier.String{stringplanmodifier.RequiresReplace()},
+			},
+			"address": schema.StringAttribute{
+				MarkdownDescription: "Address of the host agent's API, `host:port` (for example `10.0.0.5:8471`).",
+				Required:            true,
+				Validators:          []validator.String{stringvalidator.LengthAtLeast(1)},
+			},
+			"labels": schema.MapAttribute{
+				MarkdownDescription: "Labels of the host (string keys and values).",
+				ElementType:         types.StringType,
+				Optional:            true,
+				Computed:            true,
+				Default:             mapdefault.StaticValue(labelsValue(nil)),
+			},
+			"schedulable": schema.BoolAttribute{
+				MarkdownDescription: "Whether new VMs may be placed on the host; `false` drains it of new placements " +
+					"while its VMs keep running. Defaults to `true`.",
+				Optional: true,
+				Computed: true,
+				Default:  booldefault.StaticBool(defaultSchedulable),
+			},
+			"cpu_allocation_ratio": schema.Float64Attribute{
+				MarkdownDescription: "How many vCPUs may be allocated per physical CPU (overcommit). Defaults to `1.0`.",
+				Optional:            true,
+				Computed:            true,
+				Default:             float64default.StaticFloat64(defaultCPUAllocationRatio),
+				Validators:          []validator.Float64{float64validator.AtLeast(0.01)},
+			},
+			"memory_reserved_mib": schema.Int64Attribute{
+				MarkdownDescription: "Memory in MiB kept back for the host itself; never allocated to VMs. Defaults to `0`.",
+				Optional:            true,
+				Computed:            true,
+				Default:             int64default.StaticInt64(defaultMemoryReservedMiB),
+				Validators:          []validator.Int64{int64validator.AtLeast(0)},
+			},
+			"capacity":  resourcesAttribute("What the host can allocate to VMs: (total - reserved) x allocation ratio."),
+			"allocated": resourcesAttribute("What the VMs placed on the host have reserved."),
+			"free":      resourcesAttribute("Capacity minus allocated."),
+			"alive": schema.BoolAttribute{
+				MarkdownDescription: "Whether the host agent answered the control API's last check.",
+				Computed:            true,
+			},
+			"accel": schema.StringAttribute{
+				MarkdownDescription: "Accelerator the agent runs guests with: `kvm` or `tcg` (emulation).",
+				Computed:            true,
+			},
+			"driver": schema.StringAttribute{
+				MarkdownDescription: "VMM driver of the agent: `qemu`, or `sim` (simulated, for tests and benchmarks).",
+				Computed:            true,
+			},
+			"images": schema.ListAttribute{
+				MarkdownDescription: "Guest images the host offers.",
+				ElementType:         types.StringType,
+				Computed:            true,
+			},
+		},
+	}
+}
+
+func (r *hostResource) Configure(_ context.Context, req resource.ConfigureRequest, resp *resource.ConfigureResponse) {
+	if req.ProviderData == nil {
+		return
+	}
+	data, ok := req.ProviderData.(*providerData)
+	if !ok {
+		addUnexpectedDataError(&resp.Diagnostics, req.ProviderData)
+		return
+	}
+	r.data = data
+}
+
+func hostPut(ctx context.Context, m hostModel) (api.HostPut, error) {
+	labels, diags := labelsFromValue(ctx, m.Labels)
+	if diags.HasError() {
+		return api.HostPut{}, fmt.Errorf("labels: %v", diags)
+	}
+	schedulable := m.Schedulable.ValueBool()
+	ratio := m.CPUAllocationRatio.ValueFloat64()
+	reserved := m.MemoryReservedMiB.ValueInt64()
+	return api.HostPut{
+		Address:            m.Address.ValueString(),
+		Labels:             labels,
+		Schedulable:        &schedulable,
+		CPUAllocationRatio: &ratio,
+		MemoryReservedMiB:  &reserved,
+	}, nil
+}
+
+func (r *hostResource) Create(ctx context.Context, req resource.CreateRequest, resp *resource.CreateResponse) {
+	var plan hostModel
+	resp.Diagnostics.Append(req.Plan.Get(ctx, &plan)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	name := plan.Name.ValueString()
+	subject := fmt.Sprintf("registering host %q", name)
+
+	// PUT registers or overwrites; refuse to silently take over a host that
+	// someone else registered.
+	_, err := r.data.client.GetHost(ctx, name)
+	switch {
+	case err == nil:
+		resp.Diagnostics.AddAttributeError(path.Root("name"), summaryHostAlreadyExists, fmt.Sprintf(
+			"Host %q is already registered with the control API. Import it with \"terraform import kvm_host.<name> %s\" "+
+				"to manage it here, or choose another name.", name, name))
+		return
+	case !errors.Is(err, client.ErrNotFound):
+		addAPIError(&resp.Diagnostics, summaryCreateHost, subject, err)
+		return
+	}
+
+	in, err := hostPut(ctx, plan)
+	if err != nil {
+		resp.Diagnostics.AddAttributeError(path.Root("labels"), summaryCreateHost, err.Error())
+		return
+	}
+	h, err := r.data.client.PutHost(ctx, name, in)
+	r.data.wrote()
+	if err != nil {
+		addAPIError(&resp.Diagnostics, summaryCreateHost, subject, err)
+		return
+	}
+	tflog.Info(ctx, "registered host", map[string]any{"name": name, "address": h.Address, "alive": h.Alive})
+	plan.fromAPI(h)
+	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
+}
+
+func (r *hostResource) Read(ctx context.Context, req resource.ReadRequest, resp *resource.ReadResponse) {
+	var state hostModel
+	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	name := state.Name.ValueString()
+	h, err := r.data.getHost(ctx, name)
+	if errors.Is(err, client.ErrNotFound) {
+		tflog.Info(ctx, "host is no longer registered; removing it from state", map[string]any{"name": name})
+		resp.State.RemoveResource(ctx)
+		return
+	}
+	if err != nil {
+		addAPIError(&resp.Diagnostics, summaryReadHost, fmt.Sprintf("reading host %q", name), err)
+		return
+	}
+	state.fromAPI(h)
+	resp.Diagnostics.Append(resp.State.Set(ctx, &state)...)
+}
+
+func (r *hostResource) Update(ctx context.Context, req resource.UpdateRequest, resp *resource.UpdateResponse) {
+	var plan hostModel
+	resp.Diagnostics.Append(req.Plan.Get(ctx, &plan)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	name := plan.Name.ValueString()
+	in, err := hostPut(ctx, plan)
+	if err != nil {
+		resp.Diagnostics.AddAttributeError(path.Root("labels"), summaryUpdateHost, err.Error())
+		return
+	}
+	h, err := r.data.client.PutHost(ctx, name, in)
+	r.data.wrote()
+	if err != nil {
+		addAPIError(&resp.Diagnostics, summaryUpdateHost, fmt.Sprintf("updating host %q", name), err)
+		return
+	}
+	plan.fromAPI(h)
+	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
+}
+
+func (r *hostResource) Delete(ctx context.Context, req resource.DeleteRequest, resp *resource.DeleteResponse) {
+	var state hostModel
+	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	name := state.Name.ValueString()
+	err := r.data.client.DeleteHost(ctx, name)
+	r.data.wrote()
+	switch {
+	case err == nil, errors.Is(err, client.ErrNotFound):
+		return
+	case errors.Is(err, client.ErrConflict):
+		resp.Diagnostics.AddError(summaryDeleteHost, fmt.Sprintf(
+			"Host %q still has VMs placed on it, so the control API keeps it registered. Delete those VMs (or let "+
+				"Terraform destroy them first: pin them with host = kvm_host.<name>.name, or add depends_on), then run "+
+				"terraform destroy again.\n\nError: %s", name, err))
+	default:
+		addAPIError(&resp.Diagnostics, summaryDeleteHost, fmt.Sprintf("deregistering host %q", name), err)
+	}
+}
+
+func (r *hostResource) ImportState(ctx context.Context, req resource.ImportStateRequest, resp *resource.ImportStateResponse) {
+	resource.ImportStatePassthroughID(ctx, path.Root("name"), req, resp)
+}

@@ -1,0 +1,216 @@
+package provider
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/hashicorp/terraform-plugin-framework/attr"
+	"github.com/hashicorp/terraform-plugin-framework/diag"
+	"github.com/hashicorp/terraform-plugin-framework/types"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+)
+
+// resourcesAttrTypes is the object type of capacity, allocated and free.
+var resourcesAttrTypes = map[string]attr.Type{
+	"vcpus":      types.Int64Type,
+	"memory_mib": types.Int64Type,
+	"disk_mib":   types.Int64Type,
+}
+
+func resourcesObject(r api.Resources) types.Object {
+	return types.ObjectValueMust(resourcesAttrTypes, map[string]attr.Value{
+		"vcpus":      types.Int64Value(r.VCPUs),
+		"memory_mib": types.Int64Value(r.MemoryMiB),
+		"disk_mib":   types.Int64Value(r.DiskMiB),
+	})
+}
+
+// labelsValue turns API labels into a map value; no labels is an empty map,
+// the schema default, so an unlabelled object never shows a diff.
+func labelsValue(labels map[string]string) types.Map {
+	elems := make(map[string]attr.Value, len(labels))
+	for k, v := range labels {
+		elems[k] = types.StringValue(v)
+	}
+	return types.MapValueMust(types.StringType, elems)
+}
+
+func labelsFromValue(ctx context.Context, v types.Map) (map[string]string, diag.Diagnostics) {
+	out := map[string]string{}
+	if v.IsNull() || v.IsUnknown() {
+		return out, nil
+	}
+	diags := v.ElementsAs(ctx, &out, false)
+	return out, diags
+}
+
+func stringList(items []string) types.List {
+	elems := make([]attr.Value, len(items))
+	for i, s := range items {
+		elems[i] = types.StringValue(s)
+	}
+	return types.ListValueMust(types.StringType, elems)
+}
+
+// optionalString maps the API's "not set" (empty string) to null.
+func optionalString(s string) types.String {
+	if s == "" {
+		return types.StringNull()
+	}
+	return types.StringValue(s)
+}
+
+// timestamp renders times at second precision in UTC, so a create answer
+// and a later read of the same row (whose database may round differently)
+// give the same string.
+func timestamp(t time.Time) types.String {
+	if t.IsZero() {
+		return types.StringNull()
+	}
+	return types.StringValue(t.UTC().Truncate(time.Second).Format(time.RFC3339))
+}
+
+// hostModel is a host as the kvm_host resource stores it.
+type hostModel struct {
+	Name               types.String  `tfsdk:"name"`
+	Address            types.String  `tfsdk:"address"`
+	Labels             types.Map     `tfsdk:"labels"`
+	Schedulable        types.Bool    `tfsdk:"schedulable"`
+	CPUAllocationRatio types.Float64 `tfsdk:"cpu_allocation_ratio"`
+	MemoryReservedMiB  types.Int64   `tfsdk:"memory_reserved_mib"`
+	Capacity           types.Object  `tfsdk:"capacity"`
+	Allocated          types.Object  `tfsdk:"allocated"`
+	Free               types.Object  `tfsdk:"free"`
+	Alive              types.Bool    `tfsdk:"alive"`
+	Accel              types.String  `tfsdk:"accel"`
+	Driver             types.String  `tfsdk:"driver"`
+	Images             types.List    `tfsdk:"images"`
+}
+
+func (m *hostModel) fromAPI(h api.Host) {
+	m.Name = types.StringValue(h.Name)
+	m.Address = types.StringValue(h.Address)
+	m.Labels = labelsValue(h.Labels)
+	m.Schedulable = types.BoolValue(h.Schedulable)
+	m.CPUAllocationRatio = types.Float64Value(h.CPUAllocationRatio)
+	m.MemoryReservedMiB = types.Int64Value(h.MemoryReservedMiB)
+	m.Capacity = resourcesObject(h.Capacity)
+	m.Allocated = resourcesObject(h.Allocated)
+	m.Free = resourcesObject(h.Free)
+	m.Alive = types.BoolValue(h.Alive)
+	m.Accel = types.StringValue(h.Accel)
+	m.Driver = types.StringValue(h.Driver)
+	m.Images = stringList(h.Images)
+}
+
+// hostDataModel is a host as the data sources show it: the resource's
+// attributes plus when the control API last heard from the agent.
+type hostDataModel struct {
+	hostModel
+	LastSeen types.String `tfsdk:"last_seen"`
+}
+
+func (m *hostDataModel) fromAPI(h api.Host) {
+	m.hostModel.fromAPI(h)
+	m.LastSeen = types.StringNull()
+	if h.LastSeen != nil {
+		m.LastSeen = timestamp(*h.LastSeen)
+	}
+}
+
+// vmAttributes are the attributes kvm_vm (resource and data source) share.
+type vmAttributes struct {
+	ID               types.String  `tfsdk:"id"`
+	Name             types.String  `tfsdk:"name"`
+	Image            types.String  `tfsdk:"image"`
+	VCPUs            types.Int64   `tfsdk:"vcpus"`
+	MemoryMiB        types.Int64   `tfsdk:"memory_mib"`
+	DiskMiB          types.Int64   `tfsdk:"disk_mib"`
+	Host             types.String  `tfsdk:"host"`
+	PowerState       types.String  `tfsdk:"power_state"`
+	Labels           types.Map     `tfsdk:"labels"`
+	ObservedState    types.String  `tfsdk:"observed_state"`
+	StartedFrom      types.String  `tfsdk:"started_from"`
+	PlacementScore   types.Float64 `tfsdk:"placement_score"`
+	PlacementSummary types.String  `tfsdk:"placement_summary"`
+	CreatedAt        types.String  `tfsdk:"created_at"`
+}
+
+// fromAPI fills the attributes from vm, with powerState as the value of
+// power_state (desired after a write, observed after a read).
+func (m *vmAttributes) fromAPI(vm api.VM, powerState string) {
+	m.ID = types.StringValue(vm.ID)
+	m.Name = types.StringValue(vm.Name)
+	m.Image = types.StringValue(vm.Image)
+	m.VCPUs = types.Int64Value(vm.VCPUs)
+	m.MemoryMiB = types.Int64Value(vm.MemoryMiB)
+	m.DiskMiB = types.Int64Value(vm.DiskMiB)
+	m.Host = optionalString(vm.Host)
+	m.PowerState = types.StringValue(powerState)
+	m.Labels = labelsValue(vm.Labels)
+	m.ObservedState = optionalString(vm.ObservedState)
+	m.StartedFrom = optionalString(vm.StartedFrom)
+	m.PlacementScore = types.Float64Null()
+	m.PlacementSummary = types.StringNull()
+	if vm.Placement != nil {
+		m.PlacementScore = types.Float64Value(vm.Placement.Score)
+		m.PlacementSummary = types.StringValue(placementSummary(vm.Host, vm.Placement))
+	}
+	m.CreatedAt = timestamp(vm.CreatedAt)
+}
+
+// desiredPowerState is the power state the control API was asked for.
+func desiredPowerState(vm api.VM) string {
+	if vm.PowerState == "" {
+		return api.PowerRunning
+	}
+	return vm.PowerState
+}
+
+// observedPowerState is the power state a refresh reports: what the host
+// last saw when it is definite (running or stopped), else what was asked
+// for. A VM stopped behind Terraform's back thus reads as "stopped", and the
+// plan shows the change back to "running".
+func observedPowerState(vm api.VM) string {
+	switch vm.ObservedState {
+	case api.StateRunning:
+		return api.PowerRunning
+	case api.StateStopped:
+		return api.PowerStopped
+	}
+	return desiredPowerState(vm)
+}
+
+// maxRejectionsInSummary keeps placement_summary short on big fleets.
+const maxRejectionsInSummary = 3
+
+// placementSummary explains a placement in one line: the host and score, and
+// why other hosts were rejected.
+func placementSummary(host string, p *api.Placement) string {
+	if p.Host != "" {
+		host = p.Host
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "placed on %s (score %.5f)", host, p.Score)
+	if len(p.Rejected) == 0 {
+		return b.String()
+	}
+	rej := append([]api.Rejection(nil), p.Rejected...)
+	sort.Slice(rej, func(i, j int) bool { return rej[i].Host < rej[j].Host })
+	parts := make([]string, 0, maxRejectionsInSummary)
+	for i, r := range rej {
+		if i == maxRejectionsInSummary {
+			break
+		}
+		parts = append(parts, fmt.Sprintf("%s: %s", r.Host, r.Reason))
+	}
+	fmt.Fprintf(&b, "; rejected %s", strings.Join(parts, "; "))
+	if n := len(rej) - maxRejectionsInSummary; n > 0 {
+		fmt.Fprintf(&b, "; and %d more", n)
+	}
+	return b.String()
+}

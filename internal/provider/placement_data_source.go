@@ -1,0 +1,203 @@
+package provider
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/hashicorp/terraform-plugin-framework-validators/int64validator"
+	"github.com/hashicorp/terraform-plugin-framework-validators/stringvalidator"
+	"github.com/hashicorp/terraform-plugin-framework/attr"
+	"github.com/hashicorp/terraform-plugin-framework/datasource"
+	"github.com/hashicorp/terraform-plugin-framework/datasource/schema"
+	"github.com/hashicorp/terraform-plugin-framework/schema/validator"
+	"github.com/hashicorp/terraform-plugin-framework/types"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
+)
+
+var (
+	_ datasource.DataSource              = (*placementDataSource)(nil)
+	_ datasource.DataSourceWithConfigure = (*placementDataSource)(nil)
+)
+
+// NewPlacementDataSource is the kvm_placement data source.
+func NewPlacementDataSource() datasource.DataSource { return &placementDataSource{} }
+
+type placementDataSource struct {
+	data *providerData
+}
+
+type placementDataModel struct {
+	Image      types.String     `tfsdk:"image"`
+	VCPUs      types.Int64      `tfsdk:"vcpus"`
+	MemoryMiB  types.Int64      `tfsdk:"memory_mib"`
+	DiskMiB    types.Int64      `tfsdk:"disk_mib"`
+	Host       types.String     `tfsdk:"host"`
+	Fits       types.Bool       `tfsdk:"fits"`
+	ChosenHost types.String     `tfsdk:"chosen_host"`
+	Score      types.Float64    `tfsdk:"score"`
+	Ranked     []rankedHostData `tfsdk:"ranked"`
+	Rejected   []rejectionData  `tfsdk:"rejected"`
+}
+
+type rankedHostData struct {
+	Host  types.String  `tfsdk:"host"`
+	Score types.Float64 `tfsdk:"score"`
+	Terms types.Map     `tfsdk:"terms"`
+}
+
+type rejectionData struct {
+	Host   types.String `tfsdk:"host"`
+	Reason types.String `tfsdk:"reason"`
+}
+
+func (d *placementDataSource) Metadata(_ context.Context, req datasource.MetadataRequest, resp *datasource.MetadataResponse) {
+	resp.TypeName = req.ProviderTypeName + "_placement"
+}
+
+func (d *placementDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, resp *datasource.SchemaResponse) {
+	shape := func(description string) schema.Int64Attribute {
+		return schema.Int64Attribute{
+			MarkdownDescription: description,
+			Required:            true,
+			Validators:          []validator.Int64{int64validator.AtLeast(1)},
+		}
+	}
+	resp.Schema = schema.Schema{
+		MarkdownDescription: "A placement dry run: which host a VM of this shape would get now, the score of every host " +
+			"that fits, and why each other host was rejected. It reserves nothing.",
+		Attributes: map[string]schema.Attribute{
+			"image": schema.StringAttribute{
+				MarkdownDescription: "Guest image of the VM.",
+				Required:            true,
+				Validators:          []validator.String{stringvalidator.LengthAtLeast(1)},
+			},
+			"vcpus":      shape("Number of virtual CPUs."),
+			"memory_mib": shape("Memory in MiB."),
+			"disk_mib":   shape("Disk size in MiB."),
+			"host": schema.StringAttribute{
+				MarkdownDescription: "Consider only this host, as a `kvm_vm` pinned to it would.",
+				Optional:            true,
+				Validators:          []validator.String{stringvalidator.LengthAtLeast(1)},
+			},
+			"fits": schema.BoolAttribute{
+				MarkdownDescription: "Whether any host can take the VM now.",
+				Computed:            true,
+			},
+			"chosen_host": schema.StringAttribute{
+				MarkdownDescription: "The host the VM would be placed on; null when none fits.",
+				Computed:            true,
+			},
+			"score": schema.Float64Attribute{
+				MarkdownDescription: "Score of the chosen host (lower is better); null when none fits.",
+				Computed:            true,
+			},
+			"ranked": schema.ListNestedAttribute{
+				MarkdownDescription: "Every host that fits, best first.",
+				Computed:            true,
+				NestedObject: schema.NestedAttributeObject{Attributes: map[string]schema.Attribute{
+					"host":  schema.StringAttribute{MarkdownDescription: "Name of the host.", Computed: true},
+					"score": schema.Float64Attribute{MarkdownDescription: "Its score (lower is better).", Computed: true},
+					"terms": schema.MapAttribute{
+						MarkdownDescription: "The terms the score adds up, by name.",
+						ElementType:         types.Float64Type,
+						Computed:            true,
+					},
+				}},
+			},
+			"rejected": schema.ListNestedAttribute{
+				MarkdownDescription: "Every host that cannot take the VM, sorted by name, with the reason.",
+				Computed:            true,
+				NestedObject: schema.NestedAttributeObject{Attributes: map[string]schema.Attribute{
+					"host":   schema.StringAttribute{MarkdownDescription: "Name of the host.", Computed: true},
+					"reason": schema.StringAttribute{MarkdownDescription: "Why it was rejected.", Computed: true},
+				}},
+			},
+		},
+	}
+}
+
+func (d *placementDataSource) Configure(_ context.Context, req datasource.ConfigureRequest, resp *datasource.ConfigureResponse) {
+	if req.ProviderData == nil {
+		return
+	}
+	data, ok := req.ProviderData.(*providerData)
+	if !ok {
+		addUnexpectedDataError(&resp.Diagnostics, req.ProviderData)
+		return
+	}
+	d.data = data
+}
+
+func (d *placementDataSource) Read(ctx context.Context, req datasource.ReadRequest, resp *datasource.ReadResponse) {
+	var cfg placementDataModel
+	resp.Diagnostics.Append(req.Config.Get(ctx, &cfg)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	in := api.PlacementRequest{
+		Image:     cfg.Image.ValueString(),
+		VCPUs:     cfg.VCPUs.ValueInt64(),
+		MemoryMiB: cfg.MemoryMiB.ValueInt64(),
+		DiskMiB:   cfg.DiskMiB.ValueInt64(),
+		Host:      cfg.Host.ValueString(),
+	}
+	res, err := d.data.client.Place(ctx, in)
+	if errors.Is(err, client.ErrNoCapacity) {
+		// A dry run that finds no host is an answer, not a failure.
+		res, err = api.PlacementResult{Rejected: rejectionsOf(err)}, nil
+	}
+	if err != nil {
+		addAPIError(&resp.Diagnostics, summaryPlacement,
+			fmt.Sprintf("planning the placement of a %d vCPU, %d MiB VM of image %q", in.VCPUs, in.MemoryMiB, in.Image), err)
+		return
+	}
+	cfg.Fits = types.BoolValue(res.Host != "")
+	cfg.ChosenHost = optionalString(res.Host)
+	cfg.Score = types.Float64Null()
+	if res.Host != "" {
+		cfg.Score = types.Float64Value(res.Score)
+	}
+	cfg.Ranked = make([]rankedHostData, 0, len(res.Ranked))
+	for _, r := range res.Ranked {
+		terms := make(map[string]attr.Value, len(r.Terms))
+		for k, v := range r.Terms {
+			terms[k] = types.Float64Value(v)
+		}
+		cfg.Ranked = append(cfg.Ranked, rankedHostData{
+			Host:  types.StringValue(r.Host),
+			Score: types.Float64Value(r.Score),
+			Terms: types.MapValueMust(types.Float64Type, terms),
+		})
+	}
+	rejected := slices.Clone(res.Rejected)
+	slices.SortFunc(rejected, func(a, b api.Rejection) int { return strings.Compare(a.Host, b.Host) })
+	cfg.Rejected = make([]rejectionData, 0, len(rejected))
+	for _, r := range rejected {
+		cfg.Rejected = append(cfg.Rejected, rejectionData{Host: types.StringValue(r.Host), Reason: types.StringValue(r.Reason)})
+	}
+	resp.Diagnostics.Append(resp.State.Set(ctx, &cfg)...)
+}
+
+// rejectionsOf reads the per-host reasons of a no_capacity error.
+func rejectionsOf(err error) []api.Rejection {
+	var ae *client.Error
+	if !errors.As(err, &ae) {
+		return nil
+	}
+	list, _ := ae.Details["rejected"].([]any)
+	out := make([]api.Rejection, 0, len(list))
+	for _, item := range list {
+		m, _ := item.(map[string]any)
+		host, _ := m["host"].(string)
+		reason, _ := m["reason"].(string)
+		if host != "" {
+			out = append(out, api.Rejection{Host: host, Reason: reason})
+		}
+	}
+	return out
+}

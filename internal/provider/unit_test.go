@@ -1,0 +1,106 @@
+package provider
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+)
+
+func TestListCacheLoadsOnceForConcurrentReaders(t *testing.T) {
+	var loads atomic.Int32
+	c := newListCache(time.Hour, func(context.Context) ([]api.VM, error) {
+		loads.Add(1)
+		return []api.VM{{ID: "a"}, {ID: "b"}}, nil
+	}, func(vm api.VM) string { return vm.ID })
+
+	var wg sync.WaitGroup
+	for i := 0; i < 50; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, ok := c.get(context.Background(), "a"); !ok {
+				t.Errorf("cache miss for a listed VM")
+			}
+		}()
+	}
+	wg.Wait()
+	if _, ok := c.get(context.Background(), "zzz"); ok {
+		t.Fatalf("cache hit for a VM the list does not hold")
+	}
+	if n := loads.Load(); n != 1 {
+		t.Fatalf("50 concurrent reads and a miss loaded the list %d times, want 1", n)
+	}
+
+	c.invalidate()
+	c.get(context.Background(), "a")
+	if n := loads.Load(); n != 2 {
+		t.Fatalf("a read after invalidate loaded %d times in all, want 2", n)
+	}
+}
+
+func TestListCacheFailedLoadIsNotRetriedByEveryReader(t *testing.T) {
+	var loads atomic.Int32
+	c := newListCache(time.Hour, func(context.Context) ([]api.VM, error) {
+		loads.Add(1)
+		return nil, errors.New("control API down")
+	}, func(vm api.VM) string { return vm.ID })
+	for i := 0; i < 10; i++ {
+		if _, ok := c.get(context.Background(), "a"); ok {
+			t.Fatalf("hit after a failed load")
+		}
+	}
+	if n := loads.Load(); n != 1 {
+		t.Fatalf("10 reads after a failed load listed %d times, want 1", n)
+	}
+}
+
+func TestObservedPowerState(t *testing.T) {
+	for _, tc := range []struct {
+		desired, observed, want string
+	}{
+		{"running", "running", "running"},
+		{"running", "stopped", "stopped"}, // stopped behind Terraform's back
+		{"stopped", "running", "running"}, // started behind its back
+		{"running", "unknown", "running"}, // dead host: no news is no drift
+		{"stopped", "creating", "stopped"},
+		{"running", "error", "running"},
+		{"", "paused", "running"},
+	} {
+		got := observedPowerState(api.VM{PowerState: tc.desired, ObservedState: tc.observed})
+		if got != tc.want {
+			t.Errorf("desired %q observed %q: power_state %q, want %q", tc.desired, tc.observed, got, tc.want)
+		}
+	}
+}
+
+func TestPlacementSummary(t *testing.T) {
+	p := &api.Placement{Host: "h1", Score: 1.078531, Rejected: []api.Rejection{
+		{Host: "h5", Reason: "not alive"}, {Host: "h2", Reason: "not enough memory"},
+		{Host: "h4", Reason: "no image"}, {Host: "h3", Reason: "not schedulable"},
+	}}
+	want := "placed on h1 (score 1.07853); rejected h2: not enough memory; h3: not schedulable; h4: no image; and 1 more"
+	if got := placementSummary("h1", p); got != want {
+		t.Fatalf("summary\n got %q\nwant %q", got, want)
+	}
+	if got := placementSummary("h1", &api.Placement{Score: 2}); got != "placed on h1 (score 2.00000)" {
+		t.Fatalf("summary without rejections: %q", got)
+	}
+}
+
+func TestCheckEndpoint(t *testing.T) {
+	for _, ok := range []string{"http://127.0.0.1:8470", "https://kvm.example.com", "127.0.0.1:8470", "http://h:1/prefix"} {
+		if err := checkEndpoint(ok); err != nil {
+			t.Errorf("%q: %v", ok, err)
+		}
+	}
+	for _, bad := range []string{"ftp://h:1", "http://", "http://h:1/?x=1", "http://h:1/#f"} {
+		if err := checkEndpoint(bad); err == nil {
+			t.Errorf("%q accepted", bad)
+		}
+	}
+}

@@ -1,0 +1,423 @@
+package provider
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/hashicorp/terraform-plugin-framework-timeouts/resource/timeouts"
+	"github.com/hashicorp/terraform-plugin-framework-validators/int64validator"
+	"github.com/hashicorp/terraform-plugin-framework-validators/stringvalidator"
+	"github.com/hashicorp/terraform-plugin-framework/path"
+	"github.com/hashicorp/terraform-plugin-framework/resource"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/float64planmodifier"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/int64planmodifier"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/mapdefault"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/planmodifier"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringdefault"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringplanmodifier"
+	"github.com/hashicorp/terraform-plugin-framework/schema/validator"
+	"github.com/hashicorp/terraform-plugin-framework/types"
+	"github.com/hashicorp/terraform-plugin-log/tflog"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
+)
+
+// Default timeouts of kvm_vm operations; the timeouts block overrides them.
+const (
+	defaultVMCreateTimeout = 10 * time.Minute
+	defaultVMUpdateTimeout = 5 * time.Minute
+	defaultVMDeleteTimeout = 5 * time.Minute
+)
+
+var (
+	_ resource.Resource                = (*vmResource)(nil)
+	_ resource.ResourceWithConfigure   = (*vmResource)(nil)
+	_ resource.ResourceWithImportState = (*vmResource)(nil)
+)
+
+// NewVMResource is the kvm_vm resource.
+func NewVMResource() resource.Resource { return &vmResource{} }
+
+type vmResource struct {
+	data *providerData
+}
+
+type vmModel struct {
+	vmAttributes
+	Timeouts timeouts.Value `tfsdk:"timeouts"`
+}
+
+func (r *vmResource) Metadata(_ context.Context, req resource.MetadataRequest, resp *resource.MetadataResponse) {
+	resp.TypeName = req.ProviderTypeName + "_vm"
+}
+
+func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp *resource.SchemaResponse) {
+	fixedAtCreate := []planmodifier.String{stringplanmodifier.UseStateForUnknown()}
+	replaceInt := []planmodifier.Int64{int64planmodifier.RequiresReplace()}
+	resp.Schema = schema.Schema{
+		MarkdownDescription: "A virtual machine on the fleet. The control API places it on the best host (or the pinned " +
+			"`host`), reserves its capacity and boots it. `power_state` and `labels` change in place; every other " +
+			"argument replaces the VM. A refresh reports the power state the host observed, so a VM stopped behind " +
+			"Terraform's back shows as a change and `terraform apply` starts it again; a VM deleted behind its back is " +
+			"planned for creation.",
+		Attributes: map[string]schema.Attribute{
+			"id": schema.StringAttribute{
+				MarkdownDescription: "ID the control API gave the VM. `terraform import` takes it.",
+				Computed:            true,
+				PlanModifiers:       fixedAtCreate,
+			},
+			"name": schema.StringAttribute{
+				MarkdownDescription: "Name of the VM, unique in the fleet. Changing it replaces the VM.",
+				Required:            true,
+				Validators:          []validator.String{stringvalidator.LengthAtLeast(1)},
+				PlanModifiers:       []planmodifier.String{stringplanmodifier.RequiresReplace()},
+			},
+			"image": schema.StringAttribute{
+				MarkdownDescription: "Guest image to boot, one of the `images` a host offers (for example `busybox`, " +
+					"or `sim` on hosts with the simulated driver). Changing it replaces the VM.",
+				Required:      true,
+				Validators:    []validator.String{stringvalidator.LengthAtLeast(1)},
+				PlanModifiers: []planmodifier.String{stringplanmodifier.RequiresReplace()},
+			},
+			"vcpus": schema.Int64Attribute{
+				MarkdownDescription: "Number of virtual CPUs. Changing it replaces the VM.",
+				Required:            true,
+				Validators:          []validator.Int64{int64validator.AtLeast(1)},
+				PlanModifiers:       replaceInt,
+			},
+			"memory_mib": schema.Int64Attribute{
+				MarkdownDescription: "Memory in MiB. Changing it replaces the VM.",
+				Required:            true,
+				Validators:          []validator.Int64{int64validator.AtLeast(1)},
+				PlanModifiers:       replaceInt,
+			},
+			"disk_mib": schema.Int64Attribute{
+				MarkdownDescription: "Size of the VM's disk in MiB. Changing it replaces the VM.",
+				Required:            true,
+				Validators:          []validator.Int64{int64validator.AtLeast(1)},
+				PlanModifiers:       replaceInt,
+			},
+			"host": schema.StringAttribute{
+				MarkdownDescription: "Name of the host to pin the VM to. Left out, the control API chooses the best host " +
+					"and this attribute reports it. Setting it to another host than the VM runs on replaces the VM.",
+				Optional:   true,
+				Computed:   true,
+				Validators: []validator.String{stringvalidator.LengthAtLeast(1)},
+				PlanModifiers: []planmodifier.String{
+					stringplanmodifier.UseStateForUnknown(),
+					stringplanmodifier.RequiresReplaceIfConfigured(),
+				},
+			},
+			"power_state": schema.StringAttribute{
+				MarkdownDescription: "Desired power state: `running` (default) or `stopped`. Changed in place. A refresh " +
+					"reports what the host observed, so a VM stopped outside Terraform shows a change back to `running`.",
+				Optional:   true,
+				Computed:   true,
+				Default:    stringdefault.StaticString(api.PowerRunning),
+				Validators: []validator.String{stringvalidator.OneOf(api.PowerRunning, api.PowerStopped)},
+			},
+			"labels": schema.MapAttribute{
+				MarkdownDescription: "Labels of the VM (string keys and values). Changed in place.",
+				ElementType:         types.StringType,
+				Optional:            true,
+				Computed:            true,
+				Default:             mapdefault.StaticValue(labelsValue(nil)),
+			},
+			"observed_state": schema.StringAttribute{
+				MarkdownDescription: "State the control API last observed on the host: `creating`, `running`, `paused`, " +
+					"`stopped`, `error`, `missing` or `unknown` (the host does not answer).",
+				Computed: true,
+			},
+			"started_from": schema.StringAttribute{
+				MarkdownDescription: "How the VM was started: `cold` boot, `warm` (from the host's warm pool) or `snapshot`.",
+				Computed:            true,
+				PlanModifiers:       fixedAtCreate,
+			},
+			"placement_score": schema.Float64Attribute{
+				MarkdownDescription: "Score of the chosen host at placement time (lower is better).",
+				Computed:            true,
+				PlanModifiers:       []planmodifier.Float64{float64planmodifier.UseStateForUnknown()},
+			},
+			"placement_summary": schema.StringAttribute{
+				MarkdownDescription: "One line on the placement: the chosen host, its score, and why other hosts were rejected.",
+				Computed:            true,
+				PlanModifiers:       fixedAtCreate,
+			},
+			"created_at": schema.StringAttribute{
+				MarkdownDescription: "When the VM was created (RFC 3339, UTC).",
+				Computed:            true,
+				PlanModifiers:       fixedAtCreate,
+			},
+		},
+		Blocks: map[string]schema.Block{
+			"timeouts": timeouts.Block(ctx, timeouts.Opts{Create: true, Update: true, Delete: true}),
+		},
+	}
+}
+
+func (r *vmResource) Configure(_ context.Context, req resource.ConfigureRequest, resp *resource.ConfigureResponse) {
+	if req.ProviderData == nil {
+		return
+	}
+	data, ok := req.ProviderData.(*providerData)
+	if !ok {
+		addUnexpectedDataError(&resp.Diagnostics, req.ProviderData)
+		return
+	}
+	r.data = data
+}
+
+func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, resp *resource.CreateResponse) {
+	var plan vmModel
+	resp.Diagnostics.Append(req.Plan.Get(ctx, &plan)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	timeout, diags := plan.Timeouts.Create(ctx, defaultVMCreateTimeout)
+	resp.Diagnostics.Append(diags...)
+	labels, diags := labelsFromValue(ctx, plan.Labels)
+	resp.Diagnostics.Append(diags...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+
+	in := api.VMCreate{
+		Name:       plan.Name.ValueString(),
+		Image:      plan.Image.ValueString(),
+		VCPUs:      plan.VCPUs.ValueInt64(),
+		MemoryMiB:  plan.MemoryMiB.ValueInt64(),
+		DiskMiB:    plan.DiskMiB.ValueInt64(),
+		Host:       plan.Host.ValueString(), // "" when unknown: the control API chooses
+		PowerState: plan.PowerState.ValueString(),
+		Labels:     labels,
+	}
+	subject := fmt.Sprintf("creating VM %q", in.Name)
+
+	vm, err := r.create(ctx, in)
+	if err != nil {
+		if errors.Is(err, client.ErrConflict) {
+			resp.Diagnostics.AddAttributeError(path.Root("name"), summaryVMNameAlreadyTaken, nameTakenDetail(in.Name, err))
+			return
+		}
+		addAPIError(&resp.Diagnostics, summaryCreateVM, subject, err)
+		return
+	}
+	tflog.Info(ctx, "created VM", map[string]any{"id": vm.ID, "name": vm.Name, "host": vm.Host})
+
+	vm, waitErr := waitForPower(ctx, r.data.client, vm, in.PowerState)
+	plan.fromAPI(vm, desiredPowerState(vm))
+	// The VM exists: keep it in state even if it did not come up, so that
+	// Terraform marks it tainted and replaces it rather than leaking it.
+	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
+	if waitErr != nil {
+		resp.Diagnostics.AddError(summaryVMFailed, fmt.Sprintf(
+			"VM %s (%q) was created but did not become %s: %s. It stays in state as tainted; the next apply replaces it.",
+			vm.ID, vm.Name, in.PowerState, waitErr))
+	}
+}
+
+// create sends one logical create: one Idempotency-Key, which the client
+// reuses on each retry of a lost answer, a 5xx or a 409 in_flight. When the
+// name is held by a VM the control API marked missing (its host lost it), that
+// record is deleted first and the create runs once more under a new key: the
+// first attempt has definitely failed.
+func (r *vmResource) create(ctx context.Context, in api.VMCreate) (api.VM, error) {
+	defer r.data.wrote()
+	vm, err := r.data.client.CreateVM(ctx, in, client.NewIdempotencyKey())
+	if err == nil || !errors.Is(err, client.ErrConflict) {
+		return vm, err
+	}
+	holder, lookErr := findVMByName(ctx, r.data.client, in.Name)
+	if lookErr != nil || holder.ObservedState != api.StateMissing {
+		return vm, err
+	}
+	tflog.Info(ctx, "deleting the missing VM that holds the name", map[string]any{"id": holder.ID, "name": holder.Name})
+	if delErr := r.data.client.DeleteVM(ctx, holder.ID); delErr != nil && !errors.Is(delErr, client.ErrNotFound) {
+		return vm, errors.Join(err, fmt.Errorf("deleting missing VM %s that holds the name: %w", holder.ID, delErr))
+	}
+	return r.data.client.CreateVM(ctx, in, client.NewIdempotencyKey())
+}
+
+func nameTakenDetail(name string, err error) string {
+	if id := conflictingVMID(err); id != "" {
+		return fmt.Sprintf("A VM named %q already exists (id %s). Import it with \"terraform import kvm_vm.<name> %s\", "+
+			"or choose another name.\n\nError: %s", name, id, id, err)
+	}
+	return fmt.Sprintf("A VM named %q already exists. Find its id with the kvm_vm data source (name = %q) and import it "+
+		"with \"terraform import kvm_vm.<name> <id>\", or choose another name.\n\nError: %s", name, name, err)
+}
+
+func (r *vmResource) Read(ctx context.Context, req resource.ReadRequest, resp *resource.ReadResponse) {
+	var state vmModel
+	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	id := state.ID.ValueString()
+	vm, err := r.data.getVM(ctx, id)
+	switch {
+	case errors.Is(err, client.ErrNotFound):
+		tflog.Info(ctx, "VM is gone from the control API; removing it from state", map[string]any{"id": id})
+		resp.State.RemoveResource(ctx)
+		return
+	case err != nil:
+		addAPIError(&resp.Diagnostics, summaryReadVM, fmt.Sprintf("reading VM %s", id), err)
+		return
+	case vm.ObservedState == api.StateMissing:
+		tflog.Info(ctx, "VM is missing on its host; removing it from state", map[string]any{"id": id, "host": vm.Host})
+		resp.State.RemoveResource(ctx)
+		return
+	}
+	state.fromAPI(vm, observedPowerState(vm))
+	resp.Diagnostics.Append(resp.State.Set(ctx, &state)...)
+}
+
+func (r *vmResource) Update(ctx context.Context, req resource.UpdateRequest, resp *resource.UpdateResponse) {
+	var plan, state vmModel
+	resp.Diagnostics.Append(req.Plan.Get(ctx, &plan)...)
+	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	timeout, diags := plan.Timeouts.Update(ctx, defaultVMUpdateTimeout)
+	resp.Diagnostics.Append(diags...)
+	labels, diags := labelsFromValue(ctx, plan.Labels)
+	resp.Diagnostics.Append(diags...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+
+	id := state.ID.ValueString()
+	// Send the whole in-place desired state: PATCH is idempotent, and the
+	// stored power_state may be the observed one, not what the API holds.
+	power := plan.PowerState.ValueString()
+	patch := api.VMPatch{PowerState: &power, Labels: &labels}
+	vm, err := r.data.client.UpdateVM(ctx, id, patch)
+	r.data.wrote()
+	if err != nil {
+		addAPIError(&resp.Diagnostics, summaryUpdateVM, fmt.Sprintf("updating VM %s (%q)", id, state.Name.ValueString()), err)
+		return
+	}
+	vm, err = waitForPower(ctx, r.data.client, vm, power)
+	if err != nil {
+		resp.Diagnostics.AddError(summaryVMFailed, fmt.Sprintf(
+			"VM %s (%q) did not become %s: %s. Check the host, then run terraform apply again.", id, vm.Name, power, err))
+		return
+	}
+	plan.fromAPI(vm, desiredPowerState(vm))
+	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
+}
+
+func (r *vmResource) Delete(ctx context.Context, req resource.DeleteRequest, resp *resource.DeleteResponse) {
+	var state vmModel
+	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	timeout, diags := state.Timeouts.Delete(ctx, defaultVMDeleteTimeout)
+	resp.Diagnostics.Append(diags...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+
+	id := state.ID.ValueString()
+	subject := fmt.Sprintf("deleting VM %s (%q)", id, state.Name.ValueString())
+	err := r.data.client.DeleteVM(ctx, id)
+	r.data.wrote()
+	if err != nil && !errors.Is(err, client.ErrNotFound) {
+		addAPIError(&resp.Diagnostics, summaryDeleteVM, subject, err)
+		return
+	}
+	if err := waitForGone(ctx, r.data.client, id); err != nil {
+		addAPIError(&resp.Diagnostics, summaryDeleteVM, subject, err)
+	}
+}
+
+func (r *vmResource) ImportState(ctx context.Context, req resource.ImportStateRequest, resp *resource.ImportStateResponse) {
+	if req.ID == "" {
+		resp.Diagnostics.AddError(summaryImportVM, "Import a VM by its id: terraform import kvm_vm.<name> <id>.")
+		return
+	}
+	resource.ImportStatePassthroughID(ctx, path.Root("id"), req, resp)
+}
+
+// pollInterval is how long the provider waits between reads while a VM
+// settles; it doubles up to maxPollInterval.
+const (
+	pollInterval    = 100 * time.Millisecond
+	maxPollInterval = 2 * time.Second
+)
+
+// waitForPower reads the VM until the host observes the wanted power state,
+// the VM fails, or ctx ends. The control API answers a create or power change
+// once the agent has acted, so this usually returns at once.
+func waitForPower(ctx context.Context, c *client.Client, vm api.VM, want string) (api.VM, error) {
+	wait := pollInterval
+	for {
+		switch vm.ObservedState {
+		case want:
+			return vm, nil
+		case api.StateError, api.StateMissing:
+			reason := vm.Reason
+			if reason == "" {
+				reason = "no reason given"
+			}
+			return vm, fmt.Errorf("host %s reports it %s (%s)", vm.Host, vm.ObservedState, reason)
+		}
+		select {
+		case <-ctx.Done():
+			return vm, fmt.Errorf("still %q when the timeout ended: %w", vm.ObservedState, ctx.Err())
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, maxPollInterval)
+		next, err := c.GetVM(ctx, vm.ID)
+		if err != nil {
+			return vm, fmt.Errorf("reading VM %s: %w", vm.ID, err)
+		}
+		vm = next
+	}
+}
+
+// waitForGone reads the VM until the control API says it does not exist.
+func waitForGone(ctx context.Context, c *client.Client, id string) error {
+	wait := pollInterval
+	for {
+		_, err := c.GetVM(ctx, id)
+		if errors.Is(err, client.ErrNotFound) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("checking that VM %s is gone: %w", id, err)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("VM %s still exists when the delete timeout ended: %w", id, ctx.Err())
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, maxPollInterval)
+	}
+}
+
+// findVMByName returns the VM holding name, or ErrNotFound.
+func findVMByName(ctx context.Context, c *client.Client, name string) (api.VM, error) {
+	vms, err := c.AllVMs(ctx, client.ListOptions{Name: name})
+	if err != nil {
+		return api.VM{}, err
+	}
+	for _, vm := range vms {
+		if vm.Name == name {
+			return vm, nil
+		}
+	}
+	return api.VM{}, fmt.Errorf("no VM named %q: %w", name, client.ErrNotFound)
+}
