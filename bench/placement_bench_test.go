@@ -1,0 +1,162 @@
+// Package bench measures the control plane. Benchmarks report numbers and
+// never pass or fail on speed.
+//
+// Placement + reservation per second, in process, no agent calls:
+//
+//	KVM_TEST_DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
+//	  go test ./bench -run '^$' -bench 'Placement' -benchtime 3s
+package bench
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"testing"
+
+	"github.com/google/uuid"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/scheduler"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
+)
+
+// Hosts are large enough that no benchmark run fills them, so every
+// iteration is one placement and one committed reservation.
+var benchHostTotal = store.Resources{VCPUs: 1 << 20, MemoryMiB: 1 << 40, DiskMiB: 1 << 50}
+
+var hostCounts = []int{100, 1000, 10000}
+
+// parallelism is the number of clients per GOMAXPROCS (RunParallel).
+const parallelism = 4
+
+// sqliteFullSync is SQLite with an fsync per commit (not the default).
+const sqliteFullSync = "sqlite-fullsync"
+
+func openStore(b *testing.B, dialect string) *store.Store {
+	b.Helper()
+	cfg := store.Config{DataDir: b.TempDir()}
+	switch dialect {
+	case store.DialectPostgres:
+		cfg = store.Config{DatabaseURL: testenv.PostgresURL(b)}
+	case sqliteFullSync:
+		cfg.SQLiteFullSync = true
+	}
+	st, err := store.Open(context.Background(), cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = st.Close() })
+	return st
+}
+
+func addHosts(b *testing.B, st *store.Store, n int) {
+	b.Helper()
+	hosts := make([]store.Host, n)
+	for i := range hosts {
+		hosts[i] = store.Host{Name: fmt.Sprintf("host-%05d", i), Address: "127.0.0.1:1", Schedulable: true,
+			CPUAllocationRatio: 1, Images: []string{"sim"}, Total: benchHostTotal, Capacity: benchHostTotal}
+	}
+	if err := st.UpsertHosts(context.Background(), hosts); err != nil {
+		b.Fatal(err)
+	}
+}
+
+var vmSeq atomic.Int64
+
+// BenchmarkPlacement: control.Service.Reserve, i.e. choose a host from the
+// indexed host view, then one transaction with the conditional UPDATE of
+// the host and the INSERT of the VM row.
+func BenchmarkPlacement(b *testing.B) {
+	for _, dialect := range []string{store.DialectSQLite, store.DialectPostgres} {
+		for _, n := range hostCounts {
+			b.Run(fmt.Sprintf("%s/hosts=%d", dialect, n), func(b *testing.B) {
+				ctx := context.Background()
+				st := openStore(b, dialect)
+				addHosts(b, st, n)
+				svc, err := control.New(ctx, st, control.Options{AgentToken: "unused"})
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.SetParallelism(parallelism)
+				b.ReportAllocs()
+				b.ResetTimer()
+				b.RunParallel(func(pb *testing.PB) {
+					for pb.Next() {
+						i := vmSeq.Add(1)
+						_, err := svc.Reserve(ctx, control.ReserveRequest{ID: uuid.Must(uuid.NewV7()).String(),
+							Name: fmt.Sprintf("bench-%d", i), Image: "sim",
+							Resources: api.Resources{VCPUs: 1, MemoryMiB: 1024, DiskMiB: 10240}})
+						if err != nil {
+							b.Error(err)
+							return
+						}
+					}
+				})
+				b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "placements/s")
+			})
+		}
+	}
+}
+
+// BenchmarkReservationOnly is the floor: the same transaction on a host
+// chosen round robin, with no scoring at all.
+func BenchmarkReservationOnly(b *testing.B) {
+	for _, dialect := range []string{store.DialectSQLite, sqliteFullSync, store.DialectPostgres} {
+		b.Run(dialect, func(b *testing.B) {
+			ctx := context.Background()
+			st := openStore(b, dialect)
+			const n = 1000
+			addHosts(b, st, n)
+			b.SetParallelism(parallelism)
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					i := vmSeq.Add(1)
+					err := st.ReserveAndInsertVM(ctx, store.VM{ID: uuid.Must(uuid.NewV7()).String(), Name: fmt.Sprintf("bare-%d", i),
+						HostName: fmt.Sprintf("host-%05d", i%n), Image: "sim", PowerState: "running", ObservedState: "creating",
+						Resources: store.Resources{VCPUs: 1, MemoryMiB: 1024, DiskMiB: 10240}})
+					if err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "reservations/s")
+		})
+	}
+}
+
+// BenchmarkChooseHost isolates the in-memory choice: the index's bounded
+// candidate walk against a full scan of every host.
+func BenchmarkChooseHost(b *testing.B) {
+	req := scheduler.Request{Image: "sim", Resources: scheduler.Resources{VCPUs: 1, MemoryMiB: 1024, DiskMiB: 10240}}
+	for _, n := range append(hostCounts, 100000) {
+		hosts := make([]scheduler.Host, n)
+		ix := scheduler.NewIndex(scheduler.DefaultWeights())
+		for i := range hosts {
+			hosts[i] = scheduler.Host{Name: fmt.Sprintf("host-%06d", i), Alive: true, Schedulable: true, Images: []string{"sim"},
+				Total:     scheduler.Resources{VCPUs: 64, MemoryMiB: 262144, DiskMiB: 4 << 20},
+				Allocated: scheduler.Resources{VCPUs: int64(i % 48), MemoryMiB: int64(i%200) * 1024, DiskMiB: int64(i%100) * 10240}}
+			ix.Upsert(hosts[i])
+		}
+		b.Run(fmt.Sprintf("index/hosts=%d", n), func(b *testing.B) {
+			for b.Loop() {
+				best, ok := ix.Candidates(req, 32).Best()
+				if !ok {
+					b.Fatal("no candidate")
+				}
+				ix.Adjust(best.Host, req.Resources)
+				ix.Adjust(best.Host, scheduler.Resources{}.Sub(req.Resources))
+			}
+		})
+		b.Run(fmt.Sprintf("fullscan/hosts=%d", n), func(b *testing.B) {
+			for b.Loop() {
+				if _, ok := scheduler.Rank(scheduler.DefaultWeights(), hosts, req).Best(); !ok {
+					b.Fatal("no candidate")
+				}
+			}
+		})
+	}
+}
