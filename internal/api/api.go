@@ -133,6 +133,9 @@ type Placement struct {
 	Score    float64            `json:"score"`
 	Terms    map[string]float64 `json:"terms"`
 	Rejected []Rejection        `json:"rejected"`
+	// Note says when something besides the score decided, e.g. the warm
+	// pool preference.
+	Note string `json:"note,omitempty"`
 }
 
 // Rejection says why one host could not take a request.
@@ -155,6 +158,9 @@ type RankedHost struct {
 	Host  string             `json:"host"`
 	Score float64            `json:"score"`
 	Terms map[string]float64 `json:"terms"`
+	// WarmReady is how many warm VMs of the request's image and shape the
+	// host has ready.
+	WarmReady int `json:"warm_ready"`
 }
 
 // PlacementResult is the answer of a dry run: the hosts that fit, best first,
@@ -164,6 +170,8 @@ type PlacementResult struct {
 	Score    float64      `json:"score"`
 	Ranked   []RankedHost `json:"ranked"`
 	Rejected []Rejection  `json:"rejected"`
+	// Note says when something besides the score decided (warm preference).
+	Note string `json:"note,omitempty"`
 }
 
 // ForkCreate is the body of POST /v1/forks.

@@ -35,6 +35,10 @@ type Options struct {
 	Weights *scheduler.Weights
 	// CandidateLimit is how many feasible hosts a placement scores (default 32).
 	CandidateLimit int
+	// WarmMargin is how close (relative) a host's score must be to the best
+	// for a matching ready warm VM to make it win (default
+	// scheduler.DefaultWarmMargin, 10%; a negative value turns it off).
+	WarmMargin *float64
 	// IdempotencyTTL is how long Idempotency-Keys are kept (default and minimum 24 h).
 	IdempotencyTTL time.Duration
 	// Registry receives the metrics; default a new registry per Service, so
@@ -43,6 +47,13 @@ type Options struct {
 	Logger   *slog.Logger
 	// Hooks are seams for tests that inject failures; nil in production.
 	Hooks *Hooks
+	// CreateGrace is how long a VM may stay "creating" before the host
+	// monitor settles it from what its agent reports (default 15 min). It
+	// must exceed a create's own bound, or the monitor races live creates.
+	CreateGrace time.Duration
+	// OrphanGrace is how old a VM on an agent that has no row must be before
+	// the host monitor deletes it there (default 15 min).
+	OrphanGrace time.Duration
 }
 
 // Hooks let tests inject failures at points that are otherwise hard to reach.
@@ -51,6 +62,11 @@ type Hooks struct {
 	// is marked created in the database. An error is handled exactly like a
 	// failed database write at that point.
 	AfterAgentCreate func(ctx context.Context, vmID string) error
+	// ForkStep runs at each step of a fork pass (the Fork* step names;
+	// slot is -1 for fork-wide steps). An error fails the step like a
+	// database write failing there; an error wrapping ErrSimulatedCrash
+	// stops the pass on the spot with no cleanup, like a process dying.
+	ForkStep func(ctx context.Context, forkID, step string, slot int) error
 }
 
 // Service runs the control plane's use cases.
@@ -62,6 +78,8 @@ type Service struct {
 	agents  *agentPool
 	metrics *metrics
 	hooks   Hooks
+	// forkLocks serialises the passes of each fork (zero value ready).
+	forkLocks keyedLocks
 
 	// reloadMu and lastReload coalesce the full reloads of placements that
 	// fall to the slow path at the same time (a burst of no_capacity).
@@ -101,6 +119,12 @@ func New(ctx context.Context, st *store.Store, opts Options) (*Service, error) {
 	if opts.CandidateLimit <= 0 {
 		opts.CandidateLimit = defaultCandidateLimit
 	}
+	if opts.CreateGrace <= 0 {
+		opts.CreateGrace = createGrace
+	}
+	if opts.OrphanGrace <= 0 {
+		opts.OrphanGrace = createGrace
+	}
 	if opts.IdempotencyTTL < minIdempotencyTTL {
 		opts.IdempotencyTTL = minIdempotencyTTL
 	}
@@ -122,6 +146,9 @@ func New(ctx context.Context, st *store.Store, opts Options) (*Service, error) {
 		opts:  opts,
 		log:   opts.Logger,
 		view:  newHostView(w, opts.CandidateLimit),
+	}
+	if opts.WarmMargin != nil {
+		s.view.warmMargin = *opts.WarmMargin
 	}
 	if opts.Hooks != nil {
 		s.hooks = *opts.Hooks

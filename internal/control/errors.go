@@ -45,6 +45,9 @@ func unavailable(cause error, format string, args ...any) *Error {
 
 // internal wraps an unexpected failure (usually the database).
 func internal(cause error, what string) *Error {
+	if store.IsUnavailable(cause) {
+		return &Error{Code: api.CodeUnavailable, Message: what + ": the database does not answer; retry shortly", Err: cause}
+	}
 	return &Error{Code: api.CodeInternal, Message: what, Err: cause}
 }
 
@@ -81,6 +84,10 @@ func fromAgent(err error, host, what string) error {
 			msg = ae.Message
 		}
 		return &Error{Code: api.CodeInvalid, Message: fmt.Sprintf("%s: host %s refused: %s", what, host, msg), Err: err}
+	}
+	if ae != nil { // it answered, with a server error: say what it said
+		return unavailable(err, "%s: the agent of host %s failed (%d %s: %s); retry, and check that agent's log if it persists",
+			what, host, ae.Status, ae.Code, ae.Message)
 	}
 	return unavailable(err, "%s: the agent of host %s did not answer; retry when it is back", what, host)
 }

@@ -40,13 +40,20 @@ func (s *Service) PutHost(ctx context.Context, name string, in api.HostPut) (api
 	for _, p := range in.WarmPool {
 		h.WarmPool = append(h.WarmPool, store.PoolTarget{Image: p.Image, VCPUs: p.VCPUs, MemoryMiB: p.MemoryMiB, DiskMiB: p.DiskMiB, Size: p.Size})
 	}
+	// PUT is a full replace: no warm_pool means no targets, and the agent's
+	// are cleared. They go to the agent first, so that targets it refuses
+	// (unknown image, over its pool limit) save nothing; the host monitor
+	// pushes them again whenever the agent's differ.
+	if err := s.pushWarmPool(ctx, h, info.Pool); err != nil {
+		return api.Host{}, err
+	}
 	saved, err := s.store.UpsertHost(ctx, h)
 	if err != nil {
 		return api.Host{}, fromStore(err, "save host "+name)
 	}
 	s.view.upsert(saved)
 	s.log.Info("host registered", "host", name, "address", in.Address, "capacity", saved.Capacity, "images", saved.Images)
-	return apiHost(saved), nil
+	return s.withWarmReady(apiHost(saved)), nil
 }
 
 // GetHost returns one host.
@@ -55,7 +62,7 @@ func (s *Service) GetHost(ctx context.Context, name string) (api.Host, error) {
 	if err != nil {
 		return api.Host{}, fromStore(err, "read host "+name)
 	}
-	return apiHost(h), nil
+	return s.withWarmReady(apiHost(h)), nil
 }
 
 // ListHosts returns one page of hosts, by name.
@@ -74,13 +81,14 @@ func (s *Service) ListHosts(ctx context.Context, p Page) (api.List[api.Host], er
 			out.NextPageToken = pageToken(hs[i-1].Name)
 			break
 		}
-		out.Items = append(out.Items, apiHost(h))
+		out.Items = append(out.Items, s.withWarmReady(apiHost(h)))
 	}
 	return out, nil
 }
 
 // DeleteHost deregisters a host; a conflict while VMs are placed there.
 func (s *Service) DeleteHost(ctx context.Context, name string) error {
+	before, _ := s.store.GetHost(ctx, name)
 	err := s.store.DeleteHost(ctx, name)
 	if errors.Is(err, store.ErrHostInUse) {
 		n, _ := s.store.CountVMsOnHost(ctx, name)
@@ -93,6 +101,7 @@ func (s *Service) DeleteHost(ctx context.Context, name string) error {
 	}
 	s.view.remove(name)
 	s.log.Info("host deregistered", "host", name)
+	s.clearWarmPool(ctx, before)
 	return nil
 }
 

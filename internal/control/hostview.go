@@ -23,10 +23,15 @@ type hostView struct {
 	gen map[string]uint64
 	// addr is each host's agent address.
 	addr map[string]string
+	// warm is each host's ready warm VMs per image and shape, from its
+	// agent's last report; warmMargin is scheduler.PreferWarm's margin.
+	warm       map[string]map[warmKey]int
+	warmMargin float64
 }
 
 func newHostView(w scheduler.Weights, limit int) *hostView {
-	return &hostView{w: w, limit: limit, ix: scheduler.NewIndex(w), gen: map[string]uint64{}, addr: map[string]string{}}
+	return &hostView{w: w, limit: limit, ix: scheduler.NewIndex(w), gen: map[string]uint64{}, addr: map[string]string{},
+		warm: map[string]map[warmKey]int{}, warmMargin: scheduler.DefaultWarmMargin}
 }
 
 func schedHost(h store.Host) scheduler.Host {
@@ -77,6 +82,7 @@ func (v *hostView) remove(name string) {
 	v.ix.Remove(name)
 	delete(v.gen, name)
 	delete(v.addr, name)
+	delete(v.warm, name)
 }
 
 // assumption is a reservation counted in the view before the database
@@ -91,12 +97,13 @@ type assumption struct {
 func (v *hostView) pick(req scheduler.Request) (scheduler.Result, assumption, bool) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	res := v.ix.Candidates(req, v.limit)
+	res, _ := v.preferWarmLocked(v.ix.Candidates(req, v.limit), req)
 	best, ok := res.Best()
 	if !ok {
 		return res, assumption{}, false
 	}
 	v.ix.Adjust(best.Host, req.Resources)
+	v.takeWarmLocked(best.Host, req)
 	return res, assumption{host: best.Host, req: req.Resources, gen: v.gen[best.Host]}, true
 }
 
@@ -122,7 +129,11 @@ func (v *hostView) rankAll(req scheduler.Request) scheduler.Result {
 	v.mu.Lock()
 	hosts := v.ix.All()
 	v.mu.Unlock()
-	return scheduler.Rank(v.w, hosts, req)
+	res := scheduler.Rank(v.w, hosts, req)
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	res, _ = v.preferWarmLocked(res, req)
+	return res
 }
 
 func (v *hostView) get(name string) (scheduler.Host, bool) {

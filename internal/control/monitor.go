@@ -30,8 +30,15 @@ func (s *Service) Run(ctx context.Context) error {
 	tick := time.NewTicker(s.opts.SyncInterval)
 	defer tick.Stop()
 	var lastKeyCleanup time.Time
+	// Forks left unfinished by a crash resume once the hosts are known.
+	var resume sync.WaitGroup
+	defer resume.Wait()
+	started := time.Now()
 	for first := true; ; first = false {
 		s.syncHosts(ctx, first)
+		if first {
+			resume.Go(func() { s.ResumeForks(ctx, started) })
+		}
 		if time.Since(lastKeyCleanup) >= keyCleanupEvery {
 			if n, err := s.store.DeleteExpiredIdempotencyKeys(ctx); err != nil {
 				s.log.Warn("delete expired idempotency keys", "err", err)
@@ -120,7 +127,10 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool) {
 		log.Info("host alive: its agent answers again")
 		s.refreshHost(ctx, h.Name)
 	}
+	// Errors are logged inside; the next sync tries again.
+	s.syncWarmPool(ctx, h, info.Pool)
 	s.reconcileVMs(ctx, h.Name, rows, vms)
+	s.deleteOrphans(ctx, h, c, rows, vms)
 }
 
 // reconcileVMs records the agent's state of each VM and marks the VMs it
@@ -132,13 +142,20 @@ func (s *Service) reconcileVMs(ctx context.Context, host string, rows []store.VM
 	}
 	for _, row := range rows {
 		if row.ObservedState == api.StateMissing {
+			if a, ok := onAgent[row.ID]; ok {
+				s.reclaimReappeared(ctx, host, row, a)
+			}
 			continue
 		}
 		a, ok := onAgent[row.ID]
 		creating := row.ObservedState == api.StateCreating
 		switch {
-		case !ok && creating && time.Since(row.CreatedAt) < createGrace:
+		case !ok && creating && (time.Since(row.CreatedAt) < s.opts.CreateGrace || row.ForkID != nil):
 			// Its create is still running; the create records the outcome.
+			// A fork's child belongs to its fork's pass, which resumes after
+			// a crash (ResumeForks) however long the control API was down.
+		case !ok && creating:
+			s.dropUnfinishedCreate(ctx, host, row)
 		case !ok:
 			reason := fmt.Sprintf("the agent of host %s does not have this VM", host)
 			_, released, err := s.store.ReleaseVM(ctx, row.ID, api.StateMissing, reason)
@@ -150,6 +167,7 @@ func (s *Service) reconcileVMs(ctx context.Context, host string, rows []store.VM
 				s.refreshHost(ctx, host)
 			}
 		case creating:
+			s.settleStuckCreate(ctx, host, row, a)
 		case a.State != row.ObservedState || a.Reason != row.Reason || (a.StartedFrom != "" && a.StartedFrom != row.StartedFrom):
 			if err := s.store.SetVMState(ctx, row.ID, a.State, a.Reason, a.StartedFrom); err != nil {
 				s.log.Error("host monitor: record vm state", "vm", row.ID, "err", err)

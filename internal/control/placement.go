@@ -83,6 +83,9 @@ func (s *Service) tryReserve(ctx context.Context, vm *store.VM, res scheduler.Re
 	best := res.Ranked[0]
 	vm.HostName = best.Host
 	vm.Placement = placementJSON(best, res.Rejected)
+	if note := warmNote(best, bestScored(res.Ranked), s.view.warmMargin); note != "" {
+		vm.Placement = placementJSONNote(best, res.Rejected, note)
+	}
 	err := s.store.ReserveAndInsertVM(ctx, *vm)
 	if err == nil {
 		return true, nil
@@ -143,7 +146,11 @@ func apiRejections(rs []scheduler.Rejection) []api.Rejection {
 }
 
 func placementJSON(best scheduler.Ranked, rejected []scheduler.Rejection) string {
-	b, _ := json.Marshal(api.Placement{Host: best.Host, Score: best.Score, Terms: best.Terms.Map(), Rejected: apiRejections(rejected)})
+	return placementJSONNote(best, rejected, "")
+}
+
+func placementJSONNote(best scheduler.Ranked, rejected []scheduler.Rejection, note string) string {
+	b, _ := json.Marshal(api.Placement{Host: best.Host, Score: best.Score, Terms: best.Terms.Map(), Rejected: apiRejections(rejected), Note: note})
 	return string(b)
 }
 
@@ -164,10 +171,11 @@ func (s *Service) Place(ctx context.Context, in api.PlacementRequest) (api.Place
 	}
 	out := api.PlacementResult{Ranked: []api.RankedHost{}, Rejected: apiRejections(res.Rejected)}
 	for _, r := range res.Ranked {
-		out.Ranked = append(out.Ranked, api.RankedHost{Host: r.Host, Score: r.Score, Terms: r.Terms.Map()})
+		out.Ranked = append(out.Ranked, api.RankedHost{Host: r.Host, Score: r.Score, Terms: r.Terms.Map(), WarmReady: r.WarmReady})
 	}
 	if best, ok := res.Best(); ok {
 		out.Host, out.Score = best.Host, best.Score
+		out.Note = warmNote(best, bestScored(res.Ranked), s.view.warmMargin)
 	}
 	return out, nil
 }

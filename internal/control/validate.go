@@ -127,6 +127,9 @@ func validateHostPut(name string, in api.HostPut) error {
 			return invalidf("warm_pool[%d]: size must be between 0 and 1000, got %d", i, p.Size)
 		}
 	}
+	if err := validateWarmPool(in.WarmPool); err != nil {
+		return err
+	}
 	return validateLabels(in.Labels)
 }
 

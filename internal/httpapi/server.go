@@ -55,7 +55,8 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	e.Use(middleware.RequestID())
 	e.Use(requestLog(log, requests))
 	e.Use(middleware.Recover())
-	e.Use(middleware.BodyLimit("1M"))
+	// "1MiB": Echo reads "1M" as 10^6 bytes, less than MaxBodyBytes.
+	e.Use(middleware.BodyLimit("1MiB"))
 
 	h := &handlers{svc: svc}
 	e.GET("/healthz", h.healthz)
@@ -73,6 +74,7 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	v1.PATCH("/vms/:id", h.updateVM)
 	v1.DELETE("/vms/:id", h.deleteVM)
 	v1.POST("/placements", h.place)
+	h.forkRoutes(v1)
 	return e, nil
 }
 

@@ -89,6 +89,11 @@ type Ranked struct {
 	Host  string
 	Score float64
 	Terms Terms
+	// WarmReady is how many warm VMs of the request's image and shape the
+	// host has ready (set by PreferWarm), and WarmPreferred says that the
+	// warm preference put this host first over a better score.
+	WarmReady     int
+	WarmPreferred bool
 }
 
 // Result is a ranking: the hosts that fit, best first, and the rejected ones.

@@ -13,18 +13,20 @@ import (
 
 // VM is a row of vms.
 type VM struct {
-	ID            string            `gorm:"column:id;primaryKey"`
-	Name          string            `gorm:"column:name"`
-	HostName      string            `gorm:"column:host_name"`
-	Image         string            `gorm:"column:image"`
-	Resources     Resources         `gorm:"embedded"`
-	PowerState    string            `gorm:"column:power_state"`
-	ObservedState string            `gorm:"column:observed_state"`
-	Reason        string            `gorm:"column:reason"`
-	StartedFrom   string            `gorm:"column:started_from"`
-	HoldsCapacity bool              `gorm:"column:holds_capacity"`
-	ForkID        *string           `gorm:"column:fork_id"`
-	Labels        map[string]string `gorm:"column:labels;serializer:json"`
+	ID            string    `gorm:"column:id;primaryKey"`
+	Name          string    `gorm:"column:name"`
+	HostName      string    `gorm:"column:host_name"`
+	Image         string    `gorm:"column:image"`
+	Resources     Resources `gorm:"embedded"`
+	PowerState    string    `gorm:"column:power_state"`
+	ObservedState string    `gorm:"column:observed_state"`
+	Reason        string    `gorm:"column:reason"`
+	StartedFrom   string    `gorm:"column:started_from"`
+	HoldsCapacity bool      `gorm:"column:holds_capacity"`
+	ForkID        *string   `gorm:"column:fork_id"`
+	// ForkSlot is a fork child's fixed slot (unique per fork).
+	ForkSlot *int              `gorm:"column:fork_slot"`
+	Labels   map[string]string `gorm:"column:labels;serializer:json"`
 	// Placement is the placement explanation as JSON (written by control).
 	Placement string    `gorm:"column:placement"`
 	CreatedAt time.Time `gorm:"column:created_at"`
@@ -103,7 +105,7 @@ func (s *Store) reserveInOneStatement(ctx context.Context, vm VM) error {
 	args := []any{
 		r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName, r.VCPUs, r.MemoryMiB, r.DiskMiB,
 		vm.ID, vm.Name, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.PowerState, vm.ObservedState, vm.Reason,
-		vm.StartedFrom, vm.ForkID, labels, vm.Placement, vm.CreatedAt, vm.UpdatedAt,
+		vm.StartedFrom, vm.ForkID, vm.ForkSlot, labels, vm.Placement, vm.CreatedAt, vm.UpdatedAt,
 	}
 	var sql strings.Builder
 	sql.WriteString(`WITH reserved AS (
@@ -114,8 +116,8 @@ func (s *Store) reserveInOneStatement(ctx context.Context, vm VM) error {
 		RETURNING name
 	), vm AS (
 		INSERT INTO vms (id, name, host_name, image, vcpus, memory_mib, disk_mib, power_state, observed_state,
-			reason, started_from, holds_capacity, fork_id, labels, placement, created_at, updated_at)
-		SELECT ?, ?, name, ?, ?, ?, ?, ?, ?, ?, ?, TRUE, ?::text, ?, ?, ?::timestamp, ?::timestamp FROM reserved
+			reason, started_from, holds_capacity, fork_id, fork_slot, labels, placement, created_at, updated_at)
+		SELECT ?, ?, name, ?, ?, ?, ?, ?, ?, ?, ?, TRUE, ?::text, ?::integer, ?, ?, ?::timestamp, ?::timestamp FROM reserved
 		RETURNING id
 	)`)
 	if len(vm.Labels) > 0 {

@@ -32,6 +32,12 @@ type ControlOptions struct {
 	// NoMonitor leaves the host monitor off; the test drives its rounds
 	// with Service.SyncNow, one at a time.
 	NoMonitor bool
+	// AgentTimeout, DeadAfter, CreateGrace and OrphanGrace pass through to
+	// control.Options (defaults: AgentTimeout 5 s, the others control's).
+	AgentTimeout time.Duration
+	DeadAfter    int
+	CreateGrace  time.Duration
+	OrphanGrace  time.Duration
 }
 
 // Control is a control API running in the test process with real HTTP.
@@ -79,8 +85,12 @@ func StartControl(t testing.TB, opts ControlOptions) *Control {
 	if err != nil {
 		t.Fatalf("start control: %v", err)
 	}
+	if opts.AgentTimeout == 0 {
+		opts.AgentTimeout = 5 * time.Second
+	}
 	svc, err := control.New(ctx, st, control.Options{AgentToken: opts.AgentToken, SyncInterval: opts.SyncInterval,
-		AgentTimeout: 5 * time.Second, Logger: log, Hooks: opts.Hooks})
+		AgentTimeout: opts.AgentTimeout, Logger: log, Hooks: opts.Hooks, DeadAfter: opts.DeadAfter,
+		CreateGrace: opts.CreateGrace, OrphanGrace: opts.OrphanGrace})
 	if err != nil {
 		_ = st.Close()
 		t.Fatalf("start control: %v", err)

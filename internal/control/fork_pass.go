@@ -1,0 +1,341 @@
+package control
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/scheduler"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
+)
+
+// Steps of a fork pass, as Hooks.ForkStep sees them.
+const (
+	ForkStepSnapshotStart = "snapshot_start" // before the agent snapshot call
+	ForkStepSnapshotTaken = "snapshot_taken" // the agent has the snapshot; the flag is not written yet
+	ForkStepFlagWritten   = "flag_written"   // snapshot_taken is durable; no child exists yet
+	ForkStepChildReserve  = "child_reserve"  // before a child's reservation
+	ForkStepChildReserved = "child_reserved" // the child's row and capacity exist; the agent is not asked yet
+	ForkStepChildStart    = "child_start"    // right before the agent is asked to start the child
+	ForkStepChildStarted  = "child_started"  // the agent started the child; its row is not updated yet
+	ForkStepChildRecorded = "child_recorded" // the child's row says what the agent started
+)
+
+// ErrSimulatedCrash, returned by Hooks.ForkStep, stops a fork pass where it
+// is, with no cleanup and no further database write: a process that dies.
+var ErrSimulatedCrash = errors.New("simulated crash")
+
+// forkConcurrency bounds the children a pass starts at once: each is an
+// agent call that may pull a snapshot and restore a guest.
+const forkConcurrency = 4
+
+// forkPass brings a fork to its desired state (DESIGN.md section 7):
+// snapshot (idempotent on the fork id) -> snapshot_taken durable -> the
+// children slot by slot, each reserved like any VM and recorded right
+// after it starts. A child already there is kept and never started again.
+// Any interrupted or failed pass can run again from the top.
+func (s *Service) forkPass(ctx context.Context, id string) (api.Fork, error) {
+	unlock := s.forkLocks.lock(id)
+	defer unlock()
+	return s.forkPassLocked(ctx, id)
+}
+
+// forkPassLocked is forkPass for a caller that holds the fork's lock.
+func (s *Service) forkPassLocked(ctx context.Context, id string) (api.Fork, error) {
+	// A simulated crash cancels the rest of the pass (the other children).
+	ctx, crash := context.WithCancelCause(ctx)
+	defer crash(nil)
+	err := s.runForkPass(ctx, crash, id)
+	if crashed(ctx) || errors.Is(err, ErrSimulatedCrash) {
+		return api.Fork{}, internal(ErrSimulatedCrash, "fork "+id+": pass stopped by a simulated crash")
+	}
+	if err != nil {
+		if werr := s.store.SetForkPhase(ctx, id, api.ForkFailed, err.Error()); werr != nil {
+			s.log.Error("record failed fork pass", "fork", id, "err", werr)
+		}
+		var e *Error
+		if errors.As(err, &e) {
+			e.Message += fmt.Sprintf("; fork %s is kept in phase failed (a retry, a PATCH or DELETE /v1/forks/%s continues)", id, id)
+			if e.Details == nil {
+				e.Details = map[string]any{}
+			}
+			e.Details["fork_id"] = id
+		}
+		return api.Fork{}, err
+	}
+	if err := s.store.SetForkPhase(ctx, id, api.ForkReady, ""); err != nil {
+		return api.Fork{}, fromStore(err, "record fork "+id+" ready")
+	}
+	return s.GetFork(ctx, id)
+}
+
+func crashed(ctx context.Context) bool { return errors.Is(context.Cause(ctx), ErrSimulatedCrash) }
+
+// step runs the test hook of one step.
+func (s *Service) step(ctx context.Context, crash context.CancelCauseFunc, id, step string, slot int) error {
+	hook := s.hooks.ForkStep
+	if hook == nil {
+		return nil
+	}
+	err := hook(ctx, id, step, slot)
+	if errors.Is(err, ErrSimulatedCrash) {
+		crash(ErrSimulatedCrash)
+	}
+	return err
+}
+
+func (s *Service) runForkPass(ctx context.Context, crash context.CancelCauseFunc, id string) error {
+	f, err := s.store.GetFork(ctx, id)
+	if err != nil {
+		return fromStore(err, "read fork "+id)
+	}
+	srcAddress, srcAlive, known := s.view.agent(f.SourceHost)
+	if !known || !srcAlive {
+		return unavailable(nil, "host %s of the source VM %s of fork %s does not answer; retry when it is back", f.SourceHost, f.SourceVMID, id)
+	}
+	if !f.SnapshotTaken {
+		if err := s.takeForkSnapshot(ctx, crash, f, srcAddress); err != nil {
+			return err
+		}
+	}
+	if err := s.store.SetForkPhase(ctx, id, api.ForkSpawning, ""); err != nil {
+		return fromStore(err, "record phase of fork "+id)
+	}
+	children, err := s.forkChildren(ctx, id)
+	if err != nil {
+		return err
+	}
+	bySlot := map[int]store.VM{}
+	for _, c := range children {
+		bySlot[slotOf(c)] = c
+	}
+	// Fewer children: remove the highest slots first.
+	for i := len(children) - 1; i >= 0; i-- {
+		c := children[i]
+		if slotOf(c) < f.Count {
+			break
+		}
+		if err := s.DeleteVM(ctx, c.ID); err != nil && !isCode(err, api.CodeNotFound) {
+			return err
+		}
+		delete(bySlot, slotOf(c))
+	}
+	var (
+		starts  []store.VM
+		failure error
+	)
+	for slot := range f.Count {
+		if c, ok := bySlot[slot]; ok {
+			switch c.ObservedState {
+			case api.StateCreating:
+				// Reserved by a pass that did not record the start: ask the
+				// agent again; its create is idempotent on the child's id.
+				starts = append(starts, c)
+				continue
+			case api.StateMissing:
+				// Its agent lost it and its capacity is released: make it again.
+				if err := s.DeleteVM(ctx, c.ID); err != nil && !isCode(err, api.CodeNotFound) {
+					return err
+				}
+			default:
+				continue // there already: kept as it is, never started again
+			}
+		}
+		vm, err := s.reserveChild(ctx, crash, f, slot)
+		if err != nil {
+			failure = err
+			break // later slots would fail the same way; those reserved still start
+		}
+		starts = append(starts, vm)
+	}
+	if crashed(ctx) {
+		return ErrSimulatedCrash
+	}
+	errs := s.startChildren(ctx, crash, f, srcAddress, starts)
+	if crashed(ctx) {
+		return ErrSimulatedCrash
+	}
+	if failure != nil {
+		errs = append([]error{failure}, errs...)
+	}
+	return joinForkErrors(errs)
+}
+
+// takeForkSnapshot asks the source's agent for the snapshot (idempotent on
+// the fork id: a second call returns the first snapshot), then makes
+// snapshot_taken durable. Until that write commits no child may exist.
+func (s *Service) takeForkSnapshot(ctx context.Context, crash context.CancelCauseFunc, f store.Fork, srcAddress string) error {
+	if err := s.store.SetForkPhase(ctx, f.ID, api.ForkSnapshotting, ""); err != nil {
+		return fromStore(err, "record phase of fork "+f.ID)
+	}
+	if err := s.step(ctx, crash, f.ID, ForkStepSnapshotStart, -1); err != nil {
+		return internal(err, "snapshot for fork "+f.ID)
+	}
+	spec := agentapi.SnapshotSpec{VMID: f.SourceVMID, PauseSource: f.PauseSource}
+	if _, err := s.agents.createSnapshot(ctx, s.agents.client(srcAddress), f.ID, spec); err != nil {
+		return fromAgent(err, f.SourceHost, fmt.Sprintf("snapshot VM %s for fork %s", f.SourceVMID, f.ID))
+	}
+	if err := s.step(ctx, crash, f.ID, ForkStepSnapshotTaken, -1); err != nil {
+		return internal(err, "record snapshot of fork "+f.ID)
+	}
+	if err := s.store.MarkForkSnapshotTaken(ctx, f.ID); err != nil {
+		return fromStore(err, "record snapshot of fork "+f.ID)
+	}
+	s.log.Info("fork snapshot taken", "fork", f.ID, "source", f.SourceVMID, "host", f.SourceHost)
+	return s.step(ctx, crash, f.ID, ForkStepFlagWritten, -1)
+}
+
+// reserveChild inserts slot's child row with its capacity reserved, exactly
+// like a VM create: colocate pins the source host first and falls back to
+// normal placement when it is full; spread uses normal placement.
+func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFunc, f store.Fork, slot int) (store.VM, error) {
+	if err := s.step(ctx, crash, f.ID, ForkStepChildReserve, slot); err != nil {
+		return store.VM{}, internal(err, fmt.Sprintf("reserve child %d of fork %s", slot, f.ID))
+	}
+	forkID, slotN := f.ID, slot
+	vm := store.VM{
+		ID: newID(), Name: childName(f.ID, slot), Image: f.Image, Resources: f.Resources,
+		PowerState: api.PowerRunning, ObservedState: api.StateCreating, ForkID: &forkID, ForkSlot: &slotN,
+		Labels: map[string]string{},
+	}
+	req := scheduler.Request{Image: f.Image, Resources: schedResources(f.Resources)}
+	err := errNoPin
+	if f.Placement == api.PlacementColocate {
+		pinned := req
+		pinned.Host = f.SourceHost
+		err = s.placeAndReserve(ctx, &vm, pinned)
+	}
+	if isCode(err, api.CodeNoCapacity) || errors.Is(err, errNoPin) {
+		err = s.placeAndReserve(ctx, &vm, req)
+	}
+	if err != nil {
+		return store.VM{}, err
+	}
+	if vm.HostName != f.SourceHost {
+		// Recorded before the child is asked to pull, so that a delete
+		// finds the copy whatever happens next.
+		if err := s.store.AddForkSnapshotHost(ctx, f.ID, vm.HostName); err != nil {
+			if uerr := s.forgetVM(ctx, vm.ID, vm.HostName); uerr != nil {
+				s.log.Error("release child reservation", "vm", vm.ID, "err", uerr)
+			}
+			return store.VM{}, fromStore(err, "record snapshot host of fork "+f.ID)
+		}
+	}
+	if err := s.step(ctx, crash, f.ID, ForkStepChildReserved, slot); err != nil {
+		if !crashed(ctx) {
+			if uerr := s.forgetVM(ctx, vm.ID, vm.HostName); uerr != nil {
+				s.log.Error("release child reservation", "vm", vm.ID, "err", uerr)
+			}
+		}
+		return store.VM{}, internal(err, fmt.Sprintf("start child %d of fork %s", slot, f.ID))
+	}
+	return vm, nil
+}
+
+var errNoPin = errors.New("no pinned placement")
+
+func childName(forkID string, slot int) string { return fmt.Sprintf("%s-%d", forkID, slot) }
+
+// startChildren starts the reserved children, forkConcurrency at a time.
+func (s *Service) startChildren(ctx context.Context, crash context.CancelCauseFunc, f store.Fork, srcAddress string, vms []store.VM) []error {
+	var (
+		mu   sync.Mutex
+		errs []error
+		wg   sync.WaitGroup
+	)
+	sem := make(chan struct{}, forkConcurrency)
+	for _, vm := range vms {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			if err := s.startChild(ctx, crash, f, srcAddress, vm); err != nil {
+				mu.Lock()
+				errs = append(errs, err)
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	return errs
+}
+
+// startChild asks the child's agent to start it from the snapshot and
+// records the answer. A failure undoes it like a failed VM create: the
+// agent deletes the child before its capacity is released.
+func (s *Service) startChild(ctx context.Context, crash context.CancelCauseFunc, f store.Fork, srcAddress string, vm store.VM) error {
+	if crashed(ctx) {
+		return ErrSimulatedCrash
+	}
+	slot := slotOf(vm)
+	address, alive, _ := s.view.agent(vm.HostName)
+	if !alive {
+		return unavailable(nil, "host %s of child %s of fork %s does not answer; retry when it is back", vm.HostName, vm.Name, f.ID)
+	}
+	agent := s.agents.client(address)
+	chain := &cleanup{log: s.log.With("vm", vm.ID, "host", vm.HostName, "fork", f.ID)}
+	chain.push("release capacity", func(ctx context.Context) error { return s.forgetVM(ctx, vm.ID, vm.HostName) })
+	chain.push("delete on agent", func(ctx context.Context) error {
+		err := s.agents.deleteVM(ctx, agent, vm.ID)
+		if errors.Is(err, agentapi.ErrNotFound) {
+			return nil
+		}
+		return err
+	})
+	src := &agentapi.SnapshotSource{ID: f.ID}
+	if vm.HostName != f.SourceHost {
+		src.Address = srcAddress
+	}
+	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
+		DiskMiB: vm.Resources.DiskMiB, Snapshot: src}
+	if err := s.step(ctx, crash, f.ID, ForkStepChildStart, slot); err != nil {
+		if crashed(ctx) {
+			return ErrSimulatedCrash
+		}
+		return s.failCreate(ctx, chain, vm, internal(err, "start child "+vm.Name))
+	}
+	created, err := s.agents.createVM(ctx, agent, vm.ID, spec)
+	if crashed(ctx) {
+		return ErrSimulatedCrash
+	}
+	if err != nil {
+		return s.failCreate(ctx, chain, vm, fromAgent(err, vm.HostName, fmt.Sprintf("start child %s of fork %s", vm.Name, f.ID)))
+	}
+	if err := s.step(ctx, crash, f.ID, ForkStepChildStarted, slot); err != nil {
+		if crashed(ctx) {
+			return ErrSimulatedCrash
+		}
+		return s.failCreate(ctx, chain, vm, internal(err, "record started child "+vm.Name))
+	}
+	if err := s.store.MarkVMCreated(ctx, vm.ID, created.State, created.Reason, created.StartedFrom); err != nil {
+		return s.failCreate(ctx, chain, vm, fromStore(err, "record started child "+vm.Name))
+	}
+	chain.commit()
+	s.log.Info("fork child started", "fork", f.ID, "vm", vm.ID, "name", vm.Name, "host", vm.HostName, "state", created.State)
+	return s.step(ctx, crash, f.ID, ForkStepChildRecorded, slot)
+}
+
+// joinForkErrors returns the first error (its code decides the answer) with
+// the messages of the others appended.
+func joinForkErrors(errs []error) error {
+	if len(errs) == 0 {
+		return nil
+	}
+	first := errs[0]
+	if len(errs) == 1 {
+		return first
+	}
+	var more []string
+	for _, e := range errs[1:] {
+		more = append(more, e.Error())
+	}
+	var e *Error
+	if errors.As(first, &e) {
+		e.Message += fmt.Sprintf(" (and %d more: %s)", len(more), strings.Join(more, "; "))
+		return first
+	}
+	return errors.Join(errs...)
+}

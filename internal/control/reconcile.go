@@ -1,0 +1,103 @@
+package control
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
+)
+
+// settleStuckCreate records the agent's state of a VM whose row is still
+// "creating" past CreateGrace although its agent has it: the create that
+// made it died (its replica was killed, or its last database write failed
+// and so did the cleanup) after the agent had created the VM. The VM runs
+// and its capacity is held, so the row takes the agent's state instead of
+// staying "creating" for ever.
+func (s *Service) settleStuckCreate(ctx context.Context, host string, row store.VM, a agentapi.VM) {
+	if time.Since(row.CreatedAt) < s.opts.CreateGrace || row.ForkID != nil {
+		return // its create (or its fork's pass) may still run and record the outcome
+	}
+	if err := s.store.MarkVMCreated(ctx, row.ID, a.State, a.Reason, a.StartedFrom); err != nil {
+		if !errors.Is(err, store.ErrNotFound) {
+			s.log.Error("host monitor: settle stuck create", "vm", row.ID, "host", host, "err", err)
+		}
+		return
+	}
+	s.log.Warn("vm create had not finished; recorded the state its agent reports", "vm", row.ID, "name", row.Name,
+		"host", host, "state", a.State)
+}
+
+// deleteOrphans deletes, on the agent, the VMs that have no row and are
+// older than OrphanGrace: nothing accounts for their capacity and no user
+// can see them (e.g. a create whose cleanup removed the row while the
+// agent was still booting the VM). The rows were read before the agent's
+// list, so a VM created since then is young and kept; each candidate's row
+// is looked up once more before the delete.
+func (s *Service) deleteOrphans(ctx context.Context, h store.Host, c *agentapi.Client, rows []store.VM, vms []agentapi.VM) {
+	known := make(map[string]bool, len(rows))
+	for _, row := range rows {
+		known[row.ID] = true
+	}
+	for _, v := range vms {
+		if known[v.ID] || v.CreatedAt.IsZero() || time.Since(v.CreatedAt) < s.opts.OrphanGrace {
+			continue
+		}
+		if _, err := s.store.GetVM(ctx, v.ID); !errors.Is(err, store.ErrNotFound) {
+			if err != nil {
+				s.log.Error("host monitor: look up orphan candidate", "vm", v.ID, "host", h.Name, "err", err)
+			}
+			continue
+		}
+		if err := s.agents.deleteVM(ctx, c, v.ID); err != nil && !errors.Is(err, agentapi.ErrNotFound) {
+			s.log.Error("host monitor: delete orphan VM on its agent; the next round retries", "vm", v.ID, "host", h.Name, "err", err)
+			continue
+		}
+		s.log.Warn("deleted a VM that its agent ran without a row in the database", "vm", v.ID, "host", h.Name,
+			"created_at", v.CreatedAt)
+	}
+}
+
+// reclaimReappeared handles a VM marked missing that its agent runs after
+// all: an agent that finished a create after the control API had given up
+// on it (e.g. killed mid-create), or that re-adopted its VMs late after a
+// restart. The VM takes its capacity back if its host still has room;
+// otherwise it stays missing, and the reason says how to resolve it.
+func (s *Service) reclaimReappeared(ctx context.Context, host string, row store.VM, a agentapi.VM) {
+	ok, err := s.store.ReclaimVM(ctx, row.ID, a.State, a.Reason, a.StartedFrom)
+	switch {
+	case errors.Is(err, store.ErrNoRoom):
+		reason := fmt.Sprintf("the agent of host %s runs this VM again, but its capacity went to other VMs meanwhile; delete it (or free room on the host)", host)
+		if row.Reason != reason {
+			if err := s.store.SetMissingReason(ctx, row.ID, reason); err != nil {
+				s.log.Error("host monitor: record reason", "vm", row.ID, "err", err)
+			}
+			s.log.Error("vm missing but running on its host, which has no room left for it", "vm", row.ID, "host", host)
+		}
+	case err != nil:
+		if !errors.Is(err, store.ErrNotFound) {
+			s.log.Error("host monitor: reclaim vm", "vm", row.ID, "host", host, "err", err)
+		}
+	case ok:
+		s.log.Warn("vm marked missing runs on its host again; capacity reserved again", "vm", row.ID, "name", row.Name,
+			"host", host, "state", a.State)
+		s.refreshHost(ctx, host)
+	}
+}
+
+// dropUnfinishedCreate removes the row of a create that stayed "creating"
+// past CreateGrace and that its agent does not have: the create died
+// before the agent made the VM (or its cleanup could not reach the
+// database), and no caller was ever told it exists. Removing the row, as
+// the create's own cleanup would have, frees its capacity and its name
+// for the caller's retry. Should the agent still make the VM later, it is
+// a VM without a row, which deleteOrphans removes.
+func (s *Service) dropUnfinishedCreate(ctx context.Context, host string, row store.VM) {
+	if err := s.forgetVM(ctx, row.ID, host); err != nil {
+		s.log.Error("host monitor: drop unfinished create", "vm", row.ID, "host", host, "err", err)
+		return
+	}
+	s.log.Warn("vm create never reached its agent; row removed and capacity released", "vm", row.ID, "name", row.Name, "host", host)
+}
