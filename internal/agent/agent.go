@@ -40,6 +40,9 @@ type Config struct {
 	Logger *slog.Logger
 	// Pool configures the warm pool (pool.go).
 	Pool PoolOptions
+	// PeerHTTPClient makes the calls to other agents (snapshot pulls), e.g.
+	// with the CA that signed their TLS certificates; default plain HTTP.
+	PeerHTTPClient *http.Client
 }
 
 // Agent is one host agent. VM states are observed when they are asked for;

@@ -22,7 +22,7 @@ import (
 )
 
 const (
-	bodyLimit = "1M"
+	bodyLimit = "1MiB" // binary: Echo reads "1M" as 10^6 bytes
 	// Console reads: 64 KiB unless ?bytes= asks for another amount, at most 1 MiB.
 	consoleDefault = 64 << 10
 	consoleMax     = 1 << 20
@@ -164,7 +164,7 @@ func bindJSON(c echo.Context, v any) error {
 	if err != nil {
 		if errors.Is(err, echo.ErrStatusRequestEntityTooLarge) {
 			return &Error{Status: http.StatusRequestEntityTooLarge, Code: CodeTooLarge,
-				Message: "request body is larger than " + bodyLimit + "B"}
+				Message: "request body is larger than " + bodyLimit}
 		}
 		return errInvalid("read request body: %v", err)
 	}

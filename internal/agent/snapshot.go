@@ -773,7 +773,11 @@ func (a *Agent) pullSnapshot(ctx context.Context, id, address string, chain []st
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), pullTimeout)
 	defer cancel()
 	start := time.Now()
-	c := agentapi.NewClient(address, a.cfg.Token, agentapi.WithTimeout(30*time.Second))
+	opts := []agentapi.Option{agentapi.WithTimeout(30 * time.Second)}
+	if a.cfg.PeerHTTPClient != nil {
+		opts = append(opts, agentapi.WithHTTPClient(a.cfg.PeerHTTPClient))
+	}
+	c := agentapi.NewClient(address, a.cfg.Token, opts...)
 	meta, err := c.GetSnapshot(ctx, id)
 	if errors.Is(err, agentapi.ErrNotFound) {
 		e := errConflict("snapshot %s does not exist on agent %s either", id, address)
