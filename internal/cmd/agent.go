@@ -29,6 +29,9 @@ type agentConfig struct {
 	StopTimeout     time.Duration
 	TLSCert, TLSKey string
 	Pool            agent.PoolOptions
+	// PeerCAFile holds PEM certificates to trust for other agents served
+	// over TLS, from which this one pulls snapshots.
+	PeerCAFile string
 }
 
 // runAgent runs the host agent (kvmd agent) until ctx ends. Its VMs keep
@@ -56,6 +59,7 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 	fs.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	fs.StringVar(&cfg.TLSCert, "tls-cert", "", "TLS certificate file (with --tls-key): serve HTTPS")
 	fs.StringVar(&cfg.TLSKey, "tls-key", "", "TLS key file")
+	fs.StringVar(&cfg.PeerCAFile, "peer-ca-file", "", "PEM CA certificates to trust for other agents at https:// addresses (snapshot pulls)")
 	if err := parseFlags(fs, args, getenv); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil
@@ -119,9 +123,13 @@ func serveAgent(ctx context.Context, cfg agentConfig, log *slog.Logger, ready fu
 	if err != nil {
 		return err
 	}
+	peerHTTP, err := httpClientTrusting(cfg.PeerCAFile, "peer agent")
+	if err != nil {
+		return fmt.Errorf("kvmd agent: %w", err)
+	}
 	a, err := agent.New(ctx, agent.Config{
 		StateDir: cfg.StateDir, Driver: driver, Token: cfg.Token, StopTimeout: cfg.StopTimeout, Logger: log,
-		Capacity: cfg.Capacity, Pool: cfg.Pool,
+		Capacity: cfg.Capacity, Pool: cfg.Pool, PeerHTTPClient: peerHTTP,
 	})
 	if err != nil {
 		return err
@@ -135,6 +143,8 @@ func serveAgent(ctx context.Context, cfg agentConfig, log *slog.Logger, ready fu
 	srv := &http.Server{
 		Handler:           a.Handler(),
 		ReadHeaderTimeout: 10 * time.Second,
+		ReadTimeout:       readTimeout,
+		MaxHeaderBytes:    maxHeaderBytes,
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 	}

@@ -27,6 +27,12 @@ type controlConfig struct {
 	SyncInterval    time.Duration
 	TLSCert, TLSKey string
 	ShutdownTimeout time.Duration
+	// AgentCAFile holds PEM certificates to trust for agents served over
+	// TLS (addresses with https://) whose certificates a private CA signed.
+	AgentCAFile string
+	// CreateGrace and OrphanGrace tune the host monitor's reconciliation
+	// (control.Options; 0 = its defaults).
+	CreateGrace, OrphanGrace time.Duration
 }
 
 // runControl is `kvmd control`.
@@ -45,8 +51,11 @@ func runControl(ctx context.Context, args []string, getenv Env, stderr io.Writer
 	fs.DurationVar(&cfg.SyncInterval, "sync-interval", 10*time.Second, "how often every agent is asked for its VMs")
 	fs.StringVar(&cfg.TLSCert, "tls-cert", "", "TLS certificate file (serve HTTPS with --tls-key)")
 	fs.StringVar(&cfg.TLSKey, "tls-key", "", "TLS key file")
+	fs.StringVar(&cfg.AgentCAFile, "agent-ca-file", "", "PEM CA certificates to trust for agents at https:// addresses (besides the system's)")
 	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long to wait for requests in flight at shutdown")
 	fs.StringVar(&logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.DurationVar(&cfg.CreateGrace, "create-grace", 15*time.Minute, "how long a VM may stay creating before the host monitor settles it from its agent (must exceed a create's 10 min bound)")
+	fs.DurationVar(&cfg.OrphanGrace, "orphan-grace", 15*time.Minute, "how old a VM on an agent without a database row must be before the host monitor deletes it")
 	if err := parseFlags(fs, args, getenv); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil
@@ -80,6 +89,9 @@ func (cfg controlConfig) validate() error {
 	if cfg.SyncInterval <= 0 {
 		errs = append(errs, errors.New("--sync-interval must be positive"))
 	}
+	if cfg.Token != "" && cfg.Token == cfg.AgentToken {
+		errs = append(errs, errors.New("the API token and the agent token are the same: give each its own, so that an API client cannot call agents directly"))
+	}
 	return errors.Join(errs...)
 }
 
@@ -103,7 +115,12 @@ func serveControl(ctx context.Context, cfg controlConfig, log *slog.Logger, read
 			log.Warn("close database", "err", err)
 		}
 	}()
-	svc, err := control.New(ctx, st, control.Options{AgentToken: cfg.AgentToken, SyncInterval: cfg.SyncInterval, Logger: log})
+	agentHTTP, err := httpClientTrusting(cfg.AgentCAFile, "agent")
+	if err != nil {
+		return err
+	}
+	svc, err := control.New(ctx, st, control.Options{AgentToken: cfg.AgentToken, SyncInterval: cfg.SyncInterval, Logger: log,
+		CreateGrace: cfg.CreateGrace, OrphanGrace: cfg.OrphanGrace, AgentHTTPClient: agentHTTP})
 	if err != nil {
 		return err
 	}
@@ -118,6 +135,9 @@ func serveControl(ctx context.Context, cfg controlConfig, log *slog.Logger, read
 	srv := &http.Server{
 		Handler:           handler,
 		ReadHeaderTimeout: 10 * time.Second,
+		ReadTimeout:       readTimeout,
+		WriteTimeout:      controlWriteTimeout,
+		MaxHeaderBytes:    maxHeaderBytes,
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 	}
