@@ -1,0 +1,168 @@
+package httpapi_test
+
+import (
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/labstack/echo/v4"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
+)
+
+// openRoutes are the only routes served without a token.
+var openRoutes = map[string]bool{"GET /healthz": true, "GET /readyz": true, "GET /metrics": true}
+
+// concretePath fills every path parameter of an Echo route with a value.
+func concretePath(p string) string {
+	parts := strings.Split(p, "/")
+	for i, s := range parts {
+		if strings.HasPrefix(s, ":") || s == "*" {
+			parts[i] = "x"
+		}
+	}
+	return strings.Join(parts, "/")
+}
+
+// routeMethod is the method to call a route with: Echo lists the group's
+// not-found routes under a pseudo method, answered for any real method.
+func routeMethod(r *echo.Route) string {
+	if strings.HasPrefix(r.Method, "echo_") {
+		return http.MethodGet
+	}
+	return r.Method
+}
+
+// TestEveryRouteRefusesMissingAndWrongTokens walks the handler's own route
+// list, so a route added later cannot skip authentication unnoticed.
+func TestEveryRouteRefusesMissingAndWrongTokens(t *testing.T) {
+	fc := newFuzzControl(t)
+	e, ok := fc.handler.(*echo.Echo)
+	if !ok {
+		t.Fatalf("httpapi.New returned %T; this test walks the routes of an *echo.Echo", fc.handler)
+	}
+	const unauthorized = `{"error":{"code":"unauthorized","message":"unauthorized"}}`
+	refusals := map[string]string{
+		"missing":              "",
+		"wrong":                "Bearer wrong-token",
+		"agent token":          "Bearer agent-token",
+		"token without scheme": fc.token,
+		"basic scheme":         "Basic " + fc.token,
+		"token with suffix":    "Bearer " + fc.token + "x",
+		"token prefix":         "Bearer " + fc.token[:len(fc.token)-1],
+		"lower-case scheme":    "bearer " + fc.token,
+	}
+	protected, open := 0, map[string]bool{}
+	for _, r := range e.Routes() {
+		method, path := routeMethod(r), concretePath(r.Path)
+		key := r.Method + " " + r.Path
+		if openRoutes[key] {
+			open[key] = true
+			if code := call(fc.handler, method, path, ""); code == http.StatusUnauthorized {
+				t.Errorf("%s must be open: got 401", key)
+			}
+			continue
+		}
+		protected++
+		for name, auth := range refusals {
+			rec := callRec(fc.handler, method, path, auth)
+			if rec.Code != http.StatusUnauthorized || strings.TrimSpace(rec.Body.String()) != unauthorized {
+				t.Errorf("%s with a %s token: %d %s; want 401 %s", key, name, rec.Code, rec.Body.String(), unauthorized)
+			}
+			if rec.Header().Get("WWW-Authenticate") == "" {
+				t.Errorf("%s with a %s token: 401 without WWW-Authenticate", key, name)
+			}
+		}
+		// The right token gets past the check (the route may still refuse
+		// the empty request): proves the refusals above are about the token.
+		if code := call(fc.handler, method, path, "Bearer "+fc.token); code == http.StatusUnauthorized {
+			t.Errorf("%s with the right token: 401", key)
+		}
+	}
+	if len(open) != len(openRoutes) {
+		t.Errorf("open routes served: %v; want %v", open, openRoutes)
+	}
+	// The API has at least its ten /v1 routes; fewer means the walk saw a
+	// different handler than the one served.
+	if protected < 10 {
+		t.Errorf("only %d protected routes walked", protected)
+	}
+}
+
+func callRec(h http.Handler, method, path, auth string) *httptest.ResponseRecorder {
+	req := httptest.NewRequest(method, path, strings.NewReader(`{}`))
+	req.Header.Set("Content-Type", "application/json")
+	if auth != "" {
+		req.Header.Set("Authorization", auth)
+	}
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, req)
+	return rec
+}
+
+func call(h http.Handler, method, path, auth string) int { return callRec(h, method, path, auth).Code }
+
+// TestBodyLimit: a body over 1 MiB is refused with 413 on every route
+// that reads one, and one just under the limit is read.
+func TestBodyLimit(t *testing.T) {
+	fc := newFuzzControl(t)
+	over := `{"name":"` + strings.Repeat("x", 1<<20) + `"}`
+	under := `{"name":"` + strings.Repeat("x", 1<<20-100) + `"}`
+	for _, r := range []struct{ method, path string }{
+		{http.MethodPost, "/v1/vms"}, {http.MethodPatch, "/v1/vms/" + fc.vmID},
+		{http.MethodPut, "/v1/hosts/h2"}, {http.MethodPost, "/v1/placements"},
+	} {
+		for _, tc := range []struct {
+			body string
+			want int
+		}{{over, http.StatusRequestEntityTooLarge}, {under, http.StatusBadRequest}} {
+			req := httptest.NewRequest(r.method, r.path, strings.NewReader(tc.body))
+			req.Header.Set("Authorization", "Bearer "+fc.token)
+			rec := httptest.NewRecorder()
+			fc.handler.ServeHTTP(rec, req)
+			if rec.Code != tc.want {
+				t.Errorf("%s %s with %d bytes: %d %s; want %d", r.method, r.path, len(tc.body), rec.Code, trim(rec.Body.String()), tc.want)
+			}
+			if tc.want == http.StatusRequestEntityTooLarge && !strings.Contains(rec.Body.String(), `"code":"too_large"`) {
+				t.Errorf("%s %s over the limit: %s", r.method, r.path, trim(rec.Body.String()))
+			}
+		}
+	}
+}
+
+func trim(s string) string {
+	if len(s) > 300 {
+		return s[:300] + "..."
+	}
+	return s
+}
+
+// TestOneRequestCreatesBoundedVMs: a create makes one VM, and a fork or a
+// fork update asking for more than control.MaxForkChildren children is
+// refused before anything is made.
+func TestOneRequestCreatesBoundedVMs(t *testing.T) {
+	fc := newFuzzControl(t)
+	if fc.forkID == "" {
+		t.Fatal("the fork routes are not served")
+	}
+	tooMany := control.MaxForkChildren + 1
+	for _, r := range []struct{ method, path, body string }{
+		{http.MethodPost, "/v1/forks", fmt.Sprintf(`{"source_vm_id":%q,"count":%d}`, fc.vmID, tooMany)},
+		{http.MethodPatch, "/v1/forks/" + fc.forkID, fmt.Sprintf(`{"count":%d}`, tooMany)},
+	} {
+		status := fc.do(t, r.method, r.path, []byte(r.body), nil, false)
+		if status != http.StatusBadRequest {
+			t.Errorf("%s %s with count %d: %d; want 400", r.method, r.path, tooMany, status)
+		}
+	}
+	// A fork within the limit makes exactly its count of VMs.
+	before := len(fc.snapshot(t).vms)
+	if status := fc.do(t, http.MethodPost, "/v1/forks", []byte(fmt.Sprintf(`{"source_vm_id":%q,"count":%d}`, fc.vmID, 3)), nil, false); status != http.StatusCreated {
+		t.Fatalf("fork of 3: %d", status)
+	}
+	if after := len(fc.snapshot(t).vms); after != before+3 {
+		t.Errorf("a fork of 3 made %d VMs", after-before)
+	}
+}
