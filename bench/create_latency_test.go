@@ -1,0 +1,141 @@
+package bench
+
+// Create latency through the control API, warm vs cold (issue 6), in one run:
+//
+//	go test ./bench -run '^$' -bench 'CreateLatencyQEMU' -benchtime 1x -timeout 20m
+//
+// An in-process control API (SQLite) with one real QEMU agent (TCG here).
+// Each sample is POST /v1/vms until its answer, for the busybox guest at
+// 128 MiB:
+//   - cold-p50/p95-ms: 20 creates with no warm pool (the answer comes once
+//     QEMU runs; the guest boots after),
+//   - warm-p50/p95-ms: 20 creates that each take a warm VM, in batches of 4:
+//     the pool (size 4) is refilled and all 4 ready before each batch,
+//   - cold/warm: the ratio of the p50s,
+//   - resume-p50/p95-ms: the agent-side resume, QMP cont on a paused guest
+//     (fresh QMP session per call as the agent does it), 20 samples on the
+//     warm-started VMs.
+//
+// Numbers are reported, never asserted. Every VM is deleted before the next
+// batch so that idle guests do not steal the CPU from the measured creates.
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
+)
+
+const (
+	latencyRuns     = 20
+	latencyPoolSize = 4
+)
+
+var latencyVM = api.VMCreate{Image: benchGuest.Image, VCPUs: benchGuest.VCPUs, MemoryMiB: benchGuest.MemoryMiB, DiskMiB: benchGuest.DiskMiB}
+
+func latencyPool(size int) []api.WarmPoolTarget {
+	return []api.WarmPoolTarget{{Image: latencyVM.Image, VCPUs: latencyVM.VCPUs, MemoryMiB: latencyVM.MemoryMiB, DiskMiB: latencyVM.DiskMiB, Size: size}}
+}
+
+// waitReady waits until the agent has n ready warm VMs of the shape.
+func waitReady(b *testing.B, c *agentapi.Client, n int) {
+	deadline := time.Now().Add(5 * time.Minute)
+	for time.Now().Before(deadline) {
+		items, err := c.Pool(context.Background())
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, it := range items {
+			if it.Image == latencyVM.Image && it.VCPUs == latencyVM.VCPUs && it.MemoryMiB == latencyVM.MemoryMiB &&
+				it.DiskMiB == latencyVM.DiskMiB && it.Ready >= n {
+				return
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	b.Fatalf("fewer than %d ready warm VMs within 5 minutes", n)
+}
+
+func BenchmarkCreateLatencyQEMU(b *testing.B) {
+	ctl := testenv.StartControl(b, testenv.ControlOptions{})
+	ag := testenv.StartAgent(b, testenv.AgentOptions{Driver: "qemu"})
+	ctx := context.Background()
+	ratio := 8.0
+	put := func(size int) {
+		in := api.HostPut{Address: ag.Address, CPUAllocationRatio: &ratio}
+		if size > 0 {
+			in.WarmPool = latencyPool(size)
+		}
+		if _, err := ctl.Client.PutHost(ctx, "q1", in); err != nil {
+			b.Fatal(err)
+		}
+	}
+	create := func(name, from string) (api.VM, time.Duration) {
+		in := latencyVM
+		in.Name = name
+		t0 := time.Now()
+		vm, err := ctl.Client.CreateVM(ctx, in, "")
+		d := time.Since(t0)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if vm.StartedFrom != from || vm.ObservedState != api.StateRunning {
+			b.Fatalf("create %s: started_from %q, state %q; want %s and running", name, vm.StartedFrom, vm.ObservedState, from)
+		}
+		return vm, d
+	}
+	del := func(id string) {
+		if err := ctl.Client.DeleteVM(ctx, id); err != nil {
+			b.Fatal(err)
+		}
+	}
+	info, err := ag.Client.Info(ctx)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Logf("accel %s (%s)", info.Accel, info.AccelNote)
+	for b.Loop() {
+		var cold, warm, resume []time.Duration
+		put(0)
+		for i := range latencyRuns {
+			vm, d := create(fmt.Sprintf("cold-%d", i), api.StartedCold)
+			cold = append(cold, d)
+			del(vm.ID)
+		}
+		put(latencyPoolSize)
+		for i := 0; i < latencyRuns; i += latencyPoolSize {
+			waitReady(b, ag.Client, latencyPoolSize)
+			var batch []api.VM
+			for j := i; j < min(i+latencyPoolSize, latencyRuns); j++ {
+				vm, d := create(fmt.Sprintf("warm-%d", j), api.StartedWarm)
+				warm = append(warm, d)
+				batch = append(batch, vm)
+			}
+			// The agent-side resume on these guests: pause, then time QMP cont.
+			for _, vm := range batch {
+				if _, err := ag.Client.Action(ctx, vm.ID, agentapi.ActionPause); err != nil {
+					b.Fatal(err)
+				}
+				s := openQMP(b, filepath.Join(ag.StateDir, "vms", vm.ID, "qmp.sock"))
+				t0 := time.Now()
+				s.call(b, "cont")
+				resume = append(resume, time.Since(t0))
+				_ = s.conn.Close()
+				del(vm.ID)
+			}
+		}
+		put(0)
+		b.ReportMetric(pct(cold, 50), "cold-p50-ms")
+		b.ReportMetric(pct(cold, 95), "cold-p95-ms")
+		b.ReportMetric(pct(warm, 50), "warm-p50-ms")
+		b.ReportMetric(pct(warm, 95), "warm-p95-ms")
+		b.ReportMetric(pct(cold, 50)/pct(warm, 50), "cold/warm")
+		b.ReportMetric(pct(resume, 50), "resume-p50-ms")
+		b.ReportMetric(pct(resume, 95), "resume-p95-ms")
+	}
+}
