@@ -32,6 +32,13 @@ const (
 	summaryVMFailed           = "VM Failed to Reach Its Power State"
 	summaryHostAlreadyExists  = "Host Already Registered"
 	summaryVMNameAlreadyTaken = "VM Name Already Taken"
+	summaryCreateFork         = "Unable to Create Fork"
+	summaryReadFork           = "Unable to Read Fork"
+	summaryUpdateFork         = "Unable to Update Fork"
+	summaryDeleteFork         = "Unable to Delete Fork"
+	summaryImportFork         = "Unable to Import Fork"
+	summaryForkFailed         = "Fork Failed to Become Ready"
+	summaryForkPointTaken     = "Fork Point Already Taken"
 )
 
 // addAPIError adds an error diagnostic for a failed control API call:

@@ -81,6 +81,7 @@ func hostDataAttributes() map[string]schema.Attribute {
 			ElementType:         types.StringType,
 			Computed:            true,
 		},
+		"warm_pool": warmPoolDataAttribute(),
 	}
 }
 

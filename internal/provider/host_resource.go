@@ -129,6 +129,7 @@ func (r *hostResource) Schema(_ context.Context, _ resource.SchemaRequest, resp 
 				ElementType:         types.StringType,
 				Computed:            true,
 			},
+			"warm_pool": warmPoolResourceAttribute(),
 		},
 	}
 }
@@ -153,12 +154,17 @@ func hostPut(ctx context.Context, m hostModel) (api.HostPut, error) {
 	schedulable := m.Schedulable.ValueBool()
 	ratio := m.CPUAllocationRatio.ValueFloat64()
 	reserved := m.MemoryReservedMiB.ValueInt64()
+	warm, err := warmPoolFromValue(ctx, m.WarmPool)
+	if err != nil {
+		return api.HostPut{}, err
+	}
 	return api.HostPut{
 		Address:            m.Address.ValueString(),
 		Labels:             labels,
 		Schedulable:        &schedulable,
 		CPUAllocationRatio: &ratio,
 		MemoryReservedMiB:  &reserved,
+		WarmPool:           warm,
 	}, nil
 }
 

@@ -89,6 +89,7 @@ type hostModel struct {
 	Accel              types.String  `tfsdk:"accel"`
 	Driver             types.String  `tfsdk:"driver"`
 	Images             types.List    `tfsdk:"images"`
+	WarmPool           types.List    `tfsdk:"warm_pool"`
 }
 
 func (m *hostModel) fromAPI(h api.Host) {
@@ -105,6 +106,7 @@ func (m *hostModel) fromAPI(h api.Host) {
 	m.Accel = types.StringValue(h.Accel)
 	m.Driver = types.StringValue(h.Driver)
 	m.Images = stringList(h.Images)
+	m.WarmPool = warmPoolValue(h.WarmPool)
 }
 
 // hostDataModel is a host as the data sources show it: the resource's
@@ -116,6 +118,7 @@ type hostDataModel struct {
 
 func (m *hostDataModel) fromAPI(h api.Host) {
 	m.hostModel.fromAPI(h)
+	m.WarmPool = warmPoolDataValue(h.WarmPool)
 	m.LastSeen = types.StringNull()
 	if h.LastSeen != nil {
 		m.LastSeen = timestamp(*h.LastSeen)

@@ -42,12 +42,15 @@ type placementDataModel struct {
 	Score      types.Float64    `tfsdk:"score"`
 	Ranked     []rankedHostData `tfsdk:"ranked"`
 	Rejected   []rejectionData  `tfsdk:"rejected"`
+	Note       types.String     `tfsdk:"note"`
 }
 
 type rankedHostData struct {
 	Host  types.String  `tfsdk:"host"`
 	Score types.Float64 `tfsdk:"score"`
 	Terms types.Map     `tfsdk:"terms"`
+	// WarmReady: ready warm VMs of the request's image and shape.
+	WarmReady types.Int64 `tfsdk:"warm_ready"`
 }
 
 type rejectionData struct {
@@ -107,7 +110,16 @@ func (d *placementDataSource) Schema(_ context.Context, _ datasource.SchemaReque
 						ElementType:         types.Float64Type,
 						Computed:            true,
 					},
+					"warm_ready": schema.Int64Attribute{
+						MarkdownDescription: "How many warm VMs of this image and shape the host has ready (see `warm_pool` on `kvm_host`).",
+						Computed:            true,
+					},
 				}},
+			},
+			"note": schema.StringAttribute{
+				MarkdownDescription: "Set when something besides the score decided: a host whose score is within 10% of " +
+					"the best wins when it has a ready warm VM of this image and shape and the best has none.",
+				Computed: true,
 			},
 			"rejected": schema.ListNestedAttribute{
 				MarkdownDescription: "Every host that cannot take the VM, sorted by name, with the reason.",
@@ -158,6 +170,7 @@ func (d *placementDataSource) Read(ctx context.Context, req datasource.ReadReque
 	}
 	cfg.Fits = types.BoolValue(res.Host != "")
 	cfg.ChosenHost = optionalString(res.Host)
+	cfg.Note = optionalString(res.Note)
 	cfg.Score = types.Float64Null()
 	if res.Host != "" {
 		cfg.Score = types.Float64Value(res.Score)
@@ -172,6 +185,8 @@ func (d *placementDataSource) Read(ctx context.Context, req datasource.ReadReque
 			Host:  types.StringValue(r.Host),
 			Score: types.Float64Value(r.Score),
 			Terms: types.MapValueMust(types.Float64Type, terms),
+
+			WarmReady: types.Int64Value(int64(r.WarmReady)),
 		})
 	}
 	rejected := slices.Clone(res.Rejected)

@@ -190,6 +190,7 @@ func (p *kvmProvider) Resources(_ context.Context) []func() resource.Resource {
 	return []func() resource.Resource{
 		NewHostResource,
 		NewVMResource,
+		NewForkResource,
 	}
 }
 
@@ -199,6 +200,7 @@ func (p *kvmProvider) DataSources(_ context.Context) []func() datasource.DataSou
 		NewHostsDataSource,
 		NewVMDataSource,
 		NewPlacementDataSource,
+		NewForkDataSource,
 	}
 }
 

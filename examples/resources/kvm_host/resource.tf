@@ -7,6 +7,17 @@ resource "kvm_host" "node1" {
   }
   cpu_allocation_ratio = 2.0
   memory_reserved_mib  = 2048
+
+  # Keep two paused, pre-booted busybox VMs of this shape ready: a kvm_vm of
+  # exactly this image, vcpus, memory_mib and disk_mib starts from one in
+  # milliseconds (its started_from is "warm"); the agent boots a replacement.
+  warm_pool = [{
+    image      = "busybox"
+    vcpus      = 1
+    memory_mib = 128
+    disk_mib   = 64
+    size       = 2
+  }]
 }
 
 # A host kept out of new placements while its VMs keep running.
