@@ -61,6 +61,12 @@ type agentState struct {
 func (fa *fuzzAgent) state() agentState {
 	s := agentState{vms: fa.agent.ListVMs(context.Background())}
 	for _, p := range fa.agent.PoolStatus() {
+		if p.Size == 0 {
+			// A shape whose target was cleared stays listed, with size 0,
+			// only until the filler has destroyed its surplus VMs: the
+			// filler removes it on its own, not the request.
+			continue
+		}
 		p.Ready, p.Booting = 0, 0 // the filler changes these on its own
 		s.targets = append(s.targets, p)
 	}

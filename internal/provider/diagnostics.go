@@ -107,6 +107,21 @@ func conflictingVMID(err error) string {
 	return ""
 }
 
+// providerDataFrom is the Configure of every resource and data source: the
+// provider's shared client, or nil before the provider is configured (the
+// framework calls Configure early, during validation, with no data).
+func providerDataFrom(data any, diags *diag.Diagnostics) *providerData {
+	if data == nil {
+		return nil
+	}
+	pd, ok := data.(*providerData)
+	if !ok {
+		addUnexpectedDataError(diags, data)
+		return nil
+	}
+	return pd
+}
+
 func addUnexpectedDataError(diags *diag.Diagnostics, data any) {
 	diags.AddError(summaryUnexpectedData, fmt.Sprintf(
 		"Expected *provider.providerData, got %T. This is a bug in the provider; please report it.", data))

@@ -218,15 +218,7 @@ func (r *forkResource) Schema(ctx context.Context, _ resource.SchemaRequest, res
 }
 
 func (r *forkResource) Configure(_ context.Context, req resource.ConfigureRequest, resp *resource.ConfigureResponse) {
-	if req.ProviderData == nil {
-		return
-	}
-	data, ok := req.ProviderData.(*providerData)
-	if !ok {
-		addUnexpectedDataError(&resp.Diagnostics, req.ProviderData)
-		return
-	}
-	r.data = data
+	r.data = providerDataFrom(req.ProviderData, &resp.Diagnostics)
 }
 
 // ModifyPlan does two things for an existing fork. A fork whose last pass

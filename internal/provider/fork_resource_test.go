@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"regexp"
 	"slices"
@@ -463,47 +462,13 @@ resource "kvm_fork" "test" {
 	})
 }
 
-// loseFirstForkAnswer forwards the first POST /v1/forks to the control API
-// and then reports a broken connection instead of its answer. It records the
-// Idempotency-Key of every fork create it sees.
-type loseFirstForkAnswer struct {
-	next http.RoundTripper
-	mu   sync.Mutex
-	lost bool
-	keys []string
-}
-
-func (l *loseFirstForkAnswer) RoundTrip(req *http.Request) (*http.Response, error) {
-	if req.Method != http.MethodPost || req.URL.Path != "/v1/forks" {
-		return l.next.RoundTrip(req)
-	}
-	l.mu.Lock()
-	l.keys = append(l.keys, req.Header.Get("Idempotency-Key"))
-	lose := !l.lost
-	l.lost = true
-	l.mu.Unlock()
-	resp, err := l.next.RoundTrip(req)
-	if !lose || err != nil {
-		return resp, err
-	}
-	_, _ = io.Copy(io.Discard, resp.Body)
-	_ = resp.Body.Close()
-	return nil, errors.New("read: connection reset by peer (injected: the answer to the first fork create was lost)")
-}
-
-func (l *loseFirstForkAnswer) createKeys() []string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return append([]string(nil), l.keys...)
-}
-
 // TestAccFork_idempotentCreateAfterLostAnswer: the retry of a create whose
 // answer was lost carries the same Idempotency-Key and yields the same fork,
 // not a second snapshot and a second set of children.
 func TestAccFork_idempotentCreateAfterLostAnswer(t *testing.T) {
 	f := newFleet(t, "h1")
 	forks := &forkIDs{}
-	lossy := &loseFirstForkAnswer{next: http.DefaultTransport}
+	lossy := &loseFirstAnswer{path: "/v1/forks", next: http.DefaultTransport}
 	resource.Test(t, resource.TestCase{
 		ProtoV6ProviderFactories: factories(provider.WithHTTPClient(&http.Client{Transport: lossy})),
 		CheckDestroy:             f.checkForksDestroyed(forks),

@@ -220,19 +220,20 @@ func countingFactories(mu *sync.Mutex, counters *[]*requestCounter) map[string]f
 	}
 }
 
-// loseFirstCreateAnswer forwards the first POST /v1/vms to the control API
+// loseFirstAnswer forwards the first POST to path (a create) to the control API
 // and then reports a broken connection instead of its answer, as a network
 // failure after the request arrived would. It records the Idempotency-Key
 // of every create it sees.
-type loseFirstCreateAnswer struct {
+type loseFirstAnswer struct {
+	path string // the create endpoint, e.g. /v1/vms
 	next http.RoundTripper
 	mu   sync.Mutex
 	lost bool
 	keys []string
 }
 
-func (l *loseFirstCreateAnswer) RoundTrip(req *http.Request) (*http.Response, error) {
-	if req.Method != http.MethodPost || req.URL.Path != "/v1/vms" {
+func (l *loseFirstAnswer) RoundTrip(req *http.Request) (*http.Response, error) {
+	if req.Method != http.MethodPost || req.URL.Path != l.path {
 		return l.next.RoundTrip(req)
 	}
 	l.mu.Lock()
@@ -249,7 +250,7 @@ func (l *loseFirstCreateAnswer) RoundTrip(req *http.Request) (*http.Response, er
 	return nil, errors.New("read: connection reset by peer (injected: the answer to the first create was lost)")
 }
 
-func (l *loseFirstCreateAnswer) createKeys() []string {
+func (l *loseFirstAnswer) createKeys() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return append([]string(nil), l.keys...)

@@ -135,15 +135,7 @@ func (r *hostResource) Schema(_ context.Context, _ resource.SchemaRequest, resp 
 }
 
 func (r *hostResource) Configure(_ context.Context, req resource.ConfigureRequest, resp *resource.ConfigureResponse) {
-	if req.ProviderData == nil {
-		return
-	}
-	data, ok := req.ProviderData.(*providerData)
-	if !ok {
-		addUnexpectedDataError(&resp.Diagnostics, req.ProviderData)
-		return
-	}
-	r.data = data
+	r.data = providerDataFrom(req.ProviderData, &resp.Diagnostics)
 }
 
 func hostPut(ctx context.Context, m hostModel) (api.HostPut, error) {

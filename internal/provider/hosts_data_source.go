@@ -58,15 +58,7 @@ func (d *hostsDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, 
 }
 
 func (d *hostsDataSource) Configure(_ context.Context, req datasource.ConfigureRequest, resp *datasource.ConfigureResponse) {
-	if req.ProviderData == nil {
-		return
-	}
-	data, ok := req.ProviderData.(*providerData)
-	if !ok {
-		addUnexpectedDataError(&resp.Diagnostics, req.ProviderData)
-		return
-	}
-	d.data = data
+	d.data = providerDataFrom(req.ProviderData, &resp.Diagnostics)
 }
 
 func (d *hostsDataSource) Read(ctx context.Context, req datasource.ReadRequest, resp *datasource.ReadResponse) {

@@ -134,15 +134,7 @@ func (d *placementDataSource) Schema(_ context.Context, _ datasource.SchemaReque
 }
 
 func (d *placementDataSource) Configure(_ context.Context, req datasource.ConfigureRequest, resp *datasource.ConfigureResponse) {
-	if req.ProviderData == nil {
-		return
-	}
-	data, ok := req.ProviderData.(*providerData)
-	if !ok {
-		addUnexpectedDataError(&resp.Diagnostics, req.ProviderData)
-		return
-	}
-	d.data = data
+	d.data = providerDataFrom(req.ProviderData, &resp.Diagnostics)
 }
 
 func (d *placementDataSource) Read(ctx context.Context, req datasource.ReadRequest, resp *datasource.ReadResponse) {

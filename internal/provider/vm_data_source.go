@@ -90,15 +90,7 @@ func (d *vmDataSource) ConfigValidators(context.Context) []datasource.ConfigVali
 }
 
 func (d *vmDataSource) Configure(_ context.Context, req datasource.ConfigureRequest, resp *datasource.ConfigureResponse) {
-	if req.ProviderData == nil {
-		return
-	}
-	data, ok := req.ProviderData.(*providerData)
-	if !ok {
-		addUnexpectedDataError(&resp.Diagnostics, req.ProviderData)
-		return
-	}
-	d.data = data
+	d.data = providerDataFrom(req.ProviderData, &resp.Diagnostics)
 }
 
 func (d *vmDataSource) Read(ctx context.Context, req datasource.ReadRequest, resp *datasource.ReadResponse) {

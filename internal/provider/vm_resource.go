@@ -160,15 +160,7 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 }
 
 func (r *vmResource) Configure(_ context.Context, req resource.ConfigureRequest, resp *resource.ConfigureResponse) {
-	if req.ProviderData == nil {
-		return
-	}
-	data, ok := req.ProviderData.(*providerData)
-	if !ok {
-		addUnexpectedDataError(&resp.Diagnostics, req.ProviderData)
-		return
-	}
-	r.data = data
+	r.data = providerDataFrom(req.ProviderData, &resp.Diagnostics)
 }
 
 func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, resp *resource.CreateResponse) {

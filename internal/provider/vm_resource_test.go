@@ -424,7 +424,7 @@ func TestAccVM_deadHostShowsUnknown(t *testing.T) {
 
 func TestAccVM_idempotentCreateAfterLostAnswer(t *testing.T) {
 	f := newFleet(t, "h1")
-	lossy := &loseFirstCreateAnswer{next: http.DefaultTransport}
+	lossy := &loseFirstAnswer{path: "/v1/vms", next: http.DefaultTransport}
 	resource.Test(t, resource.TestCase{
 		ProtoV6ProviderFactories: factories(provider.WithHTTPClient(&http.Client{Transport: lossy})),
 		CheckDestroy:             f.checkFleetEmpty,
