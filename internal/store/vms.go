@@ -46,8 +46,8 @@ func (vmLabel) TableName() string { return "vm_labels" }
 
 // ReserveAndInsertVM is the atomic reservation: one conditional UPDATE adds
 // the VM's resources to its host only if they fit, and the VM row (with
-// its labels) is inserted in the same transaction (on SQLite, a savepoint
-// of a transaction shared with concurrent reservations; see batch.go). ErrNoRoom when the host
+// its labels) is inserted in the same transaction (on SQLite, a transaction
+// shared with concurrent reservations; see batch.go). ErrNoRoom when the host
 // (as the database sees it now) cannot take the VM or is not alive and
 // schedulable; ErrDuplicateName when the name is taken.
 func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
@@ -76,21 +76,12 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 	return fmt.Errorf("reserve vm %s on host %s: %w", vm.ID, vm.HostName, err)
 }
 
-// reserveOnHost is the conditional UPDATE; RowsAffected decides.
-func reserveOnHost(tx *gorm.DB, host string, r Resources) error {
-	res := tx.Exec(`UPDATE hosts SET
-		alloc_vcpus = alloc_vcpus + ?, alloc_memory_mib = alloc_memory_mib + ?, alloc_disk_mib = alloc_disk_mib + ?
-		WHERE name = ? AND alive AND schedulable
-		AND alloc_vcpus + ? <= cap_vcpus AND alloc_memory_mib + ? <= cap_memory_mib AND alloc_disk_mib + ? <= cap_disk_mib`,
-		r.VCPUs, r.MemoryMiB, r.DiskMiB, host, r.VCPUs, r.MemoryMiB, r.DiskMiB)
-	if res.Error != nil {
-		return res.Error
-	}
-	if res.RowsAffected != 1 {
-		return fmt.Errorf("host %s: %w", host, ErrNoRoom)
-	}
-	return nil
-}
+// reserveOnHostSQL is the conditional UPDATE of a reservation (arguments:
+// vcpus, memory, disk, host, then vcpus, memory, disk again).
+const reserveOnHostSQL = `UPDATE hosts SET
+	alloc_vcpus = alloc_vcpus + ?, alloc_memory_mib = alloc_memory_mib + ?, alloc_disk_mib = alloc_disk_mib + ?
+	WHERE name = ? AND alive AND schedulable
+	AND alloc_vcpus + ? <= cap_vcpus AND alloc_memory_mib + ? <= cap_memory_mib AND alloc_disk_mib + ? <= cap_disk_mib`
 
 // reserveInOneStatement is the same reservation on PostgreSQL as one
 // statement: data-modifying CTEs run the conditional UPDATE, the VM insert
