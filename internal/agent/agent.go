@@ -218,6 +218,10 @@ func (a *Agent) Handler() http.Handler { return a.handler }
 // destroys the warm ones left in the pool).
 func (a *Agent) Close() error {
 	a.pool.stop()
+	// A driver's own background work (the qemu driver's husks).
+	if c, ok := a.cfg.Driver.(interface{ Close() error }); ok {
+		return c.Close()
+	}
 	return nil
 }
 

@@ -51,6 +51,11 @@ type Options struct {
 	QEMU     string       // default qemu-system-x86_64
 	QEMUImg  string       // default qemu-img
 	Logger   *slog.Logger // default slog.Default()
+	// Husks is how many QEMU processes per shape are kept ready to receive
+	// a snapshot (husk.go); 0 keeps none. When 0, KVMD_QEMU_HUSKS (the
+	// environment form of kvmd agent --qemu-husks) may set it, so that
+	// in-process agents of tests and benchmarks can turn husks on too.
+	Husks int
 }
 
 // Driver runs VMs with QEMU.
@@ -63,6 +68,7 @@ type Driver struct {
 	log       *slog.Logger
 	// snapshotPauses counts the VM pauses of snapshots (snapshot.go).
 	snapshotPauses atomic.Int64
+	husks          *huskPool // nil when Options.Husks is 0
 }
 
 var _ agent.Driver = (*Driver)(nil)
@@ -100,6 +106,14 @@ func New(ctx context.Context, opts Options) (*Driver, error) {
 	d.accel, d.accelNote, err = chooseAccel(ctx, d.qemu, opts.Accel)
 	if err != nil {
 		return nil, fmt.Errorf("qemu driver: %w", err)
+	}
+	if opts.Husks == 0 {
+		if n, err := strconv.Atoi(os.Getenv("KVMD_QEMU_HUSKS")); err == nil && n > 0 {
+			opts.Husks = n
+		}
+	}
+	if opts.Husks > 0 {
+		d.husks = newHuskPool(d, opts.Husks)
 	}
 	d.log.Info("qemu accelerator chosen", "accel", d.accel, "why", d.accelNote, "qemu", d.qemu)
 	return d, nil

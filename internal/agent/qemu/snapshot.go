@@ -137,6 +137,8 @@ func (d *Driver) qemuImgCreate(ctx context.Context, path, backing string, size i
 // Snapshot implements agent.Snapshotter (see the file comment).
 func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opts agent.SnapshotOptions) (agent.SnapshotFiles, error) {
 	files := agent.SnapshotFiles{Memory: memoryFileName}
+	// Children of this shape may follow: have husks ready for them.
+	defer d.husks.note(keyOf(m), stateDirOf(dir))
 	if alive, why := checkProcess(m.Process, pidfileOf(m)); !alive {
 		return files, fmt.Errorf("snapshot vm %s: %s", m.ID, why)
 	}
@@ -264,6 +266,10 @@ func (d *Driver) saveMemory(ctx context.Context, sock, path string) error {
 
 // Spawn implements agent.Snapshotter (see the file comment).
 func (d *Driver) Spawn(ctx context.Context, m *agent.Machine, dir string, files agent.SnapshotFiles) error {
+	defer d.husks.note(keyOf(m), stateDirOf(m.Dir))
+	if d.spawnHusk(ctx, m, dir, files) {
+		return nil
+	}
 	t0 := time.Now()
 	m.Disk = ""
 	if m.DiskMiB > 0 {
