@@ -83,7 +83,7 @@ func checkProcess(p agent.Process, pidfile string) (bool, string) {
 func waitGone(p agent.Process, pidfile string, timeout time.Duration) bool {
 	deadline := time.Now().Add(timeout)
 	for {
-		if alive, _ := checkProcess(p, pidfile); !alive {
+		if exited(p, pidfile) {
 			return true
 		}
 		if time.Now().After(deadline) {
@@ -91,6 +91,19 @@ func waitGone(p agent.Process, pidfile string, timeout time.Duration) bool {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// exited says whether p has really ended. While a process exits, its
+// command line reads empty before it becomes a zombie, so once the start
+// time is known (it tells a reused pid apart), only the pid and the start
+// time decide: a blank command line of the same process is still exiting.
+func exited(p agent.Process, pidfile string) bool {
+	if p.StartTime == 0 {
+		alive, _ := checkProcess(p, pidfile)
+		return !alive
+	}
+	state, start, err := procStat(p.PID)
+	return err != nil || state == 'Z' || state == 'X' || start != p.StartTime
 }
 
 // ProcessesOf returns the pids of the live QEMU processes of the VM whose
