@@ -62,33 +62,26 @@ func targetSizes(targets []store.PoolTarget) map[warmKey]int {
 	return out
 }
 
-// agentSizes is targetSizes of what the agent reports.
-func agentSizes(pool []agentapi.PoolStatus) map[warmKey]int {
+// poolCounts maps each image and shape the agent reports to count of its
+// status row (the target size, or the warm VMs ready), where that is above 0.
+func poolCounts(pool []agentapi.PoolStatus, count func(agentapi.PoolStatus) int) map[warmKey]int {
 	out := map[warmKey]int{}
 	for _, p := range pool {
-		if p.Size > 0 {
-			out[warmKey{p.Image, p.VCPUs, p.MemoryMiB, p.DiskMiB}] = p.Size
+		if n := count(p); n > 0 {
+			out[warmKey{p.Image, p.VCPUs, p.MemoryMiB, p.DiskMiB}] = n
 		}
 	}
 	return out
 }
 
-// readyCounts maps each image and shape to the warm VMs ready on the agent.
-func readyCounts(pool []agentapi.PoolStatus) map[warmKey]int {
-	out := map[warmKey]int{}
-	for _, p := range pool {
-		if p.Ready > 0 {
-			out[warmKey{p.Image, p.VCPUs, p.MemoryMiB, p.DiskMiB}] = p.Ready
-		}
-	}
-	return out
-}
+func poolSize(p agentapi.PoolStatus) int  { return p.Size }
+func poolReady(p agentapi.PoolStatus) int { return p.Ready }
 
 // poolPuts returns the PUT /v1/pool/{image} bodies that make the agent's
 // targets (current) equal the host's (want): one per image whose shapes
 // differ; an image the host no longer lists gets an empty shape list.
 func poolPuts(want []store.PoolTarget, current []agentapi.PoolStatus) map[string]agentapi.PoolPut {
-	w, c := targetSizes(want), agentSizes(current)
+	w, c := targetSizes(want), poolCounts(current, poolSize)
 	byImage := func(m map[warmKey]int) map[string]map[warmKey]int {
 		out := map[string]map[warmKey]int{}
 		for k, v := range m {
@@ -126,7 +119,7 @@ func poolPuts(want []store.PoolTarget, current []agentapi.PoolStatus) map[string
 // the agent's current pool, and records the ready counts it answers. It
 // returns the first error after trying every image.
 func (s *Service) pushWarmPool(ctx context.Context, h store.Host, current []agentapi.PoolStatus) error {
-	s.view.setWarm(h.Name, readyCounts(current))
+	s.view.setWarm(h.Name, poolCounts(current, poolReady))
 	puts := poolPuts(h.WarmPool, current)
 	if len(puts) == 0 {
 		return nil
@@ -143,7 +136,7 @@ func (s *Service) pushWarmPool(ctx context.Context, h store.Host, current []agen
 			}
 			continue
 		}
-		s.view.setWarm(h.Name, readyCounts(status))
+		s.view.setWarm(h.Name, poolCounts(status, poolReady))
 		s.log.Info("warm pool targets pushed", "host", h.Name, "image", img, "shapes", len(puts[img].Shapes))
 	}
 	return first
@@ -233,7 +226,7 @@ func (s *Service) syncWarmPool(ctx context.Context, h store.Host, current []agen
 	if len(poolPuts(h.WarmPool, current)) > 0 {
 		fresh, err := s.store.GetHost(ctx, h.Name)
 		if err != nil {
-			s.view.setWarm(h.Name, readyCounts(current))
+			s.view.setWarm(h.Name, poolCounts(current, poolReady))
 			return
 		}
 		h = fresh

@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -120,21 +119,7 @@ func TestForkIntoHusks(t *testing.T) {
 	child := guest
 	child.Snapshot = &agentapi.SnapshotSource{ID: "s1"}
 	children := []string{"c0", "c1", "c2"}
-	var wg sync.WaitGroup
-	for _, id := range children {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			vm, err := a.client.CreateVM(ctx, id, child)
-			if err != nil || vm.State != agentapi.StateRunning || vm.StartedFrom != agentapi.StartedSnapshot {
-				t.Errorf("child %s = %+v, %v", id, vm, err)
-			}
-		}()
-	}
-	wg.Wait()
-	if t.Failed() {
-		t.FailNow()
-	}
+	spawnChildren(ctx, t, a.client, child, children)
 	// Each ready husk went to one child, never two.
 	handed := huskChildren(t, dir)
 	byChild := map[string]string{}

@@ -217,21 +217,7 @@ func TestForkGuest(t *testing.T) {
 	child := guest
 	child.Snapshot = &agentapi.SnapshotSource{ID: "s1"}
 	children := []string{"c0", "c1", "c2"}
-	var wg sync.WaitGroup
-	for _, id := range children {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			vm, err := a.client.CreateVM(ctx, id, child)
-			if err != nil || vm.State != agentapi.StateRunning || vm.StartedFrom != agentapi.StartedSnapshot {
-				t.Errorf("child %s = %+v, %v", id, vm, err)
-			}
-		}()
-	}
-	wg.Wait()
-	if t.Failed() {
-		t.FailNow()
-	}
+	spawnChildren(ctx, t, a.client, child, children)
 	if _, err := a.client.Action(ctx, "src", agentapi.ActionResume); err != nil {
 		t.Fatalf("resume source: %v", err)
 	}
@@ -351,5 +337,24 @@ func waitConsoleFile(t *testing.T, f *forkAgent, id, pattern string, n int) {
 			t.Fatalf("vm %s: no %q on its console within %s:\n%s", id, pattern, bootWait, f.console(t, id))
 		}
 		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// spawnChildren creates the children from spec at once and stops the test
+// unless each runs, started from the snapshot.
+func spawnChildren(ctx context.Context, t *testing.T, c *agentapi.Client, spec agentapi.VMSpec, ids []string) {
+	t.Helper()
+	var wg sync.WaitGroup
+	for _, id := range ids {
+		wg.Go(func() {
+			vm, err := c.CreateVM(ctx, id, spec)
+			if err != nil || vm.State != agentapi.StateRunning || vm.StartedFrom != agentapi.StartedSnapshot {
+				t.Errorf("child %s = %+v, %v", id, vm, err)
+			}
+		})
+	}
+	wg.Wait()
+	if t.Failed() {
+		t.FailNow()
 	}
 }
