@@ -60,6 +60,9 @@ type Agent struct {
 	snaps snapshotRegistry // snapshots by id (snapshot.go)
 
 	pool *pool // the warm pool and its filler, the one goroutine Close stops
+	// syncs are the background syncs of snapshot files (snapshot_sync.go),
+	// which Close waits for.
+	syncs sync.WaitGroup
 }
 
 // vmEntry is one VM in the registry.
@@ -218,10 +221,7 @@ func (a *Agent) Handler() http.Handler { return a.handler }
 // destroys the warm ones left in the pool).
 func (a *Agent) Close() error {
 	a.pool.stop()
-	// A driver's own background work (the qemu driver's husks).
-	if c, ok := a.cfg.Driver.(interface{ Close() error }); ok {
-		return c.Close()
-	}
+	a.syncs.Wait()
 	return nil
 }
 

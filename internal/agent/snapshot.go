@@ -78,9 +78,13 @@ type SnapshotOptions struct {
 
 // SnapshotFiles names the files of a snapshot in its directory.
 type SnapshotFiles struct {
-	Memory  string   // memory and device state
-	Disk    string   // frozen disk that children's overlays sit on; "" without a disk
-	Backing []string // files below Disk in its backing chain, also in the directory
+	Memory string // device state, and the RAM when RAM is ""
+	// RAM is the guest's RAM image, which children map copy-on-write
+	// instead of loading it; RAMDigest is its SparseDigest, which the
+	// driver computed while writing it ("" lets the agent compute it).
+	RAM, RAMDigest string
+	Disk           string   // frozen disk that children's overlays sit on; "" without a disk
+	Backing        []string // files below Disk in its backing chain, also in the directory
 }
 
 // ErrSnapshotConflict is what a driver returns when the VM is in a state in
@@ -100,7 +104,11 @@ type snapshotRecord struct {
 	Files     []agentapi.SnapshotFile `json:"files"`
 	Parent    string                  `json:"parent,omitempty"`
 	// Origin is the agent the snapshot was pulled from; empty when taken here.
-	Origin    string    `json:"origin,omitempty"`
+	Origin string `json:"origin,omitempty"`
+	// Unsynced says that the files may not have reached the disk yet
+	// (snapshot_sync.go): a background sync clears it, and an agent that
+	// starts and finds it set checks every file against its digest.
+	Unsynced  bool      `json:"unsynced,omitempty"`
 	CreatedAt time.Time `json:"created_at"`
 }
 
@@ -124,6 +132,8 @@ func (r *snapshotRecord) files() SnapshotFiles {
 		switch f.Kind {
 		case agentapi.SnapshotFileMemory:
 			out.Memory = f.Name
+		case agentapi.SnapshotFileRAM:
+			out.RAM = f.Name
 		case agentapi.SnapshotFileDisk:
 			out.Disk = f.Name
 		case agentapi.SnapshotFileBacking:
@@ -162,7 +172,7 @@ func (r *snapshotRecord) validate(id string) error {
 			return fmt.Errorf("file %s: bad size or sha256", f.Name)
 		}
 		switch f.Kind {
-		case agentapi.SnapshotFileMemory, agentapi.SnapshotFileDisk, agentapi.SnapshotFileBacking:
+		case agentapi.SnapshotFileMemory, agentapi.SnapshotFileRAM, agentapi.SnapshotFileDisk, agentapi.SnapshotFileBacking:
 			kinds[f.Kind]++
 		default:
 			return fmt.Errorf("file %s: unknown kind %q", f.Name, f.Kind)
@@ -171,6 +181,8 @@ func (r *snapshotRecord) validate(id string) error {
 	switch {
 	case kinds[agentapi.SnapshotFileMemory] != 1:
 		return errors.New("want exactly one memory file")
+	case kinds[agentapi.SnapshotFileRAM] > 1:
+		return errors.New("more than one ram file")
 	case kinds[agentapi.SnapshotFileDisk] > 1:
 		return errors.New("more than one frozen disk")
 	case kinds[agentapi.SnapshotFileBacking] > 0 && kinds[agentapi.SnapshotFileDisk] == 0:
@@ -331,6 +343,13 @@ func (a *Agent) loadSnapshots() error {
 			a.log.Error("corrupt snapshot metadata", "snapshot", name, "reason", s.corrupt)
 			continue
 		}
+		if rec.Unsynced {
+			if err := a.recoverUnsynced(dir, &rec); err != nil {
+				s.corrupt = err.Error()
+				a.log.Error("snapshot files lost", "snapshot", name, "reason", s.corrupt)
+				continue
+			}
+		}
 		s.rec = &rec
 	}
 	return nil
@@ -482,6 +501,9 @@ func (a *Agent) describeFiles(dir string, files SnapshotFiles) ([]agentapi.Snaps
 		return nil, errors.New("the driver made no memory file")
 	}
 	list := []agentapi.SnapshotFile{{Name: files.Memory, Kind: agentapi.SnapshotFileMemory}}
+	if files.RAM != "" {
+		list = append(list, agentapi.SnapshotFile{Name: files.RAM, Kind: agentapi.SnapshotFileRAM, SHA256: files.RAMDigest})
+	}
 	if files.Disk != "" {
 		list = append(list, agentapi.SnapshotFile{Name: files.Disk, Kind: agentapi.SnapshotFileDisk})
 	}
@@ -489,7 +511,7 @@ func (a *Agent) describeFiles(dir string, files SnapshotFiles) ([]agentapi.Snaps
 		list = append(list, agentapi.SnapshotFile{Name: b, Kind: agentapi.SnapshotFileBacking})
 	}
 	for i := range list {
-		size, sum, err := hashFile(filepath.Join(dir, list[i].Name), !a.cfg.NoSync)
+		size, sum, err := hashFile(filepath.Join(dir, list[i].Name), list[i].Kind, list[i].SHA256)
 		if err != nil {
 			return nil, err
 		}
@@ -498,33 +520,39 @@ func (a *Agent) describeFiles(dir string, files SnapshotFiles) ([]agentapi.Snaps
 	return list, nil
 }
 
-func hashFile(path string, sync bool) (int64, string, error) {
+// hashFile sizes and checksums one snapshot file (a ram file in its sparse
+// form, unless its digest is known).
+func hashFile(path, kind, known string) (int64, string, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return 0, "", err
 	}
 	defer func() { _ = f.Close() }()
-	h := sha256.New()
-	n, err := io.Copy(h, f)
+	fi, err := f.Stat()
+	if err != nil {
+		return 0, "", err
+	}
+	n, sum := fi.Size(), known
+	switch {
+	case kind == agentapi.SnapshotFileRAM && sum == "":
+		sum, err = SparseDigest(f, n)
+	case kind != agentapi.SnapshotFileRAM:
+		h := sha256.New()
+		n, err = io.Copy(h, f)
+		sum = digestOf(h)
+	}
 	if err != nil {
 		return 0, "", fmt.Errorf("read %s: %w", path, err)
 	}
-	if sync {
-		if err := f.Sync(); err != nil {
-			return 0, "", fmt.Errorf("sync %s: %w", path, err)
-		}
-	}
-	return n, hex.EncodeToString(h.Sum(nil)), nil
+	return n, sum, nil
 }
 
 // commitSnapshotDir writes the metadata into the finished directory dir and
-// renames it to the snapshot's place: from then on the snapshot exists.
+// renames it to the snapshot's place: from then on the snapshot exists. Its
+// files are synced to disk in the background (snapshot_sync.go).
 func (a *Agent) commitSnapshotDir(dir string, rec *snapshotRecord) error {
-	b, err := json.MarshalIndent(rec, "", "  ")
-	if err != nil {
-		return err
-	}
-	if err := writeFileAtomic(filepath.Join(dir, snapshotMetaFile), b, !a.cfg.NoSync); err != nil {
+	rec.Unsynced = !a.cfg.NoSync
+	if err := a.writeSnapshotMeta(dir, rec); err != nil {
 		return fmt.Errorf("write snapshot metadata: %w", err)
 	}
 	if err := os.Rename(dir, a.snapDir(rec.ID)); err != nil {
@@ -533,7 +561,15 @@ func (a *Agent) commitSnapshotDir(dir string, rec *snapshotRecord) error {
 	if a.cfg.NoSync {
 		return nil
 	}
-	d, err := os.Open(a.snapsDir())
+	if err := syncDir(a.snapsDir()); err != nil {
+		return err
+	}
+	a.syncLater(rec)
+	return nil
+}
+
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
 	if err != nil {
 		return err
 	}
@@ -843,25 +879,37 @@ func (a *Agent) pullFile(ctx context.Context, c *agentapi.Client, id, dir string
 	if err != nil {
 		return err
 	}
-	h := sha256.New()
-	// One byte more than announced, to see a file that is too long.
-	n, err := io.Copy(io.MultiWriter(out, h), io.LimitReader(body, f.SizeBytes+1))
-	if err == nil && !a.cfg.NoSync {
-		err = out.Sync()
+	var n int64
+	var sum string
+	if f.Kind == agentapi.SnapshotFileRAM {
+		sum, n, err = ReadSparse(out, body, f.SizeBytes)
+		if err == nil {
+			// Nothing may follow the end record.
+			if m, _ := io.Copy(io.Discard, io.LimitReader(body, 1)); m > 0 {
+				err = errors.New("sparse stream: data after its end")
+			}
+		}
+	} else {
+		h := sha256.New()
+		// One byte more than announced, to see a file that is too long.
+		n, err = io.Copy(io.MultiWriter(out, h), io.LimitReader(body, f.SizeBytes+1))
+		sum = digestOf(h)
+		if err == nil && n != f.SizeBytes {
+			err = fmt.Errorf("got %d bytes, the metadata says %d", n, f.SizeBytes)
+		}
 	}
 	if cerr := out.Close(); err == nil {
 		err = cerr
 	}
-	switch sum := hex.EncodeToString(h.Sum(nil)); {
+	switch {
 	case err != nil:
-		return fmt.Errorf("file %s: transfer failed after %d of %d bytes: %w", f.Name, n, f.SizeBytes, err)
-	case n != f.SizeBytes:
-		return fmt.Errorf("file %s: got %d bytes, the metadata says %d", f.Name, n, f.SizeBytes)
+		return fmt.Errorf("file %s (%d bytes): transfer failed after %d bytes: %w", f.Name, f.SizeBytes, n, err)
 	case sum != f.SHA256:
 		return fmt.Errorf("file %s: sha256 %s, the metadata says %s: corrupted in transit or changed at the source", f.Name, sum, f.SHA256)
 	}
 	if f.Kind != agentapi.SnapshotFileMemory {
-		// Frozen disks are read-only from now on, as at the source.
+		// Frozen disks and RAM images are read-only from now on, as at
+		// the source.
 		return os.Chmod(path, 0o444)
 	}
 	return nil

@@ -44,6 +44,9 @@ func (a *Agent) getSnapshot(c echo.Context) error {
 	return c.JSON(http.StatusOK, s)
 }
 
+// sparseContentType is the media type of a RAM image in its sparse form.
+const sparseContentType = "application/vnd.kvmd.sparse"
+
 func (a *Agent) getSnapshotFile(c echo.Context) error {
 	f, meta, err := a.openSnapshotFile(c.Param("id"), c.Param("file"))
 	if err != nil {
@@ -55,8 +58,19 @@ func (a *Agent) getSnapshotFile(c echo.Context) error {
 		return err
 	}
 	h := c.Response().Header()
-	h.Set(echo.HeaderContentType, "application/octet-stream")
 	h.Set("X-Snapshot-File-Sha256", meta.SHA256)
+	if meta.Kind == agentapi.SnapshotFileRAM {
+		// The sparse form (sparse.go): its length is known only once sent.
+		h.Set(echo.HeaderContentType, sparseContentType)
+		c.Response().WriteHeader(http.StatusOK)
+		if err := WriteSparse(c.Response(), f, fi.Size()); err != nil {
+			// The status is sent: the receiver sees a stream without its
+			// end record and rejects it.
+			a.log.Warn("send ram image", "snapshot", c.Param("id"), "file", meta.Name, "err", err)
+		}
+		return nil
+	}
+	h.Set(echo.HeaderContentType, "application/octet-stream")
 	// ServeContent sets the length and answers Range requests.
 	http.ServeContent(c.Response(), c.Request(), "", fi.ModTime(), f)
 	return nil

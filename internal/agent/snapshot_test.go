@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -387,5 +388,80 @@ func TestPullFromAnotherAgent(t *testing.T) {
 	// gen-1 is needed by gen-2, gen-2 by the children.
 	if err := b.client.DeleteSnapshot(ctx, "gen-1"); statusOf(err) != http.StatusConflict {
 		t.Fatalf("delete of a parent snapshot: %v, want 409", err)
+	}
+}
+
+// TestUnsyncedSnapshotAfterHostStop: snapshot files are synced after the
+// snapshot is answered. A start that finds a snapshot still flagged
+// unsynced (the host stopped in that window) checks its files: intact ones
+// are kept and synced, a torn one is reported corrupt and only deletable.
+func TestUnsyncedSnapshotAfterHostStop(t *testing.T) {
+	dir := t.TempDir()
+	s := startSnapAgent(t, dir)
+	ctx := context.Background()
+	if _, err := s.client.CreateVM(ctx, "src", spec); err != nil {
+		t.Fatal(err)
+	}
+	snaps := map[string]agentapi.Snapshot{}
+	for _, id := range []string{"intact", "torn"} {
+		snap, err := s.client.CreateSnapshot(ctx, id, agentapi.SnapshotSpec{VMID: "src"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		snaps[id] = snap
+	}
+	s.srv.Close()
+	if err := s.agent.Close(); err != nil { // waits for the background syncs
+		t.Fatal(err)
+	}
+	meta := func(id string) map[string]any {
+		t.Helper()
+		b, err := os.ReadFile(filepath.Join(dir, "snapshots", id, "snapshot.json"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var m map[string]any
+		if err := json.Unmarshal(b, &m); err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	for id := range snaps {
+		if m := meta(id); m["unsynced"] != nil {
+			t.Fatalf("snapshot %s after the agent closed: unsynced = %v, want the flag cleared", id, m["unsynced"])
+		}
+	}
+
+	// The host stops before the syncs: both flagged, one file torn.
+	for id := range snaps {
+		m := meta(id)
+		m["unsynced"] = true
+		b, _ := json.Marshal(m)
+		if err := os.WriteFile(filepath.Join(dir, "snapshots", id, "snapshot.json"), b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	torn := filepath.Join(dir, "snapshots", "torn", snaps["torn"].Files[0].Name)
+	if err := os.WriteFile(torn, []byte("zeros where the state was"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	s2 := startSnapAgent(t, dir)
+	if got, err := s2.client.GetSnapshot(ctx, "intact"); err != nil || got.SHA256 != snaps["intact"].SHA256 {
+		t.Fatalf("intact unsynced snapshot after restart = %+v, %v", got, err)
+	}
+	if m := meta("intact"); m["unsynced"] != nil {
+		t.Fatalf("intact snapshot after the check: unsynced = %v, want the flag cleared", m["unsynced"])
+	}
+	if _, err := s2.client.GetSnapshot(ctx, "torn"); statusOf(err) != http.StatusConflict || !strings.Contains(err.Error(), "does not match") {
+		t.Fatalf("torn snapshot after restart: %v, want 409 saying its file does not match", err)
+	}
+	spawn := spec
+	spawn.Snapshot = &agentapi.SnapshotSource{ID: "torn"}
+	if _, err := s2.client.CreateVM(ctx, "child", spawn); err == nil {
+		t.Fatal("a child started from a torn snapshot")
+	}
+	if err := s2.client.DeleteSnapshot(ctx, "torn"); err != nil {
+		t.Fatalf("delete the torn snapshot: %v", err)
 	}
 }

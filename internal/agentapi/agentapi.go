@@ -118,7 +118,11 @@ type Snapshot struct {
 
 // Kinds of snapshot files.
 const (
-	SnapshotFileMemory  = "memory"  // the memory and device state (a QEMU migration stream)
+	SnapshotFileMemory = "memory" // the device state, and the RAM when no ram file holds it (a QEMU migration stream)
+	// SnapshotFileRAM is the guest's RAM image, which children map
+	// copy-on-write. Its size_bytes is the image's size; it is sent, and
+	// its sha256 taken, in the sparse form of the agent package (sparse.go).
+	SnapshotFileRAM     = "ram"
 	SnapshotFileDisk    = "disk"    // the frozen disk a child's overlay sits on
 	SnapshotFileBacking = "backing" // a file below the frozen disk in its backing chain
 )

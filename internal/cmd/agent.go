@@ -24,7 +24,6 @@ type agentConfig struct {
 	ImageDir        string
 	Driver          string // qemu or sim
 	Accel           string // auto, kvm or tcg
-	Husks           int    // qemu: QEMU processes per shape kept ready for snapshot children
 	Token           string
 	Capacity        agentapi.Resources // zero fields: the host's own
 	StopTimeout     time.Duration
@@ -47,7 +46,6 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 	fs.StringVar(&cfg.ImageDir, "image-dir", "", "directory of images, one folder with an image.json each (make image)")
 	fs.StringVar(&cfg.Driver, "driver", "qemu", "VMM driver: qemu (real guests) or sim (simulated, for scale tests)")
 	fs.StringVar(&cfg.Accel, "accel", "auto", "qemu accelerator: auto (kvm when it really runs guests, else tcg), kvm or tcg")
-	fs.IntVar(&cfg.Husks, "qemu-husks", 0, "qemu: QEMU processes per VM shape kept started and ready to receive a snapshot, so fork children start faster (experimental; each holds its memory; 0 = none)")
 	fs.StringVar(&cfg.Token, "token", "", "bearer token of the agent API")
 	fs.StringVar(&tokenFile, "token-file", "", "file holding the bearer token (instead of --token)")
 	fs.Int64Var(&cfg.Capacity.VCPUs, "vcpus", 0, "vCPUs to advertise (default: the host's; the sim driver needs it)")
@@ -107,7 +105,7 @@ func newDriver(ctx context.Context, cfg agentConfig, log *slog.Logger) (agent.Dr
 	if cfg.Driver == "sim" {
 		return sim.New(sim.Options{ImageDir: cfg.ImageDir}), nil
 	}
-	d, err := qemu.New(ctx, qemu.Options{ImageDir: cfg.ImageDir, Accel: cfg.Accel, Husks: cfg.Husks, Logger: log})
+	d, err := qemu.New(ctx, qemu.Options{ImageDir: cfg.ImageDir, Accel: cfg.Accel, Logger: log})
 	if err != nil {
 		return nil, fmt.Errorf("kvmd agent: %w", err)
 	}

@@ -134,7 +134,7 @@ func (a *Agent) start(t testing.TB, ln net.Listener) {
 
 func newAgentDriver(ctx context.Context, opts AgentOptions, log *slog.Logger) (agent.Driver, error) {
 	if opts.Driver == "qemu" {
-		return qemu.New(ctx, qemu.Options{ImageDir: opts.ImageDir, Accel: "auto", Logger: log})
+		return qemu.New(ctx, qemu.Options{ImageDir: opts.ImageDir, Accel: Accel(), Logger: log})
 	}
 	return sim.New(sim.Options{ImageDir: opts.ImageDir}), nil
 }

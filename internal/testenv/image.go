@@ -77,3 +77,14 @@ func buildGuestImage(dir string) error {
 	}
 	return nil
 }
+
+// Accel is the QEMU accelerator of tests with real guests: tcg, unless
+// KVM_TEST_ACCEL says otherwise (auto or kvm on a host whose KVM runs
+// guests). Nested KVM can pass a probe and still hang guests, so tests do
+// not trust auto by default; TestChooseAccel covers the probe itself.
+func Accel() string {
+	if a := os.Getenv("KVM_TEST_ACCEL"); a != "" {
+		return a
+	}
+	return "tcg"
+}

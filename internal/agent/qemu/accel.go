@@ -87,7 +87,9 @@ func probeKVM(ctx context.Context, bin string) error {
 	}
 	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, bin, "-accel", "kvm", "-machine", "pc", "-nodefaults", "-no-user-config",
+	// -cpu host, as VMs get under KVM: a nested KVM may run the probe
+	// with a default CPU and then refuse the host CPU's MSRs.
+	cmd := exec.CommandContext(ctx, bin, "-accel", "kvm", "-cpu", "host", "-machine", "pc", "-nodefaults", "-no-user-config",
 		"-display", "none", "-bios", rom, "-device", "isa-debug-exit,iobase=0xf4,iosize=0x04")
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out

@@ -61,7 +61,7 @@ func startQEMUPool(t *testing.T, dir string) *qemuPool {
 	if os.Getenv("KVM_TEST_LOG") != "" {
 		log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	}
-	d, err := qemu.New(ctx, qemu.Options{ImageDir: testenv.GuestImageDir(t), Accel: "auto", Logger: log})
+	d, err := qemu.New(ctx, qemu.Options{ImageDir: testenv.GuestImageDir(t), Accel: testenv.Accel(), Logger: log})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -51,11 +51,6 @@ type Options struct {
 	QEMU     string       // default qemu-system-x86_64
 	QEMUImg  string       // default qemu-img
 	Logger   *slog.Logger // default slog.Default()
-	// Husks is how many QEMU processes per shape are kept ready to receive
-	// a snapshot (husk.go); 0 keeps none. When 0, KVMD_QEMU_HUSKS (the
-	// environment form of kvmd agent --qemu-husks) may set it, so that
-	// in-process agents of tests and benchmarks can turn husks on too.
-	Husks int
 }
 
 // Driver runs VMs with QEMU.
@@ -68,7 +63,6 @@ type Driver struct {
 	log       *slog.Logger
 	// snapshotPauses counts the VM pauses of snapshots (snapshot.go).
 	snapshotPauses atomic.Int64
-	husks          *huskPool // nil when Options.Husks is 0
 }
 
 var _ agent.Driver = (*Driver)(nil)
@@ -106,14 +100,6 @@ func New(ctx context.Context, opts Options) (*Driver, error) {
 	d.accel, d.accelNote, err = chooseAccel(ctx, d.qemu, opts.Accel)
 	if err != nil {
 		return nil, fmt.Errorf("qemu driver: %w", err)
-	}
-	if opts.Husks == 0 {
-		if n, err := strconv.Atoi(os.Getenv("KVMD_QEMU_HUSKS")); err == nil && n > 0 {
-			opts.Husks = n
-		}
-	}
-	if opts.Husks > 0 {
-		d.husks = newHuskPool(d, opts.Husks)
 	}
 	d.log.Info("qemu accelerator chosen", "accel", d.accel, "why", d.accelNote, "qemu", d.qemu)
 	return d, nil
@@ -185,8 +171,12 @@ func (d *Driver) Create(ctx context.Context, m *agent.Machine) error {
 	return os.Rename(tmp, disk)
 }
 
-// args is QEMU's command line for m.
-func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions) []string {
+// args is QEMU's command line for m. Its RAM is a memfd that QEMU maps
+// shared (the object "ram"), so that a snapshot can copy it out without
+// putting it through the migration stream (snapshot.go); or, for a child
+// started from a RAM image, that file mapped copy-on-write: the child
+// faults pages in as it touches them instead of loading them all first.
+func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, ramImage string) []string {
 	cpu := "max"
 	if d.accel == "kvm" {
 		cpu = "host"
@@ -194,8 +184,9 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions) []st
 	args := []string{
 		// The VM id in -name lets an operator find its process with ps.
 		"-name", "guest=" + m.ID + ",debug-threads=on",
-		"-machine", img.Machine, "-accel", d.accel, "-cpu", cpu,
+		"-machine", img.Machine + ",memory-backend=" + ramObjectID, "-accel", d.accel, "-cpu", cpu,
 		"-smp", strconv.FormatInt(m.VCPUs, 10), "-m", strconv.FormatInt(m.MemoryMiB, 10) + "M",
+		"-object", ramObject(m.MemoryMiB, ramImage),
 		"-nodefaults", "-no-user-config", "-display", "none",
 		"-chardev", "file,id=console,append=on,path=" + filepath.Join(m.Dir, consoleFileName),
 		"-serial", "chardev:console",
@@ -236,16 +227,42 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions) []st
 	if opts.Paused || opts.Incoming != "" {
 		args = append(args, "-S")
 	}
-	if opts.Incoming != "" {
+	switch {
+	case opts.Incoming != "" && ramImage != "":
+		// The state is loaded by QMP (Spawn), after x-ignore-shared is set.
+		args = append(args, "-incoming", "defer")
+	case opts.Incoming != "":
 		args = append(args, "-incoming", "exec:cat "+shellQuote(opts.Incoming))
 	}
 	return args
 }
 
+// ramObjectID is the id of the memory backend that holds a VM's RAM.
+const ramObjectID = "ram"
+
+// ramObject is the -object of a VM's RAM: a memfd, or ramImage mapped
+// privately (copy-on-write).
+func ramObject(memMiB int64, ramImage string) string {
+	size := strconv.FormatInt(memMiB, 10) + "M"
+	if ramImage != "" {
+		return "memory-backend-file,id=" + ramObjectID + ",size=" + size + ",share=off,mem-path=" + qemuOptQuote(ramImage)
+	}
+	return "memory-backend-memfd,id=" + ramObjectID + ",size=" + size + ",share=on"
+}
+
+// qemuOptQuote escapes a value for a QEMU -object option list, where a
+// comma is written as two.
+func qemuOptQuote(v string) string { return strings.ReplaceAll(v, ",", ",,") }
+
 // Boot starts QEMU detached: -daemonize returns once QEMU is set up (its
 // QMP socket listens, its pid file is written) and leaves the VM running in
 // a session of its own, not a child that dies with the agent.
 func (d *Driver) Boot(ctx context.Context, m *agent.Machine, opts agent.BootOptions) error {
+	return d.boot(ctx, m, opts, "")
+}
+
+// boot is Boot, with the RAM of m mapped from ramImage when it is set.
+func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOptions, ramImage string) error {
 	img, err := d.loadImage(m.Image)
 	if err != nil {
 		return err
@@ -266,7 +283,7 @@ func (d *Driver) Boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	// QEMU that nobody records is worse than a finished one.
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), startTimeout)
 	defer cancel()
-	cmd := exec.CommandContext(sctx, d.qemu, d.args(m, img, opts)...)
+	cmd := exec.CommandContext(sctx, d.qemu, d.args(m, img, opts, ramImage)...)
 	cmd.Dir = m.Dir
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	var out bytes.Buffer

@@ -13,18 +13,31 @@ package qemu
 //     writes it again: it is the frozen disk;
 //  4. the frozen disk and the files below it are hard-linked into the
 //     snapshot directory (same names, so relative backing names resolve);
-//  5. QMP migrate to "exec:cat > memory.state" saves RAM and device state;
-//  6. QMP cont, unless the source is to stay paused.
+//  5. QMP migrate to "exec:cat > memory.state" saves the device state; with
+//     the migration capability x-ignore-shared, it leaves out the RAM,
+//     which QEMU maps shared from a memfd (qemu.go);
+//  6. the memfd, opened through /proc/<pid>/fd, is copied into memory.ram,
+//     a sparse file of its non-zero pages (agent.CopySparse);
+//  7. QMP cont, unless the source is to stay paused.
 //
 // A child's disk is an overlay named relative to the frozen disk, e.g.
 // ../../snapshots/<id>/disk.qcow2: vms/<id> and snapshots/<id> sit at the
 // same depth of every agent's state directory, so the name resolves on any
 // agent that has the snapshot. The child's QEMU has the source's command
-// line (same machine, memory, devices) with its own disk, -S and
-// -incoming "exec:cat memory.state"; once the state is loaded it is
-// continued. vmgenid,guid=auto gives it a new generation id, which QEMU
-// writes into the guest's memory after loading the state and signals with
-// an ACPI notification. VMs have no NIC, so there is no MAC to change.
+// line (same machine, memory, devices) with its own disk, its RAM mapped
+// copy-on-write from memory.ram, -S and -incoming defer; QMP sets
+// x-ignore-shared and migrate-incoming "exec:cat memory.state" loads the
+// device state, and the child is continued. It never reads its RAM up
+// front: pages come in from the page cache as the guest touches them, and
+// the children of one host share the pages they only read.
+//
+// A VM whose RAM is not a memfd (a child: its RAM is that private mapping)
+// is snapshotted with its RAM in memory.state, and its children load it
+// from there into a memfd of their own.
+//
+// vmgenid,guid=auto gives a child a new generation id, which QEMU writes
+// into the guest's memory after loading the state and signals with an ACPI
+// notification. VMs have no NIC, so there is no MAC to change.
 
 import (
 	"bytes"
@@ -44,6 +57,7 @@ import (
 
 const (
 	memoryFileName = "memory.state"
+	ramFileName    = "memory.ram"
 	// migrateTimeout bounds saving a VM's memory to a file, and loading it.
 	migrateTimeout = 5 * time.Minute
 	// migrateBandwidth lifts QEMU's migration rate limit (32 MiB/s by
@@ -137,8 +151,6 @@ func (d *Driver) qemuImgCreate(ctx context.Context, path, backing string, size i
 // Snapshot implements agent.Snapshotter (see the file comment).
 func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opts agent.SnapshotOptions) (agent.SnapshotFiles, error) {
 	files := agent.SnapshotFiles{Memory: memoryFileName}
-	// Children of this shape may follow: have husks ready for them.
-	defer d.husks.note(keyOf(m), stateDirOf(dir))
 	if alive, why := checkProcess(m.Process, pidfileOf(m)); !alive {
 		return files, fmt.Errorf("snapshot vm %s: %s", m.ID, why)
 	}
@@ -153,6 +165,13 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 	}
 	wasRunning := st.Running
 	if err := qmp(ctx, sock, "migrate-set-parameters", map[string]any{"max-bandwidth": migrateBandwidth}, nil); err != nil {
+		return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
+	}
+	memfd, err := ramMemfd(m.Process.PID)
+	if err != nil {
+		return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
+	}
+	if err := setIgnoreShared(ctx, sock, memfd != ""); err != nil {
 		return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
 	}
 
@@ -227,6 +246,13 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 	if err := d.saveMemory(ctx, sock, filepath.Join(dir, memoryFileName)); err != nil {
 		return fail(err)
 	}
+	if memfd != "" {
+		digest, err := copyRAM(filepath.Join(dir, ramFileName), memfd, m.MemoryMiB<<20)
+		if err != nil {
+			return fail(err)
+		}
+		files.RAM, files.RAMDigest = ramFileName, digest
+	}
 	if wasRunning && !opts.KeepPaused {
 		if err := qmp(ctx, sock, "cont", nil, nil); err != nil {
 			return files, fmt.Errorf("snapshot vm %s: saved, but continuing the vm failed: %w", m.ID, err)
@@ -264,12 +290,64 @@ func (d *Driver) saveMemory(ctx context.Context, sock, path string) error {
 	}
 }
 
+// setIgnoreShared turns the migration capability x-ignore-shared on or off:
+// on, a migration leaves out RAM that QEMU maps shared.
+func setIgnoreShared(ctx context.Context, sock string, on bool) error {
+	return qmp(ctx, sock, "migrate-set-capabilities", map[string]any{
+		"capabilities": []map[string]any{{"capability": "x-ignore-shared", "state": on}},
+	}, nil)
+}
+
+// memfdLink is how /proc/<pid>/fd shows the memfd of a VM's RAM object.
+const memfdLink = "/memfd:memory-backend-memfd"
+
+// ramMemfd is the /proc path of the memfd that holds QEMU pid's guest RAM,
+// or "" when its RAM is not a memfd.
+func ramMemfd(pid int) (string, error) {
+	fdDir := filepath.Join("/proc", strconv.Itoa(pid), "fd")
+	ents, err := os.ReadDir(fdDir)
+	if err != nil {
+		return "", fmt.Errorf("list the files of qemu %d: %w", pid, err)
+	}
+	var found []string
+	for _, e := range ents {
+		if link, err := os.Readlink(filepath.Join(fdDir, e.Name())); err == nil && strings.HasPrefix(link, memfdLink) {
+			found = append(found, filepath.Join(fdDir, e.Name()))
+		}
+	}
+	if len(found) > 1 {
+		return "", fmt.Errorf("qemu %d has %d memfd memory backends, want one for its RAM", pid, len(found))
+	}
+	if len(found) == 0 {
+		return "", nil
+	}
+	return found[0], nil
+}
+
+// copyRAM copies the guest RAM in memfd (size bytes) into a new read-only
+// sparse file at path and returns its digest (agent.SparseDigest).
+func copyRAM(path, memfd string, size int64) (string, error) {
+	src, err := os.Open(memfd)
+	if err != nil {
+		return "", fmt.Errorf("open the vm's ram: %w", err)
+	}
+	defer func() { _ = src.Close() }()
+	dst, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o444)
+	if err != nil {
+		return "", fmt.Errorf("save ram: %w", err)
+	}
+	digest, err := agent.CopySparse(dst, src, size)
+	if cerr := dst.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return "", fmt.Errorf("save ram: %w", err)
+	}
+	return digest, nil
+}
+
 // Spawn implements agent.Snapshotter (see the file comment).
 func (d *Driver) Spawn(ctx context.Context, m *agent.Machine, dir string, files agent.SnapshotFiles) error {
-	defer d.husks.note(keyOf(m), stateDirOf(m.Dir))
-	if d.spawnHusk(ctx, m, dir, files) {
-		return nil
-	}
 	t0 := time.Now()
 	m.Disk = ""
 	if m.DiskMiB > 0 {
@@ -285,8 +363,23 @@ func (d *Driver) Spawn(ctx context.Context, m *agent.Machine, dir string, files 
 		}
 	}
 	t1 := time.Now()
-	if err := d.Boot(ctx, m, agent.BootOptions{Incoming: filepath.Join(dir, files.Memory)}); err != nil {
+	state, ram := filepath.Join(dir, files.Memory), ""
+	if files.RAM != "" {
+		ram = filepath.Join(dir, files.RAM)
+	}
+	if err := d.boot(ctx, m, agent.BootOptions{Incoming: state}, ram); err != nil {
 		return err
+	}
+	if ram != "" {
+		sock := qmpPathOf(m)
+		err := setIgnoreShared(ctx, sock, true)
+		if err == nil {
+			err = qmp(ctx, sock, "migrate-incoming", map[string]any{"uri": "exec:cat " + shellQuote(state)}, nil)
+		}
+		if err != nil {
+			d.killLeftovers(m)
+			return fmt.Errorf("start vm %s: load the snapshot's device state: %w", m.ID, err)
+		}
 	}
 	t2 := time.Now()
 	if err := d.waitIncoming(ctx, m); err != nil {
@@ -298,7 +391,7 @@ func (d *Driver) Spawn(ctx context.Context, m *agent.Machine, dir string, files 
 		d.killLeftovers(m)
 		return fmt.Errorf("start vm %s: continue after loading the snapshot: %w", m.ID, err)
 	}
-	d.log.Info("vm continued from snapshot", "vm", m.ID, "overlay_ms", t1.Sub(t0).Milliseconds(),
+	d.log.Info("vm continued from snapshot", "vm", m.ID, "ram_mapped", ram != "", "overlay_ms", t1.Sub(t0).Milliseconds(),
 		"qemu_start_ms", t2.Sub(t1).Milliseconds(), "load_wait_ms", t3.Sub(t2).Milliseconds(), "cont_ms", time.Since(t3).Milliseconds())
 	return nil
 }

@@ -47,7 +47,7 @@ func startForkAgent(t *testing.T, dir string) *forkAgent {
 	if os.Getenv("KVM_TEST_LOG") != "" {
 		log = slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
-	d, err := qemu.New(ctx, qemu.Options{ImageDir: testenv.GuestImageDir(t), Accel: "auto", Logger: log})
+	d, err := qemu.New(ctx, qemu.Options{ImageDir: testenv.GuestImageDir(t), Accel: testenv.Accel(), Logger: log})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -201,12 +201,11 @@ func TestForkGuest(t *testing.T) {
 	}
 	srcTicks := ticks(a.console(t, "src"))
 	point := srcTicks[len(srcTicks)-1]
-	kinds := map[string]int{}
-	for _, f := range snap.Files {
-		kinds[f.Kind]++
-	}
-	if kinds[agentapi.SnapshotFileMemory] != 1 || kinds[agentapi.SnapshotFileDisk] != 1 || snap.SizeBytes < 1<<20 {
-		t.Fatalf("snapshot files = %+v", snap.Files)
+	// The source's RAM is a memfd: it goes to a RAM image of its own, and
+	// the migration stream holds only the device state.
+	if f := snapshotFiles(snap); f[agentapi.SnapshotFileMemory].SizeBytes > 8<<20 ||
+		f[agentapi.SnapshotFileRAM].SizeBytes != guest.MemoryMiB<<20 || f[agentapi.SnapshotFileDisk].Name == "" {
+		t.Fatalf("snapshot files = %+v; want a small device state, a RAM image and a disk", snap.Files)
 	}
 	again, err := a.client.CreateSnapshot(ctx, "s1", agentapi.SnapshotSpec{VMID: "src", PauseSource: true})
 	if err != nil || again.SHA256 != snap.SHA256 || a.driver.SnapshotPauses() != 1 {
@@ -244,6 +243,27 @@ func TestForkGuest(t *testing.T) {
 		seen[g] = id
 	}
 
+	// A child's RAM is a private mapping of the RAM image, not a memfd: its
+	// snapshot carries its RAM in the migration stream, and a grandchild
+	// continues from that one.
+	sc, err := a.client.CreateSnapshot(ctx, "s1-c1", agentapi.SnapshotSpec{VMID: "c1", PauseSource: true})
+	if err != nil {
+		t.Fatalf("snapshot of a child: %v", err)
+	}
+	if f := snapshotFiles(sc); f[agentapi.SnapshotFileRAM].Name != "" || f[agentapi.SnapshotFileMemory].SizeBytes < 8<<20 {
+		t.Fatalf("snapshot of a child: files %+v; want its RAM in the memory stream", sc.Files)
+	}
+	c1Ticks := ticks(a.console(t, "c1"))
+	grand := guest
+	grand.Snapshot = &agentapi.SnapshotSource{ID: "s1-c1"}
+	spawnChildren(ctx, t, a.client, grand, []string{"g0"})
+	if ts := a.waitTicks(t, "g0", 1); ts[0] != c1Ticks[len(c1Ticks)-1]+1 {
+		t.Errorf("grandchild starts at tick %d; its snapshot was taken after tick %d", ts[0], c1Ticks[len(c1Ticks)-1])
+	}
+	if _, err := a.client.Action(ctx, "c1", agentapi.ActionResume); err != nil {
+		t.Fatalf("resume child: %v", err)
+	}
+
 	// A child on another agent pulls the snapshot; a tampered pull starts
 	// nothing and leaves nothing.
 	b := startForkAgent(t, t.TempDir())
@@ -274,8 +294,8 @@ func TestForkGuest(t *testing.T) {
 	if _, err := a.client.CreateSnapshot(ctx, "s2", agentapi.SnapshotSpec{VMID: "src"}); err != nil {
 		t.Fatalf("second snapshot: %v", err)
 	}
-	if vm, _ := a.client.GetVM(ctx, "src"); vm.State != agentapi.StateRunning || a.driver.SnapshotPauses() != 2 {
-		t.Fatalf("source after a snapshot = %+v, pauses %d; want running, 2", vm, a.driver.SnapshotPauses())
+	if vm, _ := a.client.GetVM(ctx, "src"); vm.State != agentapi.StateRunning || a.driver.SnapshotPauses() != 3 {
+		t.Fatalf("source after a snapshot = %+v, pauses %d; want running, 3 (s1, s1-c1, s2)", vm, a.driver.SnapshotPauses())
 	}
 	n := len(ticks(a.console(t, "src")))
 	a.waitTicks(t, "src", n+2)
@@ -304,12 +324,12 @@ func TestForkGuest(t *testing.T) {
 	if err := a2.client.DeleteSnapshot(ctx, "s1"); !errors.Is(err, agentapi.ErrConflict) {
 		t.Fatalf("delete of a snapshot with children: %v, want 409", err)
 	}
-	for _, id := range children {
+	for _, id := range append([]string{"g0"}, children...) {
 		if err := a2.client.DeleteVM(ctx, id); err != nil {
 			t.Fatal(err)
 		}
 	}
-	for _, id := range []string{"s1", "s2"} {
+	for _, id := range []string{"s1-c1", "s1", "s2"} {
 		if err := a2.client.DeleteSnapshot(ctx, id); err != nil {
 			t.Fatalf("delete %s: %v", id, err)
 		}
@@ -325,6 +345,15 @@ func TestForkGuest(t *testing.T) {
 		t.Fatalf("start source = %+v, %v", vm, err)
 	}
 	waitConsoleFile(t, a2, "src", "(?m)^disk vda 67108864\r?$", 2) // the first boot's, then this one's
+}
+
+// snapshotFiles is a snapshot's files by kind (one of each here).
+func snapshotFiles(s agentapi.Snapshot) map[string]agentapi.SnapshotFile {
+	out := map[string]agentapi.SnapshotFile{}
+	for _, f := range s.Files {
+		out[f.Kind] = f
+	}
+	return out
 }
 
 // waitConsoleFile waits until pattern appears n times on vm id's console.

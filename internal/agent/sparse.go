@@ -1,0 +1,233 @@
+package agent
+
+// The sparse form of a snapshot's RAM image (kind agentapi.SnapshotFileRAM).
+//
+// A guest touches a fraction of its RAM: a 256 MiB busybox guest leaves
+// about two thirds of it zero. Its RAM image is therefore kept as a sparse
+// file, and moved and checksummed in a form that carries only the non-zero
+// pages:
+//
+//	record := offset uint64 (big endian) | length uint64 | length bytes
+//	stream := record* end
+//	end    := size uint64 | 0 uint64
+//
+// The records are the maximal runs of non-zero 4 KiB pages inside each
+// aligned 1 MiB block of the file, in order. That makes the stream a
+// function of the file's content alone (not of the filesystem's extents),
+// so every agent that holds the image serves the same bytes, and the
+// snapshot metadata's sha256 of such a file is the sha256 of its stream.
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"hash"
+	"io"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+const (
+	sparsePage  = 4 << 10
+	sparseBlock = 1 << 20
+	sparseHead  = 16
+)
+
+var zeroPage = make([]byte, sparsePage)
+
+// scanSparse calls emit with each run of non-zero pages of the first size
+// bytes of f, in the order of the stream; data is valid only during the
+// call. Holes are skipped without reading them (SEEK_DATA), so a mostly
+// empty image costs what its data costs.
+func scanSparse(f *os.File, size int64, emit func(off int64, data []byte) error) error {
+	buf := make([]byte, sparseBlock)
+	fd := int(f.Fd())
+	for off := int64(0); off < size; {
+		data, err := unix.Seek(fd, off, unix.SEEK_DATA)
+		if errors.Is(err, unix.ENXIO) {
+			return nil // only a hole is left
+		}
+		if err != nil {
+			return fmt.Errorf("find data in %s: %w", f.Name(), err)
+		}
+		if data >= size {
+			return nil
+		}
+		hole, err := unix.Seek(fd, data, unix.SEEK_HOLE)
+		if err != nil {
+			return fmt.Errorf("find a hole in %s: %w", f.Name(), err)
+		}
+		hole = min(hole, size)
+		// Whole aligned blocks from the one the data starts in.
+		for b := data &^ (sparseBlock - 1); b < hole; b += sparseBlock {
+			end := min(b+sparseBlock, size)
+			chunk := buf[:end-b]
+			if _, err := f.ReadAt(chunk, b); err != nil {
+				return fmt.Errorf("read %s at %d: %w", f.Name(), b, err)
+			}
+			if err := emitRuns(b, chunk, emit); err != nil {
+				return err
+			}
+		}
+		off = (hole + sparseBlock - 1) &^ (sparseBlock - 1)
+	}
+	return nil
+}
+
+// emitRuns emits the maximal runs of non-zero pages of one block.
+func emitRuns(base int64, block []byte, emit func(off int64, data []byte) error) error {
+	start := -1
+	for p := 0; p < len(block); p += sparsePage {
+		page := block[p:min(p+sparsePage, len(block))]
+		zero := bytes.Equal(page, zeroPage[:len(page)])
+		switch {
+		case !zero && start < 0:
+			start = p
+		case zero && start >= 0:
+			if err := emit(base+int64(start), block[start:p]); err != nil {
+				return err
+			}
+			start = -1
+		}
+	}
+	if start >= 0 {
+		return emit(base+int64(start), block[start:])
+	}
+	return nil
+}
+
+func putRecordHead(h *[sparseHead]byte, off int64, n int) {
+	binary.BigEndian.PutUint64(h[:8], uint64(off))
+	binary.BigEndian.PutUint64(h[8:], uint64(n))
+}
+
+// WriteSparse writes the sparse stream of the first size bytes of f to w.
+func WriteSparse(w io.Writer, f *os.File, size int64) error {
+	var head [sparseHead]byte
+	err := scanSparse(f, size, func(off int64, data []byte) error {
+		putRecordHead(&head, off, len(data))
+		if _, err := w.Write(head[:]); err != nil {
+			return err
+		}
+		_, err := w.Write(data)
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	putRecordHead(&head, size, 0)
+	_, err = w.Write(head[:])
+	return err
+}
+
+// SparseDigest is the hex sha256 of the sparse stream of f's first size
+// bytes: what snapshot metadata lists for a RAM image.
+func SparseDigest(f *os.File, size int64) (string, error) {
+	h := sha256.New()
+	if err := WriteSparse(h, f, size); err != nil {
+		return "", err
+	}
+	return digestOf(h), nil
+}
+
+// CopySparse copies the first size bytes of src into dst (an empty file),
+// writing only the non-zero pages, and returns the digest of the stream, as
+// SparseDigest of dst would.
+func CopySparse(dst, src *os.File, size int64) (string, error) {
+	h := sha256.New()
+	var head [sparseHead]byte
+	err := scanSparse(src, size, func(off int64, data []byte) error {
+		putRecordHead(&head, off, len(data))
+		h.Write(head[:])
+		h.Write(data)
+		_, err := dst.WriteAt(data, off)
+		return err
+	})
+	if err != nil {
+		return "", fmt.Errorf("copy %s to %s: %w", src.Name(), dst.Name(), err)
+	}
+	putRecordHead(&head, size, 0)
+	h.Write(head[:])
+	if err := dst.Truncate(size); err != nil {
+		return "", err
+	}
+	return digestOf(h), nil
+}
+
+// SparseTarget is what ReadSparse writes into: an *os.File.
+type SparseTarget interface {
+	io.WriterAt
+	Truncate(size int64) error
+}
+
+// ReadSparse writes the sparse stream r into dst (an empty file) and checks
+// it on the way: records in order, inside size, each whole pages (the last
+// may end at size), ending with the end record of size. It returns the
+// stream's digest and how many bytes of the stream it read. A stream that
+// breaks any rule is an error, and the caller discards dst.
+func ReadSparse(dst SparseTarget, r io.Reader, size int64) (string, int64, error) {
+	h := sha256.New()
+	cr := &countingReader{r: io.TeeReader(r, h)}
+	buf := make([]byte, max(0, min(size, sparseBlock)))
+	var head [sparseHead]byte
+	next := int64(0) // the first offset the next record may start at
+	for {
+		if _, err := io.ReadFull(cr, head[:]); err != nil {
+			return "", cr.n, fmt.Errorf("sparse stream: record head at byte %d: %w", cr.n, noEOF(err))
+		}
+		off, n := int64(binary.BigEndian.Uint64(head[:8])), int64(binary.BigEndian.Uint64(head[8:]))
+		if n == 0 {
+			if off != size {
+				return "", cr.n, fmt.Errorf("sparse stream: ends at size %d, want %d", off, size)
+			}
+			if err := dst.Truncate(size); err != nil {
+				return "", cr.n, err
+			}
+			return digestOf(h), cr.n, nil
+		}
+		switch {
+		case off < next || off%sparsePage != 0:
+			return "", cr.n, fmt.Errorf("sparse stream: record at %d overlaps or is not page aligned", off)
+		case off > size || n > size-off || n > sparseBlock:
+			return "", cr.n, fmt.Errorf("sparse stream: record of %d bytes at %d is outside the %d bytes of the file", n, off, size)
+		case n%sparsePage != 0 && off+n != size:
+			return "", cr.n, fmt.Errorf("sparse stream: record of %d bytes at %d is not whole pages", n, off)
+		}
+		for left := n; left > 0; {
+			chunk := buf[:min(left, int64(len(buf)))]
+			if _, err := io.ReadFull(cr, chunk); err != nil {
+				return "", cr.n, fmt.Errorf("sparse stream: record at %d: %w", off, noEOF(err))
+			}
+			if _, err := dst.WriteAt(chunk, off+n-left); err != nil {
+				return "", cr.n, err
+			}
+			left -= int64(len(chunk))
+		}
+		next = off + n
+	}
+}
+
+func digestOf(h hash.Hash) string { return hex.EncodeToString(h.Sum(nil)) }
+
+// noEOF turns a clean EOF inside a stream into an unexpected one.
+func noEOF(err error) error {
+	if errors.Is(err, io.EOF) {
+		return io.ErrUnexpectedEOF
+	}
+	return err
+}
+
+type countingReader struct {
+	r io.Reader
+	n int64
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	return n, err
+}
