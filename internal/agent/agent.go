@@ -61,8 +61,10 @@ type Agent struct {
 
 	pool *pool // the warm pool and its filler, the one goroutine Close stops
 	// syncs are the background syncs of snapshot files (snapshot_sync.go),
-	// which Close waits for.
-	syncs sync.WaitGroup
+	// which Close hurries (closing) and waits for.
+	syncs     sync.WaitGroup
+	closing   chan struct{}
+	closeOnce sync.Once
 }
 
 // vmEntry is one VM in the registry.
@@ -138,7 +140,8 @@ func New(ctx context.Context, cfg Config) (*Agent, error) {
 		return nil, fmt.Errorf("agent: state directory %s: %w", cfg.StateDir, err)
 	}
 	cfg.StateDir = abs
-	a := &Agent{cfg: cfg, log: cfg.Logger.With("driver", cfg.Driver.Name()), started: time.Now().UTC(), vms: map[string]*vmEntry{}}
+	a := &Agent{cfg: cfg, log: cfg.Logger.With("driver", cfg.Driver.Name()), started: time.Now().UTC(), vms: map[string]*vmEntry{},
+		closing: make(chan struct{})}
 	if err := os.MkdirAll(a.vmsDir(), 0o750); err != nil {
 		return nil, fmt.Errorf("agent: create state directory %s: %w", a.vmsDir(), err)
 	}
@@ -221,6 +224,7 @@ func (a *Agent) Handler() http.Handler { return a.handler }
 // destroys the warm ones left in the pool).
 func (a *Agent) Close() error {
 	a.pool.stop()
+	a.closeOnce.Do(func() { close(a.closing) })
 	a.syncs.Wait()
 	return nil
 }
