@@ -20,6 +20,7 @@ func main() {
 	flag.BoolVar(&debug, "debug", false, "start the provider with support for debuggers like delve")
 	flag.Parse()
 	provider.SilenceUnreadSDKLogs()
+	provider.TuneGC()
 
 	err := providerserver.Serve(context.Background(), provider.New(version), providerserver.ServeOpts{
 		Address: "registry.terraform.io/kvmfleet/kvm",

@@ -27,10 +27,14 @@ import (
 
 // Environment of the measurement.
 const (
-	envRun   = "KVM_BENCH_TFPLAN"      // set to 1 to run
-	envCount = "KVM_BENCH_TFPLAN_N"    // resources per configuration, default 1000
-	envRuns  = "KVM_BENCH_TFPLAN_RUNS" // plans of each kind, alternating, default 1
+	envRun   = "KVM_BENCH_TFPLAN"       // set to 1 to run
+	envCount = "KVM_BENCH_TFPLAN_N"     // resources per configuration, default 1000
+	envRuns  = "KVM_BENCH_TFPLAN_RUNS"  // plans of each kind, alternating, default 1
+	envFloor = "KVM_BENCH_TFPLAN_FLOOR" // set to 1 to also time the do-nothing floor providers
 )
+
+// The floor providers (./floorprovider): kvm_vm's schema, no work.
+var floors = []string{"floorfw", "floorraw"}
 
 func envInt(t *testing.T, name string, def int) int {
 	s := os.Getenv(name)
@@ -53,6 +57,7 @@ func TestTerraformPlanRefresh(t *testing.T) {
 	}
 	n := envInt(t, envCount, 1000)
 	runs := envInt(t, envRuns, 1)
+	withFloor := os.Getenv(envFloor) != ""
 	tf, err := exec.LookPath("terraform")
 	if err != nil {
 		t.Fatalf("the terraform CLI is not on PATH: %v", err)
@@ -60,19 +65,22 @@ func TestTerraformPlanRefresh(t *testing.T) {
 
 	work := t.TempDir()
 	bin := filepath.Join(work, "bin")
-	build := exec.Command("go", "build", "-o", filepath.Join(bin, "terraform-provider-kvm"), "./provider")
-	build.Dir = repoRoot(t)
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("building the provider: %v\n%s", err, out)
+	goBuild(t, filepath.Join(bin, "terraform-provider-kvm"), "./provider")
+	overrides := map[string]string{"kvmfleet/kvm": bin}
+	if withFloor {
+		// One binary; its name chooses the mode.
+		goBuild(t, filepath.Join(bin, "terraform-provider-"+floors[0]), "./bench/terraform_plan/floorprovider")
+		for _, f := range floors[1:] {
+			if err := os.Link(filepath.Join(bin, "terraform-provider-"+floors[0]), filepath.Join(bin, "terraform-provider-"+f)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, f := range floors {
+			overrides["kvmfleet/"+f] = bin
+		}
 	}
 	rc := filepath.Join(work, "terraformrc")
-	writeFile(t, rc, fmt.Sprintf(`provider_installation {
-  dev_overrides {
-    "kvmfleet/kvm" = %q
-  }
-  direct {}
-}
-`, bin))
+	writeFile(t, rc, cliConfig(overrides))
 
 	// A control API on SQLite and sim agents roomy enough for n VMs.
 	control := testenv.StartControl(t, testenv.ControlOptions{})
@@ -86,26 +94,12 @@ func TestTerraformPlanRefresh(t *testing.T) {
 	proxy := newCountingProxy(t, control.URL)
 
 	vmDir := filepath.Join(work, "kvm")
-	writeFile(t, filepath.Join(vmDir, "main.tf"), fmt.Sprintf(`terraform {
-  required_providers {
-    kvm = { source = "kvmfleet/kvm" }
-  }
-}
-
+	writeFile(t, filepath.Join(vmDir, "main.tf"), vmConfig("kvm", fmt.Sprintf(`
 provider "kvm" {
   endpoint = %q
   token    = %q
 }
-
-resource "kvm_vm" "vm" {
-  count      = %d
-  name       = "bench-${count.index}"
-  image      = "sim"
-  vcpus      = 1
-  memory_mib = 64
-  disk_mib   = 64
-}
-`, proxy.URL, control.Token, n))
+`, proxy.URL, control.Token), n))
 	dataDir := filepath.Join(work, "data")
 	writeFile(t, filepath.Join(dataDir, "main.tf"), fmt.Sprintf(`resource "terraform_data" "d" {
   count = %d
@@ -116,7 +110,7 @@ resource "kvm_vm" "vm" {
 	env := append(os.Environ(), "TF_CLI_CONFIG_FILE="+rc, "TF_IN_AUTOMATION=1", "CHECKPOINT_DISABLE=1")
 	// terraform runs one command and returns its wall time and CPU time
 	// (user + system, including the provider processes it waited for).
-	terraform := func(dir string, args ...string) (time.Duration, time.Duration) {
+	terraform := func(dir string, args ...string) planTime {
 		t.Helper()
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 		defer cancel()
@@ -130,30 +124,133 @@ resource "kvm_vm" "vm" {
 		if err != nil {
 			t.Fatalf("terraform %s in %s: %v\n%s", strings.Join(args, " "), dir, err, tailOf(out.String(), 4000))
 		}
-		return d, cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()
+		return planTime{wall: d, cpu: cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()}
+	}
+	// plan times a plan with refresh; -detailed-exitcode makes a plan with
+	// changes (exit status 2) an error, since a refresh that finds nothing to
+	// do is what is measured.
+	plan := func(dir string) planTime {
+		t.Helper()
+		return terraform(dir, "plan", "-input=false", "-lock=false", "-detailed-exitcode")
 	}
 
-	vmApply, _ := terraform(vmDir, "apply", "-auto-approve", "-input=false", "-parallelism=20")
-	dataApply, _ := terraform(dataDir, "apply", "-auto-approve", "-input=false")
-	t.Logf("setup: apply of %d kvm_vm %v, of %d terraform_data %v", n, vmApply.Round(time.Millisecond), n, dataApply.Round(time.Millisecond))
+	vmApply := terraform(vmDir, "apply", "-auto-approve", "-input=false", "-parallelism=20")
+	dataApply := terraform(dataDir, "apply", "-auto-approve", "-input=false")
+	t.Logf("setup: apply of %d kvm_vm %v, of %d terraform_data %v", n, vmApply.wall.Round(time.Millisecond), n, dataApply.wall.Round(time.Millisecond))
+	floorDirs := map[string]string{}
+	if withFloor {
+		for _, f := range floors {
+			floorDirs[f] = filepath.Join(work, f)
+			writeFile(t, filepath.Join(floorDirs[f], "main.tf"), vmConfig(f, "", n))
+			apply := terraform(floorDirs[f], "apply", "-auto-approve", "-input=false")
+			t.Logf("setup: apply of %d %s_vm %v", n, f, apply.wall.Round(time.Millisecond))
+		}
+	}
 
-	var wallRatios, cpuRatios []float64
+	var kvmRatios, ownRatios ratios // ownRatios: kvm_vm over floorfw_vm
+	floorRatios := map[string]*ratios{}
+	for _, f := range floors {
+		floorRatios[f] = &ratios{}
+	}
 	for r := 0; r < runs; r++ {
 		proxy.reset()
-		kvmWall, kvmCPU := terraform(vmDir, "plan", "-input=false", "-lock=false")
+		kvmTime := plan(vmDir)
 		reqs := proxy.snapshot()
-		dataWall, dataCPU := terraform(dataDir, "plan", "-input=false", "-lock=false")
-		wallRatios = append(wallRatios, kvmWall.Seconds()/dataWall.Seconds())
-		cpuRatios = append(cpuRatios, kvmCPU.Seconds()/dataCPU.Seconds())
-		t.Logf("run %d: terraform plan over %d kvm_vm: wall %v, CPU %v; over %d terraform_data: wall %v, CPU %v; "+
-			"ratio wall %.2f, CPU %.2f; provider HTTP requests: %s",
-			r+1, n, kvmWall.Round(time.Millisecond), kvmCPU.Round(time.Millisecond), n, dataWall.Round(time.Millisecond),
-			dataCPU.Round(time.Millisecond), wallRatios[r], cpuRatios[r], reqs)
+		dataTime := plan(dataDir)
+		wall, cpu := kvmRatios.add(kvmTime, dataTime)
+		t.Logf("run %d: terraform plan over %d kvm_vm: %v; over %d terraform_data: %v; "+
+			"ratio wall %.2f, CPU %.2f; provider HTTP requests: %s", r+1, n, kvmTime, n, dataTime, wall, cpu, reqs)
+		if !withFloor {
+			continue
+		}
+		floorTimes := map[string]planTime{}
+		for _, f := range floors {
+			floorTimes[f] = plan(floorDirs[f])
+			wall, cpu := floorRatios[f].add(floorTimes[f], dataTime)
+			t.Logf("run %d: terraform plan over %d %s_vm: %v; ratio to terraform_data wall %.2f, CPU %.2f",
+				r+1, n, f, floorTimes[f], wall, cpu)
+		}
+		wall, cpu = ownRatios.add(kvmTime, floorTimes[floors[0]])
+		t.Logf("run %d: kvm_vm/%s_vm wall %.2f, CPU %.2f", r+1, floors[0], wall, cpu)
 	}
-	sort.Float64s(wallRatios)
-	sort.Float64s(cpuRatios)
-	t.Logf("kvm_vm/terraform_data over %d run(s): median wall ratio %.2f, median CPU ratio %.2f (goal <= 1.5)",
-		runs, wallRatios[len(wallRatios)/2], cpuRatios[len(cpuRatios)/2])
+	kvmRatios.log(t, "kvm_vm/terraform_data", " (goal <= 1.5)")
+	if withFloor {
+		for _, f := range floors {
+			floorRatios[f].log(t, f+"_vm/terraform_data", "")
+		}
+		ownRatios.log(t, "kvm_vm/"+floors[0]+"_vm", " (the provider's own work)")
+	}
+}
+
+// planTime is the wall and CPU time of one terraform command.
+type planTime struct{ wall, cpu time.Duration }
+
+func (p planTime) String() string {
+	return fmt.Sprintf("wall %v, CPU %v", p.wall.Round(time.Millisecond), p.cpu.Round(time.Millisecond))
+}
+
+// ratios collects, run by run, the wall and CPU ratios of one plan to another.
+type ratios struct{ wall, cpu []float64 }
+
+func (r *ratios) add(num, den planTime) (wall, cpu float64) {
+	wall, cpu = num.wall.Seconds()/den.wall.Seconds(), num.cpu.Seconds()/den.cpu.Seconds()
+	r.wall, r.cpu = append(r.wall, wall), append(r.cpu, cpu)
+	return wall, cpu
+}
+
+func (r *ratios) log(t *testing.T, what, note string) {
+	t.Helper()
+	t.Logf("%s over %d run(s): median wall ratio %.2f, median CPU ratio %.2f%s", what, len(r.wall), median(r.wall), median(r.cpu), note)
+}
+
+func median(xs []float64) float64 {
+	s := append([]float64(nil), xs...)
+	sort.Float64s(s)
+	return s[len(s)/2]
+}
+
+// vmConfig is n VMs of the named provider (kvm or a floor), all alike.
+func vmConfig(providerName, providerBlock string, n int) string {
+	return fmt.Sprintf(`terraform {
+  required_providers {
+    %[1]s = { source = "kvmfleet/%[1]s" }
+  }
+}
+%[2]s
+resource "%[1]s_vm" "vm" {
+  count      = %[3]d
+  name       = "bench-${count.index}"
+  image      = "sim"
+  vcpus      = 1
+  memory_mib = 64
+  disk_mib   = 64
+}
+`, providerName, providerBlock, n)
+}
+
+// cliConfig points the given provider sources at local directories.
+func cliConfig(overrides map[string]string) string {
+	sources := make([]string, 0, len(overrides))
+	for s := range overrides {
+		sources = append(sources, s)
+	}
+	sort.Strings(sources)
+	var b strings.Builder
+	b.WriteString("provider_installation {\n  dev_overrides {\n")
+	for _, s := range sources {
+		fmt.Fprintf(&b, "    %q = %q\n", s, overrides[s])
+	}
+	b.WriteString("  }\n  direct {}\n}\n")
+	return b.String()
+}
+
+func goBuild(t *testing.T, out, pkg string) {
+	t.Helper()
+	build := exec.Command("go", "build", "-o", out, pkg)
+	build.Dir = repoRoot(t)
+	if b, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("building %s: %v\n%s", pkg, err, b)
+	}
 }
 
 // countingProxy forwards to the control API and counts requests by method
