@@ -705,15 +705,7 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 	// of the snapshot sees this VM and refuses.
 	e.set(r)
 	fail := func(err error) (agentapi.VM, error) {
-		err = fmt.Errorf("create vm %s from snapshot %s: %w", e.id, src.ID, err)
-		if rerr := a.removeVM(ctx, e, machineOf(a, r)); rerr != nil {
-			r.State, r.Reason = agentapi.StateError, err.Error()+"; cleanup failed: "+rerr.Error()
-			e.set(r)
-			if serr := a.saveRecord(&r); serr != nil {
-				a.log.Error("save failed vm", "vm", e.id, "err", serr)
-			}
-		}
-		return agentapi.VM{}, err
+		return a.abandonCreate(ctx, e, r, fmt.Errorf("create vm %s from snapshot %s: %w", e.id, src.ID, err))
 	}
 	sn, err := a.snapshotter()
 	if err != nil {
@@ -883,12 +875,6 @@ func (a *Agent) pullFile(ctx context.Context, c *agentapi.Client, id, dir string
 	var sum string
 	if f.Kind == agentapi.SnapshotFileRAM {
 		sum, n, err = ReadSparse(out, body, f.SizeBytes)
-		if err == nil {
-			// Nothing may follow the end record.
-			if m, _ := io.Copy(io.Discard, io.LimitReader(body, 1)); m > 0 {
-				err = errors.New("sparse stream: data after its end")
-			}
-		}
 	} else {
 		h := sha256.New()
 		// One byte more than announced, to see a file that is too long.

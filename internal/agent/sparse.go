@@ -166,9 +166,9 @@ type SparseTarget interface {
 
 // ReadSparse writes the sparse stream r into dst (an empty file) and checks
 // it on the way: records in order, inside size, each whole pages (the last
-// may end at size), ending with the end record of size. It returns the
-// stream's digest and how many bytes of the stream it read. A stream that
-// breaks any rule is an error, and the caller discards dst.
+// may end at size), then the end record of size, and nothing after it. It
+// returns the stream's digest and how many bytes of the stream it read. A
+// stream that breaks any rule is an error, and the caller discards dst.
 func ReadSparse(dst SparseTarget, r io.Reader, size int64) (string, int64, error) {
 	h := sha256.New()
 	cr := &countingReader{r: io.TeeReader(r, h)}
@@ -184,12 +184,18 @@ func ReadSparse(dst SparseTarget, r io.Reader, size int64) (string, int64, error
 			if off != size {
 				return "", cr.n, fmt.Errorf("sparse stream: ends at size %d, want %d", off, size)
 			}
+			if m, _ := io.ReadFull(r, head[:1]); m > 0 {
+				return "", cr.n, errors.New("sparse stream: data after its end record")
+			}
 			if err := dst.Truncate(size); err != nil {
 				return "", cr.n, err
 			}
 			return digestOf(h), cr.n, nil
 		}
 		switch {
+		case n < 0 || off < 0:
+			// Lengths and offsets above 2^63 read as negative.
+			return "", cr.n, fmt.Errorf("sparse stream: record of %d bytes at %d is outside the %d bytes of the file", uint64(n), uint64(off), size)
 		case off < next || off%sparsePage != 0:
 			return "", cr.n, fmt.Errorf("sparse stream: record at %d overlaps or is not page aligned", off)
 		case off > size || n > size-off || n > sparseBlock:

@@ -157,6 +157,9 @@ func TestReadSparseRejects(t *testing.T) {
 		"outside":         {[][]byte{record(size, sparsePage, 1)}, "outside"},
 		"larger than all": {[][]byte{record(0, 0, 0)[:8], {0x40, 0, 0, 0, 0, 0, 0, 0}}, "outside"},
 		"part of a page":  {[][]byte{record(0, 100, 1)}, "whole pages"},
+		"negative length": {[][]byte{record(0, 0, 0)[:8], {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xf0, 0}}, "outside"},
+		"negative offset": {[][]byte{{0x80, 0, 0, 0, 0, 0, 0, 0}, record(0, sparsePage, 0)[8:16]}, "outside"},
+		"after the end":   {[][]byte{record(size, 0, 0), {0}}, "after its end"},
 	}
 	for name, c := range cases {
 		t.Run(name, func(t *testing.T) {
