@@ -420,17 +420,7 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 		return vm, nil
 	}
 	fail := func(err error) (agentapi.VM, error) {
-		err = fmt.Errorf("create vm %s: %w", e.id, err)
-		if rerr := a.removeVM(ctx, e, machineOf(a, r)); rerr != nil {
-			// Something of it may be left: keep it visible, in error, so
-			// that a delete can finish the job.
-			r.State, r.Reason = agentapi.StateError, err.Error()+"; cleanup failed: "+rerr.Error()
-			e.set(r)
-			if serr := a.saveRecord(&r); serr != nil {
-				a.log.Error("save failed vm", "vm", e.id, "err", serr)
-			}
-		}
-		return agentapi.VM{}, err
+		return a.abandonCreate(ctx, e, r, fmt.Errorf("create vm %s: %w", e.id, err))
 	}
 	if err := os.MkdirAll(a.vmDir(e.id), 0o750); err != nil {
 		return fail(err)
@@ -659,4 +649,18 @@ func (a *Agent) Info(ctx context.Context) (agentapi.Info, error) {
 		Accel: accel, AccelNote: note, Driver: d.Name(), Images: d.Images(),
 		VMCount: count, Pool: a.pool.status(), AgentStart: a.started,
 	}, nil
+}
+
+// abandonCreate undoes a create that failed with err: it removes what the
+// VM r has so far. When that fails too, something of it may be left, so the
+// VM stays visible, in error, for a delete to finish the job.
+func (a *Agent) abandonCreate(ctx context.Context, e *vmEntry, r vmRecord, err error) (agentapi.VM, error) {
+	if rerr := a.removeVM(ctx, e, machineOf(a, r)); rerr != nil {
+		r.State, r.Reason = agentapi.StateError, err.Error()+"; cleanup failed: "+rerr.Error()
+		e.set(r)
+		if serr := a.saveRecord(&r); serr != nil {
+			a.log.Error("save failed vm", "vm", e.id, "err", serr)
+		}
+	}
+	return agentapi.VM{}, err
 }

@@ -3,8 +3,6 @@ package control_test
 import (
 	"context"
 	"fmt"
-	"sync"
-	"sync/atomic"
 	"testing"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
@@ -43,26 +41,9 @@ func fillExactly(t *testing.T, replicas []*testenv.Control) {
 		agents[i] = testenv.StartAgent(t, testenv.AgentOptions{VCPUs: perHost, MemoryMiB: perHost * vmMemory, DiskMiB: perHost * vmDisk})
 		replicas[0].RegisterHost(t, fmt.Sprintf("host-%02d", i), agents[i].Address)
 	}
-	var placed, full atomic.Int64
-	var wg sync.WaitGroup
-	for i := range creates {
-		c := replicas[i%len(replicas)]
-		wg.Go(func() {
-			_, err := c.Client.CreateVM(ctx, api.VMCreate{Name: fmt.Sprintf("vm-%03d", i), Image: "sim",
-				VCPUs: 1, MemoryMiB: vmMemory, DiskMiB: vmDisk}, "")
-			switch {
-			case err == nil:
-				placed.Add(1)
-			case apiCode(err) == api.CodeNoCapacity:
-				full.Add(1)
-			default:
-				t.Errorf("create vm-%03d: %v", i, err)
-			}
-		})
-	}
-	wg.Wait()
-	if placed.Load() != wantPlaced || full.Load() != creates-wantPlaced {
-		t.Errorf("%d placed and %d no_capacity; want %d and %d", placed.Load(), full.Load(), wantPlaced, creates-wantPlaced)
+	placed, full := testenv.CreateMany(ctx, t, replicas, creates, vmMemory, vmDisk)
+	if placed != wantPlaced || full != creates-wantPlaced {
+		t.Errorf("%d placed and %d no_capacity; want %d and %d", placed, full, wantPlaced, creates-wantPlaced)
 	}
 	checkLedger(t, replicas[0].Store)
 

@@ -2,8 +2,6 @@ package faulttest
 
 import (
 	"fmt"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -38,28 +36,11 @@ func TestTwoReplicas2000Creates(t *testing.T) {
 		replicas[0].RegisterHost(t, name, a.Address)
 		agents[name] = realAgent(a)
 	}
-	var placed, full atomic.Int64
-	var wg sync.WaitGroup
 	start := time.Now()
-	for i := range creates {
-		c := replicas[i%len(replicas)]
-		wg.Go(func() {
-			_, err := c.Client.CreateVM(ctx, api.VMCreate{Name: fmt.Sprintf("vm-%04d", i), Image: "sim",
-				VCPUs: 1, MemoryMiB: vmMemory, DiskMiB: vmDisk}, "")
-			switch {
-			case err == nil:
-				placed.Add(1)
-			case apiCode(err) == api.CodeNoCapacity:
-				full.Add(1)
-			default:
-				t.Errorf("create vm-%04d: %v", i, err)
-			}
-		})
-	}
-	wg.Wait()
-	t.Logf("%d creates over 2 replicas in %v: %d placed, %d no_capacity", creates, time.Since(start).Round(time.Millisecond), placed.Load(), full.Load())
-	if placed.Load() != wantPlaced || full.Load() != creates-wantPlaced {
-		t.Errorf("%d placed and %d no_capacity; want %d and %d", placed.Load(), full.Load(), wantPlaced, creates-wantPlaced)
+	placed, full := testenv.CreateMany(ctx, t, replicas, creates, vmMemory, vmDisk)
+	t.Logf("%d creates over 2 replicas in %v: %d placed, %d no_capacity", creates, time.Since(start).Round(time.Millisecond), placed, full)
+	if placed != wantPlaced || full != creates-wantPlaced {
+		t.Errorf("%d placed and %d no_capacity; want %d and %d", placed, full, wantPlaced, creates-wantPlaced)
 	}
 	cl := replicas[1].Client
 	if err := ledger(ctx, cl, agents); err != nil {

@@ -311,10 +311,16 @@ func (s *Store) SetVMState(ctx context.Context, id, observedState, reason, start
 
 // SetVMPower records a new desired power state and what the agent reported.
 func (s *Store) SetVMPower(ctx context.Context, id, powerState, observedState, reason string) error {
-	res := s.db.WithContext(ctx).Exec(`UPDATE vms SET power_state = ?, observed_state = ?, reason = ?, updated_at = ?
-		WHERE id = ?`, powerState, observedState, reason, now(), id)
+	return updateVMRow(s.db.WithContext(ctx), "record power state of", id, `UPDATE vms SET power_state = ?, observed_state = ?,
+		reason = ?, updated_at = ? WHERE id = ?`, powerState, observedState, reason, now(), id)
+}
+
+// updateVMRow runs an UPDATE of VM id's row; ErrNotFound when there is no
+// such row. Errors say "<action> vm <id>".
+func updateVMRow(db *gorm.DB, action, id, query string, args ...any) error {
+	res := db.Exec(query, args...)
 	if res.Error != nil {
-		return fmt.Errorf("record power state of vm %s: %w", id, res.Error)
+		return fmt.Errorf("%s vm %s: %w", action, id, res.Error)
 	}
 	if res.RowsAffected == 0 {
 		return fmt.Errorf("vm %s: %w", id, ErrNotFound)
@@ -332,12 +338,8 @@ func (s *Store) SetVMLabels(ctx context.Context, id string, labels map[string]st
 		return err
 	}
 	return s.inTx(ctx, func(tx *gorm.DB) error {
-		res := tx.Exec("UPDATE vms SET labels = ?, updated_at = ? WHERE id = ?", text, now(), id)
-		if res.Error != nil {
-			return fmt.Errorf("update labels of vm %s: %w", id, res.Error)
-		}
-		if res.RowsAffected == 0 {
-			return fmt.Errorf("vm %s: %w", id, ErrNotFound)
+		if err := updateVMRow(tx, "update labels of", id, "UPDATE vms SET labels = ?, updated_at = ? WHERE id = ?", text, now(), id); err != nil {
+			return err
 		}
 		if err := tx.Exec("DELETE FROM vm_labels WHERE vm_id = ?", id).Error; err != nil {
 			return fmt.Errorf("update labels of vm %s: %w", id, err)
@@ -374,13 +376,6 @@ func jsonText(v any) (string, error) {
 // MarkVMCreated records the agent's answer to a create. ErrNotFound when
 // the row is gone (deleted while it was being created).
 func (s *Store) MarkVMCreated(ctx context.Context, id, observedState, reason, startedFrom string) error {
-	res := s.db.WithContext(ctx).Exec(`UPDATE vms SET observed_state = ?, reason = ?, started_from = ?, updated_at = ?
-		WHERE id = ?`, observedState, reason, startedFrom, now(), id)
-	if res.Error != nil {
-		return fmt.Errorf("mark vm %s created: %w", id, res.Error)
-	}
-	if res.RowsAffected == 0 {
-		return fmt.Errorf("vm %s: %w", id, ErrNotFound)
-	}
-	return nil
+	return updateVMRow(s.db.WithContext(ctx), "mark created", id, `UPDATE vms SET observed_state = ?, reason = ?,
+		started_from = ?, updated_at = ? WHERE id = ?`, observedState, reason, startedFrom, now(), id)
 }

@@ -3,11 +3,13 @@ package testenv
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -146,4 +148,32 @@ func (c *Control) RegisterHost(t testing.TB, name, address string) api.Host {
 		t.Fatalf("register host %s at %s: %v", name, address, err)
 	}
 	return h
+}
+
+// CreateMany creates n VMs of one shape at once (image sim, 1 vCPU),
+// spreading the requests over the replicas in turn, and counts how many
+// were placed and how many were refused with no_capacity. Any other error
+// fails the test.
+func CreateMany(ctx context.Context, t testing.TB, replicas []*Control, n int, memoryMiB, diskMiB int64) (placed, full int64) {
+	t.Helper()
+	var ok, noRoom atomic.Int64
+	var wg sync.WaitGroup
+	for i := range n {
+		c := replicas[i%len(replicas)]
+		wg.Go(func() {
+			_, err := c.Client.CreateVM(ctx, api.VMCreate{Name: fmt.Sprintf("vm-%04d", i), Image: "sim",
+				VCPUs: 1, MemoryMiB: memoryMiB, DiskMiB: diskMiB}, "")
+			var e *client.Error
+			switch {
+			case err == nil:
+				ok.Add(1)
+			case errors.As(err, &e) && e.Code == api.CodeNoCapacity:
+				noRoom.Add(1)
+			default:
+				t.Errorf("create vm-%04d: %v", i, err)
+			}
+		})
+	}
+	wg.Wait()
+	return ok.Load(), noRoom.Load()
 }

@@ -159,34 +159,11 @@ func ProcessesUnder(dir string) []int {
 	if err != nil {
 		return nil
 	}
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		return nil
-	}
-	prefix := abs + "/"
 	var out []int
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		args := procCmdline(pid)
-		for i := 0; i+1 < len(args); i++ {
-			if args[i] == "-pidfile" && strings.HasPrefix(args[i+1], prefix) {
-				if state, _, err := procStat(pid); err == nil && state != 'Z' && state != 'X' {
-					out = append(out, pid)
-				}
-				break
-			}
-		}
+	for _, l := range qemuProcesses(func(pf string) bool { return strings.HasPrefix(pf, abs+"/") }) {
+		out = append(out, l.process.PID)
 	}
 	return out
-}
-
-// launched is a QEMU process and the pid file its command line names.
-type launched struct {
-	process agent.Process
-	pidfile string
 }
 
 // handedOverProcesses finds the QEMU of a VM in dir that started as a warm
@@ -198,33 +175,12 @@ func handedOverProcesses(dir string) []launched {
 	if err != nil {
 		return nil
 	}
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		return nil
-	}
-	var out []launched
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
+	return qemuProcesses(func(pf string) bool {
+		launchDir := filepath.Dir(pf)
+		if fi, err := os.Lstat(launchDir); err != nil || fi.Mode()&os.ModeSymlink == 0 {
+			return false
 		}
-		args := procCmdline(pid)
-		for i := 0; i+1 < len(args); i++ {
-			if args[i] != "-pidfile" {
-				continue
-			}
-			launchDir := filepath.Dir(args[i+1])
-			if fi, err := os.Lstat(launchDir); err != nil || fi.Mode()&os.ModeSymlink == 0 {
-				break
-			}
-			if got, err := filepath.EvalSymlinks(launchDir); err != nil || got != want {
-				break
-			}
-			if state, start, err := procStat(pid); err == nil && state != 'Z' && state != 'X' {
-				out = append(out, launched{agent.Process{PID: pid, StartTime: start}, args[i+1]})
-			}
-			break
-		}
-	}
-	return out
+		got, err := filepath.EvalSymlinks(launchDir)
+		return err == nil && got == want
+	})
 }

@@ -49,14 +49,7 @@ func procCmdline(pid int) []string {
 // ownsPidfile tells whether a command line is that of the QEMU whose
 // -pidfile is pidfile: the pid file path holds the VM's directory, so it
 // names one VM of one agent.
-func ownsPidfile(args []string, pidfile string) bool {
-	for i := 0; i+1 < len(args); i++ {
-		if args[i] == "-pidfile" && args[i+1] == pidfile {
-			return true
-		}
-	}
-	return false
-}
+func ownsPidfile(args []string, pidfile string) bool { return pidfileArg(args) == pidfile }
 
 // checkProcess tells whether p is still the VM's live QEMU: the pid exists,
 // is not a zombie, started when recorded, and runs with the VM's pid file.
@@ -118,26 +111,52 @@ func ProcessesOf(dir string) []int {
 }
 
 func findProcesses(pidfile string) []agent.Process {
+	var out []agent.Process
+	for _, l := range qemuProcesses(func(pf string) bool { return pf == pidfile }) {
+		out = append(out, l.process)
+	}
+	return out
+}
+
+// launched is a QEMU process and the pid file its command line names.
+type launched struct {
+	process agent.Process
+	pidfile string
+}
+
+// qemuProcesses lists the live (not zombie) processes whose command line
+// has a -pidfile that match accepts: how the driver finds QEMUs that its
+// metadata does not name (every VM's pid file path holds its directory).
+func qemuProcesses(match func(pidfile string) bool) []launched {
 	entries, err := os.ReadDir("/proc")
 	if err != nil {
 		return nil
 	}
-	var out []agent.Process
+	var out []launched
 	for _, e := range entries {
 		pid, err := strconv.Atoi(e.Name())
 		if err != nil {
 			continue
 		}
-		if !ownsPidfile(procCmdline(pid), pidfile) {
+		pf := pidfileArg(procCmdline(pid))
+		if pf == "" || !match(pf) {
 			continue
 		}
-		state, start, err := procStat(pid)
-		if err != nil || state == 'Z' || state == 'X' {
-			continue
+		if state, start, err := procStat(pid); err == nil && state != 'Z' && state != 'X' {
+			out = append(out, launched{agent.Process{PID: pid, StartTime: start}, pf})
 		}
-		out = append(out, agent.Process{PID: pid, StartTime: start})
 	}
 	return out
+}
+
+// pidfileArg is the value of -pidfile on a command line, or "".
+func pidfileArg(args []string) string {
+	for i := 0; i+1 < len(args); i++ {
+		if args[i] == "-pidfile" {
+			return args[i+1]
+		}
+	}
+	return ""
 }
 
 func killProcess(p agent.Process, pidfile string) error {
