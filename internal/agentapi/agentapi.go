@@ -69,6 +69,42 @@ type VMSpec struct {
 	Snapshot  *SnapshotSource `json:"snapshot,omitempty"`
 	// NoWarm asks for a cold boot even when a warm VM matches.
 	NoWarm bool `json:"no_warm,omitempty"`
+	// NICs are the VM's network interfaces in order (none: no NIC).
+	NICs []NIC `json:"nics,omitempty"`
+}
+
+// Network modes of a NIC (the control API's network modes).
+const (
+	NetworkUser   = "user"
+	NetworkNAT    = "nat"
+	NetworkBridge = "bridge"
+)
+
+// NIC is one network interface of a VM: what the control plane decided
+// (MAC, address from its IPAM, the network's shape) and, in answers, what
+// the agent chose (host ports of forwards).
+type NIC struct {
+	Network    string `json:"network"`
+	Mode       string `json:"mode"`
+	MACAddress string `json:"mac_address"`
+	// CIDR and Gateway describe the network (nat; bridge when it has a CIDR).
+	CIDR    string `json:"cidr,omitempty"`
+	Gateway string `json:"gateway,omitempty"`
+	// DHCP asks the agent to serve IPv4Address to MACAddress by DHCP.
+	DHCP bool `json:"dhcp,omitempty"`
+	// Bridge is the operator's bridge (bridge mode).
+	Bridge string `json:"bridge,omitempty"`
+	// IPv4Address is the address the VM has on this network ("" when the
+	// control plane does not assign one).
+	IPv4Address  string        `json:"ipv4_address,omitempty"`
+	PortForwards []PortForward `json:"port_forwards,omitempty"`
+}
+
+// PortForward maps 127.0.0.1:HostPort (chosen by the agent) to GuestPort.
+type PortForward struct {
+	GuestPort   int    `json:"guest_port"`
+	HostAddress string `json:"host_address,omitempty"`
+	HostPort    int    `json:"host_port,omitempty"`
 }
 
 // VM is one VM on an agent.
@@ -82,6 +118,7 @@ type VM struct {
 	Reason      string    `json:"reason,omitempty"`
 	StartedFrom string    `json:"started_from"`
 	PID         int       `json:"pid,omitempty"`
+	NICs        []NIC     `json:"nics,omitempty"`
 	CreatedAt   time.Time `json:"created_at"`
 }
 

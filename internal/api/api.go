@@ -100,6 +100,11 @@ type VMCreate struct {
 	Host       string            `json:"host,omitempty"`
 	PowerState string            `json:"power_state,omitempty"`
 	Labels     map[string]string `json:"labels,omitempty"`
+	// NetworkInterfaces are the VM's NICs in order; omitted, the VM gets
+	// one NIC on the network named "default".
+	NetworkInterfaces []NetworkInterface `json:"network_interfaces,omitempty"`
+	// Constraints steer placement; nil places by score alone.
+	Constraints *Constraints `json:"constraints,omitempty"`
 }
 
 // VMPatch is the body of PATCH /v1/vms/{id}. Only the fields that are set change.
@@ -124,7 +129,13 @@ type VM struct {
 	ForkID        string            `json:"fork_id,omitempty"`
 	Placement     *Placement        `json:"placement,omitempty"`
 	Labels        map[string]string `json:"labels"`
-	CreatedAt     time.Time         `json:"created_at"`
+	// NetworkInterfaces are the VM's NICs with their MAC, address and
+	// forwarded ports filled in.
+	NetworkInterfaces []NetworkInterface `json:"network_interfaces"`
+	// IPv4Address is the first NIC's address ("" while unknown).
+	IPv4Address string       `json:"ipv4_address"`
+	Constraints *Constraints `json:"constraints,omitempty"`
+	CreatedAt   time.Time    `json:"created_at"`
 }
 
 // Placement explains why a VM went where it did.
@@ -151,6 +162,8 @@ type PlacementRequest struct {
 	MemoryMiB int64  `json:"memory_mib"`
 	DiskMiB   int64  `json:"disk_mib"`
 	Host      string `json:"host,omitempty"`
+	// Constraints are applied as they would be to a create.
+	Constraints *Constraints `json:"constraints,omitempty"`
 }
 
 // RankedHost is one host that fits a request, with its score (lower is better).
@@ -180,6 +193,8 @@ type ForkCreate struct {
 	Count       int    `json:"count"`
 	PauseSource bool   `json:"pause_source"`
 	Placement   string `json:"placement,omitempty"`
+	// Constraints apply to every child (a group spreads the children).
+	Constraints *Constraints `json:"constraints,omitempty"`
 }
 
 // ForkPatch is the body of PATCH /v1/forks/{id}.
@@ -213,3 +228,101 @@ const (
 	DefaultPageSize = 100
 	MaxPageSize     = 1000
 )
+
+// Network modes.
+const (
+	// NetworkUser is QEMU user-mode networking: no root, port forwards on
+	// 127.0.0.1 with host ports the agent chooses.
+	NetworkUser = "user"
+	// NetworkNAT is an agent-made Linux bridge with a tap per NIC, DHCP with
+	// one static lease per MAC, and masquerade for traffic out.
+	NetworkNAT = "nat"
+	// NetworkBridge is a tap on a bridge the operator made on the hosts.
+	NetworkBridge = "bridge"
+)
+
+// DefaultNetwork is the user-mode network that exists out of the box.
+const DefaultNetwork = "default"
+
+// NetworkCreate is the body of POST /v1/networks.
+type NetworkCreate struct {
+	Name    string `json:"name"`
+	Mode    string `json:"mode"`
+	CIDR    string `json:"cidr,omitempty"`
+	Gateway string `json:"gateway,omitempty"`
+	// DHCP defaults to true for nat, and for bridge networks with a CIDR.
+	DHCP   *bool  `json:"dhcp,omitempty"`
+	Bridge string `json:"bridge,omitempty"`
+	// Hosts limits the network to these hosts; empty means every host.
+	Hosts []string `json:"hosts,omitempty"`
+}
+
+// Network is a named network VMs attach NICs to.
+type Network struct {
+	Name    string   `json:"name"`
+	Mode    string   `json:"mode"`
+	CIDR    string   `json:"cidr"`
+	Gateway string   `json:"gateway"`
+	DHCP    bool     `json:"dhcp"`
+	Bridge  string   `json:"bridge"`
+	Hosts   []string `json:"hosts"`
+	// AddressesTotal and AddressesUsed count the IPAM range (0 without a CIDR).
+	AddressesTotal int       `json:"addresses_total"`
+	AddressesUsed  int       `json:"addresses_used"`
+	CreatedAt      time.Time `json:"created_at"`
+}
+
+// PortForward maps a host port to a guest port (user-mode networks).
+// HostAddress and HostPort are chosen by the agent and reported.
+type PortForward struct {
+	GuestPort   int    `json:"guest_port"`
+	HostAddress string `json:"host_address,omitempty"`
+	HostPort    int    `json:"host_port,omitempty"`
+}
+
+// NetworkInterface is one NIC of a VM. In a create, IPv4Address asks for a
+// fixed address; in a VM it is the address the VM has.
+type NetworkInterface struct {
+	Network      string        `json:"network"`
+	MACAddress   string        `json:"mac_address,omitempty"`
+	IPv4Address  string        `json:"ipv4_address,omitempty"`
+	PortForwards []PortForward `json:"port_forwards,omitempty"`
+}
+
+// Constraints steer placement (all optional).
+type Constraints struct {
+	// HostLabels must all match the host's labels (a hard filter).
+	HostLabels map[string]string `json:"host_labels,omitempty"`
+	// Group names VMs that belong together; spreading applies within it.
+	Group string `json:"group,omitempty"`
+	// SpreadBy is the failure domain: "host" or "label:<key>".
+	SpreadBy string `json:"spread_by,omitempty"`
+	// MaxPerDomain caps the group's VMs per domain (0: no cap).
+	MaxPerDomain int `json:"max_per_domain,omitempty"`
+}
+
+// Token scopes.
+const (
+	// ScopeAdmin manages hosts, networks, images and tokens.
+	ScopeAdmin = "admin"
+	// ScopeUser manages VMs, forks and placements and reads the rest.
+	ScopeUser = "user"
+)
+
+// TokenCreate is the body of POST /v1/tokens.
+type TokenCreate struct {
+	Name      string     `json:"name"`
+	Scopes    []string   `json:"scopes"`
+	ExpiresAt *time.Time `json:"expires_at,omitempty"`
+}
+
+// Token is an API token. Secret is set only in the answer of its create.
+type Token struct {
+	ID         string     `json:"id"`
+	Name       string     `json:"name"`
+	Scopes     []string   `json:"scopes"`
+	ExpiresAt  *time.Time `json:"expires_at,omitempty"`
+	LastUsedAt *time.Time `json:"last_used_at,omitempty"`
+	CreatedAt  time.Time  `json:"created_at"`
+	Secret     string     `json:"token,omitempty"`
+}

@@ -7,6 +7,8 @@ const (
 	CodeNotFound            = "not_found"
 	CodeConflict            = "conflict"
 	CodeNoCapacity          = "no_capacity"
+	CodeNoAddress           = "no_address"
+	CodeForbidden           = "forbidden"
 	CodeIdempotencyMismatch = "idempotency_mismatch"
 	CodeInFlight            = "in_flight"
 	CodeTooLarge            = "too_large"
