@@ -17,6 +17,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/image"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 )
 
@@ -43,6 +44,14 @@ type Config struct {
 	// PeerHTTPClient makes the calls to other agents (snapshot pulls), e.g.
 	// with the CA that signed their TLS certificates; default plain HTTP.
 	PeerHTTPClient *http.Client
+	// ImageCacheDir holds the cache of registered images (<dir>/sha256/<hex>,
+	// internal/agent/image), normally the --image-dir; empty: no cache, and
+	// a VM of a registered image is refused. The driver must resolve the
+	// cache's image names ("sha256:<hex>") in the same directory.
+	ImageCacheDir string
+	// ImageFetch tunes the cache's fetches (tests); its ImageDir, peer
+	// client and token are set from the fields above.
+	ImageFetch image.Config
 }
 
 // Agent is one host agent. VM states are observed when they are asked for;
@@ -58,6 +67,8 @@ type Agent struct {
 	vms map[string]*vmEntry
 
 	snaps snapshotRegistry // snapshots by id (snapshot.go)
+
+	images *image.Cache // registered images (images.go); nil without ImageCacheDir
 
 	pool *pool // the warm pool and its filler, the one goroutine Close stops
 	// syncs are the background syncs of snapshot files (snapshot_sync.go),
@@ -152,6 +163,16 @@ func New(ctx context.Context, cfg Config) (*Agent, error) {
 	if err := a.loadSnapshots(); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
+	if cfg.ImageCacheDir != "" {
+		ic := cfg.ImageFetch
+		ic.ImageDir, ic.PeerHTTP, ic.PeerToken = cfg.ImageCacheDir, cfg.PeerHTTPClient, cfg.Token
+		if ic.Logger == nil {
+			ic.Logger = a.log
+		}
+		if a.images, err = image.New(ic); err != nil {
+			return nil, fmt.Errorf("agent: %w", err)
+		}
+	}
 	a.adopt(ctx, loaded)
 	if err := startPool(ctx, a); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
@@ -224,6 +245,9 @@ func (a *Agent) Handler() http.Handler { return a.handler }
 // destroys the warm ones left in the pool).
 func (a *Agent) Close() error {
 	a.pool.stop()
+	if a.images != nil {
+		a.images.Close()
+	}
 	a.closeOnce.Do(func() { close(a.closing) })
 	a.syncs.Wait()
 	return nil
@@ -356,6 +380,11 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 	if err := checkID(id); err != nil {
 		return agentapi.VM{}, false, err
 	}
+	src := spec.ImageSource
+	spec, err := a.resolveImage(spec)
+	if err != nil {
+		return agentapi.VM{}, false, err
+	}
 	validated := false
 	for {
 		e := a.lookup(id)
@@ -363,6 +392,9 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 			// Validated only for a new VM: a retry must find its VM even if
 			// the image was removed since.
 			if !validated {
+				if err := a.ensureImage(ctx, src); err != nil {
+					return agentapi.VM{}, false, err
+				}
 				if _, err := a.checkSpec(spec); err != nil {
 					return agentapi.VM{}, false, err
 				}
@@ -647,7 +679,7 @@ func (a *Agent) Info(ctx context.Context) (agentapi.Info, error) {
 			DiskMiB:   max(0, capacity.DiskMiB-alloc.DiskMiB),
 		},
 		Accel: accel, AccelNote: note, Driver: d.Name(), Images: d.Images(),
-		VMCount: count, Pool: a.pool.status(), AgentStart: a.started,
+		VMCount: count, Pool: a.pool.status(), AgentStart: a.started, ImageCache: a.imageList(),
 	}, nil
 }
 

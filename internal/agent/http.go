@@ -86,6 +86,7 @@ func (a *Agent) routes() http.Handler {
 	v1.GET("/vms/:id/console", a.getConsole)
 	v1.POST("/vms/:id/:action", a.postAction)
 	a.snapshotRoutes(v1)
+	a.imageRoutes(v1)
 	v1.GET("/pool", a.getPool)
 	v1.PUT("/pool/:image", a.putPool)
 	return e

@@ -48,6 +48,9 @@ type Info struct {
 	Pool       []PoolStatus `json:"pool"`
 	AccelNote  string       `json:"accel_note,omitempty"`
 	AgentStart time.Time    `json:"agent_start"`
+	// ImageCache is the agent's content-addressed image cache: every image
+	// it holds, fetches or failed to fetch (image.go).
+	ImageCache []ImageStatus `json:"image_cache,omitempty"`
 }
 
 // SnapshotSource tells an agent where to find the snapshot a VM starts from.
@@ -71,6 +74,10 @@ type VMSpec struct {
 	NoWarm bool `json:"no_warm,omitempty"`
 	// NICs are the VM's network interfaces in order (none: no NIC).
 	NICs []NIC `json:"nics,omitempty"`
+	// ImageSource, when set, is a registered image: the agent fetches it
+	// into its cache (from a peer, else the source) before it boots the VM,
+	// and Image is only its name.
+	ImageSource *ImageSource `json:"image_source,omitempty"`
 }
 
 // Network modes of a NIC (the control API's network modes).
@@ -212,4 +219,55 @@ type ErrorDetail struct {
 	Code    string         `json:"code"`
 	Message string         `json:"message"`
 	Details map[string]any `json:"details,omitempty"`
+}
+
+// Image formats of a registered image.
+const (
+	ImageFormatQCOW2  = "qcow2"
+	ImageFormatRaw    = "raw"
+	ImageFormatKernel = "kernel" // a tar of an image folder: image.json and the files it names
+)
+
+// Image cache states.
+const (
+	ImageReady    = "ready"
+	ImageFetching = "fetching"
+	ImageFailed   = "failed"
+)
+
+// ImageSource says where an agent gets a registered image and how it checks
+// it: the body of PUT /v1/images/{sha256} (prefetch) and VMSpec.ImageSource.
+type ImageSource struct {
+	Name      string `json:"name"`
+	SHA256    string `json:"sha256"`
+	SourceURL string `json:"source_url"`
+	Format    string `json:"format"`
+	// Peers are agents (addresses) that hold the image ready: the agent
+	// asks them, in order, before the source URL.
+	Peers []string `json:"peers,omitempty"`
+}
+
+// ImageStatus is one image of an agent's cache.
+type ImageStatus struct {
+	SHA256         string `json:"sha256"`
+	Name           string `json:"name,omitempty"`
+	Format         string `json:"format"`
+	Status         string `json:"status"`
+	Reason         string `json:"reason,omitempty"`
+	SizeBytes      int64  `json:"size_bytes"`
+	VirtualSizeMiB int64  `json:"virtual_size_mib"`
+	// From is where the ready copy came from: "peer <address>" or the URL.
+	From string `json:"from,omitempty"`
+}
+
+// ImageList is the answer of GET /v1/images.
+type ImageList struct {
+	Items []ImageStatus `json:"items"`
+}
+
+// VMPatch is the body of PATCH /v1/vms/{id}: in-place changes.
+type VMPatch struct {
+	// DiskMiB grows the VM's disk (never shrinks it): qemu-img resize when
+	// the VM is stopped, QMP block_resize while it runs.
+	DiskMiB int64 `json:"disk_mib,omitempty"`
 }

@@ -203,6 +203,34 @@ func (c *Client) SetPool(ctx context.Context, image string, put PoolPut) ([]Pool
 	return out.Items, err
 }
 
+// Images returns the agent's image cache.
+func (c *Client) Images(ctx context.Context) ([]ImageStatus, error) {
+	var out ImageList
+	err := c.do(ctx, http.MethodGet, "/v1/images", nil, &out, c.timeout)
+	return out.Items, err
+}
+
+// PrefetchImage starts fetching an image into the agent's cache (or finds it
+// there) and returns its status at once.
+func (c *Client) PrefetchImage(ctx context.Context, src ImageSource) (ImageStatus, error) {
+	var out ImageStatus
+	err := c.do(ctx, http.MethodPut, "/v1/images/"+url.PathEscape(src.SHA256), src, &out, c.timeout)
+	return out, err
+}
+
+// DeleteImage removes an image from the agent's cache; ErrConflict while a
+// VM uses it. Removing an image the agent does not hold succeeds.
+func (c *Client) DeleteImage(ctx context.Context, sha256 string) error {
+	return c.do(ctx, http.MethodDelete, "/v1/images/"+url.PathEscape(sha256), nil, nil, c.timeout)
+}
+
+// PatchVM changes a VM in place (its disk size) and returns it.
+func (c *Client) PatchVM(ctx context.Context, id string, patch VMPatch) (VM, error) {
+	var out VM
+	err := c.do(ctx, http.MethodPatch, "/v1/vms/"+url.PathEscape(id), patch, &out, 6*c.timeout)
+	return out, err
+}
+
 func (c *Client) newRequest(ctx context.Context, method, path string, body []byte) (*http.Request, error) {
 	var r io.Reader
 	if body != nil {

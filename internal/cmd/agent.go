@@ -43,7 +43,7 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 	var tokenFile, logLevel string
 	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:8471", "address to serve the agent API on")
 	fs.StringVar(&cfg.StateDir, "state-dir", "", "directory of the VMs' disks, consoles and metadata (required)")
-	fs.StringVar(&cfg.ImageDir, "image-dir", "", "directory of images, one folder with an image.json each (make image)")
+	fs.StringVar(&cfg.ImageDir, "image-dir", "", "directory of images, one folder with an image.json each (make image); registered images are cached in its sha256/ folder")
 	fs.StringVar(&cfg.Driver, "driver", "qemu", "VMM driver: qemu (real guests) or sim (simulated, for scale tests)")
 	fs.StringVar(&cfg.Accel, "accel", "auto", "qemu accelerator: auto (kvm when it really runs guests, else tcg), kvm or tcg")
 	fs.StringVar(&cfg.Token, "token", "", "bearer token of the agent API")
@@ -129,7 +129,7 @@ func serveAgent(ctx context.Context, cfg agentConfig, log *slog.Logger, ready fu
 	}
 	a, err := agent.New(ctx, agent.Config{
 		StateDir: cfg.StateDir, Driver: driver, Token: cfg.Token, StopTimeout: cfg.StopTimeout, Logger: log,
-		Capacity: cfg.Capacity, Pool: cfg.Pool, PeerHTTPClient: peerHTTP,
+		Capacity: cfg.Capacity, Pool: cfg.Pool, PeerHTTPClient: peerHTTP, ImageCacheDir: cfg.ImageDir,
 	})
 	if err != nil {
 		return err

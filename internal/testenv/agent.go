@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/image"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/qemu"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/sim"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
@@ -29,6 +30,11 @@ type AgentOptions struct {
 	DiskMiB   int64
 	StateDir  string // default t.TempDir()
 	ImageDir  string // qemu: default GuestImageDir(t)
+	// CacheDir holds the agent's cache of registered images; default a
+	// folder of the test's own (never the shared ImageDir).
+	CacheDir string
+	// ImageFetch tunes the image cache's fetches (e.g. a short backoff).
+	ImageFetch image.Config
 }
 
 // Agent is a host agent running in the test process with real HTTP.
@@ -66,6 +72,9 @@ func StartAgent(t testing.TB, opts AgentOptions) *Agent {
 	}
 	if opts.StateDir == "" {
 		opts.StateDir = t.TempDir()
+	}
+	if opts.CacheDir == "" {
+		opts.CacheDir = t.TempDir()
 	}
 	switch opts.Driver {
 	case "sim":
@@ -115,7 +124,8 @@ func (a *Agent) start(t testing.TB, ln net.Listener) {
 	}
 	ag, err := agent.New(ctx, agent.Config{
 		StateDir: a.opts.StateDir, Driver: driver, Token: a.opts.Token, Logger: agentTestLogger(t),
-		Capacity: agentapi.Resources{VCPUs: a.opts.VCPUs, MemoryMiB: a.opts.MemoryMiB, DiskMiB: a.opts.DiskMiB},
+		Capacity:      agentapi.Resources{VCPUs: a.opts.VCPUs, MemoryMiB: a.opts.MemoryMiB, DiskMiB: a.opts.DiskMiB},
+		ImageCacheDir: a.opts.CacheDir, ImageFetch: a.opts.ImageFetch,
 	})
 	if err != nil {
 		_ = ln.Close()
@@ -134,9 +144,9 @@ func (a *Agent) start(t testing.TB, ln net.Listener) {
 
 func newAgentDriver(ctx context.Context, opts AgentOptions, log *slog.Logger) (agent.Driver, error) {
 	if opts.Driver == "qemu" {
-		return qemu.New(ctx, qemu.Options{ImageDir: opts.ImageDir, Accel: Accel(), Logger: log})
+		return qemu.New(ctx, qemu.Options{ImageDir: opts.ImageDir, CacheDir: opts.CacheDir, Accel: Accel(), Logger: log})
 	}
-	return sim.New(sim.Options{ImageDir: opts.ImageDir}), nil
+	return sim.New(sim.Options{ImageDir: opts.ImageDir, CacheDir: opts.CacheDir}), nil
 }
 
 // agentTestLogger sends the agent's logs to io.Discard unless KVM_TEST_LOG is set
@@ -209,3 +219,6 @@ func killQEMUProcesses(t testing.TB, stateDir string) {
 		}
 	}
 }
+
+// CacheDir is the folder of the agent's image cache.
+func (a *Agent) CacheDir() string { return a.opts.CacheDir }

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+	imagecache "github.com/kvmfleet/terraform-provider-kvm/internal/agent/image"
 )
 
 // manifestFile is an image's manifest, one per image folder:
@@ -34,6 +35,15 @@ type manifest struct {
 	Machine      string `json:"machine,omitempty"` // q35 (default) or microvm
 	MinMemoryMiB int64  `json:"min_memory_mib,omitempty"`
 	Build        string `json:"build,omitempty"`
+	// DiskFormat is the format of Disk: qcow2 (default) or raw.
+	DiskFormat string `json:"disk_format,omitempty"`
+}
+
+func (m *manifest) diskFormat() string {
+	if m.DiskFormat == "" {
+		return "qcow2"
+	}
+	return m.DiskFormat
 }
 
 // image is a manifest with its paths made absolute.
@@ -52,10 +62,13 @@ func (d *Driver) path(img *image, name string) string {
 
 // loadImage reads and checks one image's manifest.
 func (d *Driver) loadImage(name string) (*image, error) {
-	if d.opts.ImageDir == "" || name == "" || name != filepath.Base(name) || name == "." || name == ".." {
-		return nil, fmt.Errorf("image %q: %w", name, agent.ErrUnknownImage)
+	dir, cached := imagecache.FolderOf(d.cacheDir(), name)
+	if !cached {
+		if d.opts.ImageDir == "" || name == "" || name != filepath.Base(name) || name == "." || name == ".." {
+			return nil, fmt.Errorf("image %q: %w", name, agent.ErrUnknownImage)
+		}
+		dir = filepath.Join(d.opts.ImageDir, name)
 	}
-	dir := filepath.Join(d.opts.ImageDir, name)
 	b, err := os.ReadFile(filepath.Join(dir, manifestFile))
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("image %q: %w", name, agent.ErrUnknownImage)
@@ -70,6 +83,9 @@ func (d *Driver) loadImage(name string) (*image, error) {
 	img.Name = name
 	if img.Machine == "" {
 		img.Machine = "q35"
+	}
+	if f := img.diskFormat(); f != "qcow2" && f != "raw" {
+		return nil, fmt.Errorf("image %s: disk_format %q: want qcow2 or raw", name, f)
 	}
 	if img.Machine != "q35" && img.Machine != "microvm" {
 		return nil, fmt.Errorf("image %s: machine %q: want q35 or microvm", name, img.Machine)
@@ -108,6 +124,14 @@ func (d *Driver) loadImage(name string) (*image, error) {
 		img.baseDiskMiB = (size + 1<<20 - 1) >> 20
 	}
 	return img, nil
+}
+
+// cacheDir is where the cache of registered images lives.
+func (d *Driver) cacheDir() string {
+	if d.opts.CacheDir != "" {
+		return d.opts.CacheDir
+	}
+	return d.opts.ImageDir
 }
 
 func (d *Driver) diskSize(path string) (int64, error) {

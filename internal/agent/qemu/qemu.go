@@ -46,7 +46,10 @@ const (
 
 // Options configures the driver.
 type Options struct {
-	ImageDir string       // one folder per image, each with an image.json
+	ImageDir string // one folder per image, each with an image.json
+	// CacheDir holds the agent's cache of registered images
+	// (CacheDir/sha256/<hex>, named "sha256:<hex>"); default ImageDir.
+	CacheDir string
 	Accel    string       // auto (default), kvm or tcg
 	QEMU     string       // default qemu-system-x86_64
 	QEMUImg  string       // default qemu-img
@@ -157,7 +160,7 @@ func (d *Driver) Create(ctx context.Context, m *agent.Machine) error {
 	tmp := disk + ".tmp"
 	args := []string{"create", "-q", "-f", "qcow2"}
 	if img.Disk != "" {
-		args = append(args, "-b", d.path(img, img.Disk), "-F", "qcow2")
+		args = append(args, "-b", d.path(img, img.Disk), "-F", img.diskFormat())
 	}
 	args = append(args, tmp, strconv.FormatInt(m.DiskMiB, 10)+"M")
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/image"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 )
 
@@ -25,6 +26,9 @@ type Options struct {
 	// ImageDir adds its image folders (any folder with an image.json) to
 	// the image list; the sim never reads the files.
 	ImageDir string
+	// CacheDir holds the agent's cache of registered images
+	// (CacheDir/sha256/<hex>, named "sha256:<hex>"); default ImageDir.
+	CacheDir string
 	// BootDelay is how long a simulated boot takes (default 0).
 	BootDelay time.Duration
 }
@@ -70,6 +74,18 @@ func (d *Driver) Images() []string {
 
 // Image returns one image by name.
 func (d *Driver) Image(name string) (agent.Image, error) {
+	cache := d.opts.CacheDir
+	if cache == "" {
+		cache = d.opts.ImageDir
+	}
+	if dir, ok := image.FolderOf(cache, name); ok {
+		// The agent fetched and verified the real bytes; the sim reads
+		// only that the folder is complete.
+		if _, err := os.Stat(filepath.Join(dir, "image.json")); err != nil {
+			return agent.Image{}, fmt.Errorf("image %s: %w", name, agent.ErrUnknownImage)
+		}
+		return agent.Image{Name: name, Kind: agent.ImageKernel}, nil
+	}
 	for _, n := range d.Images() {
 		if n == name {
 			return agent.Image{Name: name, Kind: agent.ImageKernel}, nil
