@@ -265,9 +265,10 @@ type ImageList struct {
 	Items []ImageStatus `json:"items"`
 }
 
-// VMPatch is the body of PATCH /v1/vms/{id}: in-place changes.
-type VMPatch struct {
-	// DiskMiB grows the VM's disk (never shrinks it): qemu-img resize when
-	// the VM is stopped, QMP block_resize while it runs.
-	DiskMiB int64 `json:"disk_mib,omitempty"`
+// VMDisk is the body of PUT /v1/vms/{id}/disk: the VM's new disk size. The
+// disk grows in place (qemu-img resize when the VM is stopped, QMP
+// block_resize while it runs); a smaller size is refused; the same size
+// again changes nothing.
+type VMDisk struct {
+	DiskMiB int64 `json:"disk_mib"`
 }

@@ -224,10 +224,10 @@ func (c *Client) DeleteImage(ctx context.Context, sha256 string) error {
 	return c.do(ctx, http.MethodDelete, "/v1/images/"+url.PathEscape(sha256), nil, nil, c.timeout)
 }
 
-// PatchVM changes a VM in place (its disk size) and returns it.
-func (c *Client) PatchVM(ctx context.Context, id string, patch VMPatch) (VM, error) {
+// ResizeDisk grows the VM's disk in place and returns the VM.
+func (c *Client) ResizeDisk(ctx context.Context, id string, disk VMDisk) (VM, error) {
 	var out VM
-	err := c.do(ctx, http.MethodPatch, "/v1/vms/"+url.PathEscape(id), patch, &out, 6*c.timeout)
+	err := c.do(ctx, http.MethodPut, "/v1/vms/"+url.PathEscape(id)+"/disk", disk, &out, 6*c.timeout)
 	return out, err
 }
 

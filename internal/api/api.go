@@ -326,3 +326,62 @@ type Token struct {
 	CreatedAt  time.Time  `json:"created_at"`
 	Secret     string     `json:"token,omitempty"`
 }
+
+// Image formats of a registered image.
+const (
+	ImageFormatQCOW2 = "qcow2"
+	ImageFormatRaw   = "raw"
+	// ImageFormatKernel is a kernel bundle: a tar whose top level holds
+	// image.json and the files it names (kernel, initrd, an optional qcow2
+	// disk), the layout of an agent's image folder.
+	ImageFormatKernel = "kernel"
+)
+
+// Per-host image states.
+const (
+	ImageReady    = "ready"
+	ImageFetching = "fetching"
+	ImageFailed   = "failed"
+)
+
+// ImageCreate is the body of POST /v1/images.
+type ImageCreate struct {
+	Name string `json:"name"`
+	// SourceURL is http://, https:// or file:// (a path on the hosts).
+	SourceURL string `json:"source_url"`
+	// SHA256 is the digest of the file at SourceURL (64 lower-case hex).
+	SHA256 string `json:"sha256"`
+	Format string `json:"format"`
+	// MinDiskMiB is the smallest disk_mib a VM of this image may have.
+	MinDiskMiB int64 `json:"min_disk_mib,omitempty"`
+	// Prefetch asks every host to fetch the image now, not on first use.
+	Prefetch bool `json:"prefetch,omitempty"`
+}
+
+// ImagePatch is the body of PATCH /v1/images/{name}: what changes in place.
+type ImagePatch struct {
+	MinDiskMiB *int64 `json:"min_disk_mib,omitempty"`
+	Prefetch   *bool  `json:"prefetch,omitempty"`
+}
+
+// ImageHost is an image's state on one host.
+type ImageHost struct {
+	Host   string `json:"host"`
+	Status string `json:"status"`
+	Reason string `json:"reason,omitempty"`
+}
+
+// Image is a registered image. SizeBytes and VirtualSizeMiB are known once a
+// host has fetched it (0 before).
+type Image struct {
+	Name           string      `json:"name"`
+	SourceURL      string      `json:"source_url"`
+	SHA256         string      `json:"sha256"`
+	Format         string      `json:"format"`
+	MinDiskMiB     int64       `json:"min_disk_mib"`
+	Prefetch       bool        `json:"prefetch"`
+	SizeBytes      int64       `json:"size_bytes"`
+	VirtualSizeMiB int64       `json:"virtual_size_mib"`
+	Hosts          []ImageHost `json:"hosts"`
+	CreatedAt      time.Time   `json:"created_at"`
+}

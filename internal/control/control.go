@@ -85,6 +85,10 @@ type Service struct {
 	// fall to the slow path at the same time (a burst of no_capacity).
 	reloadMu   sync.Mutex
 	lastReload time.Time
+
+	// prefetchCache holds the images with prefetch set for the host
+	// monitor (images.go).
+	prefetchCache prefetchList
 }
 
 const (

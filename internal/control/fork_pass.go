@@ -203,6 +203,9 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 		Labels: map[string]string{},
 	}
 	req := scheduler.Request{Image: f.Image, Resources: schedResources(f.Resources)}
+	if img, ierr := s.store.GetImage(ctx, f.Image); ierr == nil {
+		req.ImageSHA256 = img.SHA256 // a registered image: any host fetches it
+	}
 	err := errNoPin
 	if f.Placement == api.PlacementColocate {
 		pinned := req
@@ -291,6 +294,10 @@ func (s *Service) startChild(ctx context.Context, crash context.CancelCauseFunc,
 	}
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Snapshot: src}
+	if img, ierr := s.store.GetImage(ctx, vm.Image); ierr == nil {
+		isrc := s.imageSource(img, vm.HostName)
+		spec.ImageSource = &isrc
+	}
 	if err := s.step(ctx, crash, f.ID, ForkStepChildStart, slot); err != nil {
 		if crashed(ctx) {
 			return ErrSimulatedCrash

@@ -3,6 +3,7 @@ package control
 import (
 	"sync"
 
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/scheduler"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
 )
@@ -27,11 +28,17 @@ type hostView struct {
 	// agent's last report; warmMargin is scheduler.PreferWarm's margin.
 	warm       map[string]map[warmKey]int
 	warmMargin float64
+	// images is each host's image cache (registered images by sha256), from
+	// its agent's last report (images.go); localMargin is
+	// scheduler.PreferImageLocal's margin.
+	images      map[string]map[string]agentapi.ImageStatus
+	localMargin float64
 }
 
 func newHostView(w scheduler.Weights, limit int) *hostView {
 	return &hostView{w: w, limit: limit, ix: scheduler.NewIndex(w), gen: map[string]uint64{}, addr: map[string]string{},
-		warm: map[string]map[warmKey]int{}, warmMargin: scheduler.DefaultWarmMargin}
+		warm: map[string]map[warmKey]int{}, warmMargin: scheduler.DefaultWarmMargin,
+		images: map[string]map[string]agentapi.ImageStatus{}, localMargin: scheduler.DefaultImageMargin}
 }
 
 func schedHost(h store.Host) scheduler.Host {
@@ -83,6 +90,7 @@ func (v *hostView) remove(name string) {
 	delete(v.gen, name)
 	delete(v.addr, name)
 	delete(v.warm, name)
+	delete(v.images, name)
 }
 
 // assumption is a reservation counted in the view before the database
@@ -97,7 +105,7 @@ type assumption struct {
 func (v *hostView) pick(req scheduler.Request) (scheduler.Result, assumption, bool) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	res, _ := v.preferWarmLocked(v.ix.Candidates(req, v.limit), req)
+	res, _ := v.preferWarmLocked(v.preferLocalLocked(v.ix.Candidates(req, v.limit), req), req)
 	best, ok := res.Best()
 	if !ok {
 		return res, assumption{}, false
@@ -132,7 +140,7 @@ func (v *hostView) rankAll(req scheduler.Request) scheduler.Result {
 	res := scheduler.Rank(v.w, hosts, req)
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	res, _ = v.preferWarmLocked(res, req)
+	res, _ = v.preferWarmLocked(v.preferLocalLocked(res, req), req)
 	return res
 }
 

@@ -129,6 +129,7 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool) {
 	}
 	// Errors are logged inside; the next sync tries again.
 	s.syncWarmPool(ctx, h, info.Pool)
+	s.syncPrefetch(ctx, h.Name, info.ImageCache)
 	s.reconcileVMs(ctx, h.Name, rows, vms)
 	s.deleteOrphans(ctx, h, c, rows, vms)
 }

@@ -51,7 +51,7 @@ func (s *Service) reserve(ctx context.Context, vm *store.VM, req scheduler.Reque
 		if !ok {
 			break
 		}
-		done, err := s.tryReserve(ctx, vm, res, a)
+		done, err := s.tryReserve(ctx, vm, req, res, a)
 		if done || err != nil {
 			return err
 		}
@@ -67,7 +67,7 @@ func (s *Service) reserve(ctx context.Context, vm *store.VM, req scheduler.Reque
 		for i := range min(len(res.Ranked), slowCandidates) {
 			a := s.view.assume(res.Ranked[i].Host, req.Resources)
 			explained := scheduler.Result{Ranked: res.Ranked[i:], Rejected: res.Rejected}
-			done, err := s.tryReserve(ctx, vm, explained, a)
+			done, err := s.tryReserve(ctx, vm, req, explained, a)
 			if done || err != nil {
 				return err
 			}
@@ -79,13 +79,12 @@ func (s *Service) reserve(ctx context.Context, vm *store.VM, req scheduler.Reque
 // tryReserve reserves on the best host of res (already assumed as a). It
 // reports done when the VM is placed; false with no error means the host
 // filled up meanwhile and the caller tries the next one.
-func (s *Service) tryReserve(ctx context.Context, vm *store.VM, res scheduler.Result, a assumption) (bool, error) {
+func (s *Service) tryReserve(ctx context.Context, vm *store.VM, req scheduler.Request, res scheduler.Result, a assumption) (bool, error) {
 	best := res.Ranked[0]
 	vm.HostName = best.Host
-	vm.Placement = placementJSON(best, res.Rejected)
-	if note := warmNote(best, bestScored(res.Ranked), s.view.warmMargin); note != "" {
-		vm.Placement = placementJSONNote(best, res.Rejected, note)
-	}
+	runnerUp := bestScored(res.Ranked)
+	vm.Placement = placementJSONNote(req, best, res.Rejected, joinNotes(
+		imageNote(req, best, runnerUp, s.view.localMargin), warmNote(best, runnerUp, s.view.warmMargin)))
 	err := s.store.ReserveAndInsertVM(ctx, *vm)
 	if err == nil {
 		return true, nil
@@ -145,12 +144,8 @@ func apiRejections(rs []scheduler.Rejection) []api.Rejection {
 	return out
 }
 
-func placementJSON(best scheduler.Ranked, rejected []scheduler.Rejection) string {
-	return placementJSONNote(best, rejected, "")
-}
-
-func placementJSONNote(best scheduler.Ranked, rejected []scheduler.Rejection, note string) string {
-	b, _ := json.Marshal(api.Placement{Host: best.Host, Score: best.Score, Terms: best.Terms.Map(), Rejected: apiRejections(rejected), Note: note})
+func placementJSONNote(req scheduler.Request, best scheduler.Ranked, rejected []scheduler.Rejection, note string) string {
+	b, _ := json.Marshal(api.Placement{Host: best.Host, Score: best.Score, Terms: placementTerms(req, best), Rejected: apiRejections(rejected), Note: note})
 	return string(b)
 }
 
@@ -162,6 +157,13 @@ func (s *Service) Place(ctx context.Context, in api.PlacementRequest) (api.Place
 	}
 	req := scheduler.Request{Image: in.Image, Host: in.Host,
 		Resources: scheduler.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB}}
+	img, err := s.registeredImage(ctx, in.Image, in.DiskMiB)
+	if err != nil {
+		return api.PlacementResult{}, err
+	}
+	if img != nil {
+		req.ImageSHA256 = img.SHA256
+	}
 	res := s.view.rankAll(req)
 	if in.Host != "" {
 		if _, ok := s.view.get(in.Host); !ok {
@@ -171,11 +173,12 @@ func (s *Service) Place(ctx context.Context, in api.PlacementRequest) (api.Place
 	}
 	out := api.PlacementResult{Ranked: []api.RankedHost{}, Rejected: apiRejections(res.Rejected)}
 	for _, r := range res.Ranked {
-		out.Ranked = append(out.Ranked, api.RankedHost{Host: r.Host, Score: r.Score, Terms: r.Terms.Map(), WarmReady: r.WarmReady})
+		out.Ranked = append(out.Ranked, api.RankedHost{Host: r.Host, Score: r.Score, Terms: placementTerms(req, r), WarmReady: r.WarmReady})
 	}
 	if best, ok := res.Best(); ok {
 		out.Host, out.Score = best.Host, best.Score
-		out.Note = warmNote(best, bestScored(res.Ranked), s.view.warmMargin)
+		runnerUp := bestScored(res.Ranked)
+		out.Note = joinNotes(imageNote(req, best, runnerUp, s.view.localMargin), warmNote(best, runnerUp, s.view.warmMargin))
 	}
 	return out, nil
 }

@@ -47,7 +47,15 @@ func (s *Service) CreateVM(ctx context.Context, in api.VMCreate, idempotencyKey 
 func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error) {
 	ctx, cancel := detached(ctx, createTimeout)
 	defer cancel()
-	if err := s.checkPlaceable(ctx, in.Image, in.Host); err != nil {
+	img, err := s.registeredImage(ctx, in.Image, in.DiskMiB)
+	if err != nil {
+		return api.VM{}, err
+	}
+	builtin := in.Image
+	if img != nil {
+		builtin = "" // any host fetches a registered image
+	}
+	if err := s.checkPlaceable(ctx, builtin, in.Host); err != nil {
 		return api.VM{}, err
 	}
 	if existing, err := s.store.GetVMByName(ctx, in.Name); err == nil {
@@ -60,6 +68,9 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 		CreatedAt: time.Now().UTC().Truncate(time.Microsecond),
 	}
 	req := scheduler.Request{Image: in.Image, Host: in.Host, Resources: schedResources(vm.Resources)}
+	if img != nil {
+		req.ImageSHA256 = img.SHA256
+	}
 	if err := s.placeAndReserve(ctx, &vm, req); err != nil {
 		return api.VM{}, err
 	}
@@ -79,9 +90,16 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	})
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Stopped: in.PowerState == api.PowerStopped}
+	if img != nil {
+		src := s.imageSource(*img, vm.HostName)
+		spec.ImageSource = &src
+	}
 	created, err := s.agents.createVM(ctx, agent, vm.ID, spec)
 	if err != nil {
 		return api.VM{}, s.failCreate(ctx, chain, vm, fromAgent(err, vm.HostName, "create VM "+vm.ID))
+	}
+	if img != nil {
+		s.view.markImageReady(vm.HostName, *img)
 	}
 	if hook := s.hooks.AfterAgentCreate; hook != nil {
 		if err := hook(ctx, vm.ID); err != nil {
@@ -134,7 +152,7 @@ func (s *Service) forgetVM(ctx context.Context, id, host string) error {
 func (s *Service) checkPlaceable(ctx context.Context, image, host string) error {
 	known := func() bool {
 		_, _, hostKnown := s.view.agent(host)
-		return s.view.hasImage(image) && (host == "" || hostKnown)
+		return (image == "" || s.view.hasImage(image)) && (host == "" || hostKnown)
 	}
 	if !known() {
 		// Another replica may have registered it: look again before refusing.
@@ -147,7 +165,7 @@ func (s *Service) checkPlaceable(ctx context.Context, image, host string) error 
 			return invalidf("host %q is not registered", host)
 		}
 	}
-	if !s.view.hasImage(image) {
+	if image != "" && !s.view.hasImage(image) {
 		return invalidf("image %q is not offered by any registered host", image)
 	}
 	return nil

@@ -75,6 +75,10 @@ type Request struct {
 	Image     string
 	Resources Resources
 	Host      string
+	// ImageSHA256 is set for a registered image: every host can fetch it,
+	// so the "host offers the image" filter does not apply, and hosts that
+	// hold it already are preferred (PreferImageLocal).
+	ImageSHA256 string
 }
 
 // Rejection says why one host cannot take a request.
@@ -94,6 +98,11 @@ type Ranked struct {
 	// warm preference put this host first over a better score.
 	WarmReady     int
 	WarmPreferred bool
+	// ImageLocal says that the host holds the request's registered image
+	// (set by PreferImageLocal), and ImagePreferred that this put the host
+	// first over a better score.
+	ImageLocal     bool
+	ImagePreferred bool
 }
 
 // Result is a ranking: the hosts that fit, best first, and the rejected ones.
@@ -122,7 +131,7 @@ func Reject(h Host, req Request) string {
 	if !h.Schedulable {
 		return "not schedulable"
 	}
-	if req.Image != "" && !h.HasImage(req.Image) {
+	if req.Image != "" && req.ImageSHA256 == "" && !h.HasImage(req.Image) {
 		return fmt.Sprintf("image: does not offer %q", req.Image)
 	}
 	free := h.Free()

@@ -1,0 +1,48 @@
+package scheduler
+
+import "testing"
+
+func TestPreferImageLocal(t *testing.T) {
+	base := Result{Ranked: []Ranked{{Host: "a", Score: 1.0}, {Host: "b", Score: 1.05}, {Host: "c", Score: 1.5}}}
+	cases := []struct {
+		name      string
+		holds     map[string]bool
+		wantFirst string
+		reordered bool
+	}{
+		{"nobody holds it", nil, "a", false},
+		{"best holds it", map[string]bool{"a": true, "b": true}, "a", false},
+		{"runner-up within margin holds it", map[string]bool{"b": true}, "b", true},
+		{"only a host beyond the margin holds it", map[string]bool{"c": true}, "a", false},
+		{"equal scores: the holder wins", map[string]bool{"b": true}, "b", true},
+	}
+	for _, c := range cases {
+		in := base
+		if c.name == "equal scores: the holder wins" {
+			in = Result{Ranked: []Ranked{{Host: "a", Score: 1}, {Host: "b", Score: 1}}}
+		}
+		got, re := PreferImageLocal(in, DefaultImageMargin, c.holds)
+		if got.Ranked[0].Host != c.wantFirst || re != c.reordered {
+			t.Errorf("%s: first %s reordered %v, want %s %v", c.name, got.Ranked[0].Host, re, c.wantFirst, c.reordered)
+		}
+		if re && (!got.Ranked[0].ImagePreferred || !got.Ranked[0].ImageLocal) {
+			t.Errorf("%s: chosen host not marked: %+v", c.name, got.Ranked[0])
+		}
+		if len(got.Ranked) != len(in.Ranked) {
+			t.Errorf("%s: %d ranked, want %d", c.name, len(got.Ranked), len(in.Ranked))
+		}
+	}
+	if base.Ranked[0].Host != "a" || base.Ranked[1].ImageLocal {
+		t.Fatal("the input ranking was changed")
+	}
+}
+
+func TestRegisteredImageSkipsImageFilter(t *testing.T) {
+	h := Host{Name: "h", Alive: true, Schedulable: true, Total: Resources{4, 4096, 10000}}
+	if r := Reject(h, Request{Image: "debian", Resources: Resources{1, 512, 1000}}); r == "" {
+		t.Fatal("a built-in image the host lacks must be rejected")
+	}
+	if r := Reject(h, Request{Image: "debian", ImageSHA256: "ab", Resources: Resources{1, 512, 1000}}); r != "" {
+		t.Fatalf("a registered image is fetched, not filtered: %s", r)
+	}
+}
