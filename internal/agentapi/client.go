@@ -210,6 +210,13 @@ func (c *Client) Images(ctx context.Context) ([]ImageStatus, error) {
 	return out.Items, err
 }
 
+// Image returns one image of the agent's cache; ErrNotFound when it has none.
+func (c *Client) Image(ctx context.Context, sha256 string) (ImageStatus, error) {
+	var out ImageStatus
+	err := c.do(ctx, http.MethodGet, "/v1/images/"+url.PathEscape(sha256), nil, &out, c.timeout)
+	return out, err
+}
+
 // PrefetchImage starts fetching an image into the agent's cache (or finds it
 // there) and returns its status at once.
 func (c *Client) PrefetchImage(ctx context.Context, src ImageSource) (ImageStatus, error) {

@@ -436,16 +436,15 @@ func placementTerms(req scheduler.Request, r scheduler.Ranked) map[string]float6
 	return m
 }
 
-// markImageReady records that host holds img after a VM of it started
-// there, before the next sync reports the sizes.
-func (v *hostView) markImageReady(host string, img store.Image) {
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	if v.images[host] == nil {
-		v.images[host] = map[string]agentapi.ImageStatus{}
-	}
-	if st, ok := v.images[host][img.SHA256]; ok && st.Status == agentapi.ImageReady {
+// noteImageOnHost records that host holds img after a VM of it started
+// there, with the sizes its agent reports, unless the view knows already.
+func (s *Service) noteImageOnHost(ctx context.Context, host string, c *agentapi.Client, img store.Image) {
+	if st, ok := s.view.imageHosts(img.SHA256)[host]; ok && st.Status == agentapi.ImageReady {
 		return
 	}
-	v.images[host][img.SHA256] = agentapi.ImageStatus{SHA256: img.SHA256, Name: img.Name, Format: img.Format, Status: agentapi.ImageReady}
+	st := agentapi.ImageStatus{SHA256: img.SHA256, Name: img.Name, Format: img.Format, Status: agentapi.ImageReady}
+	if got, err := c.Image(ctx, img.SHA256); err == nil {
+		st = got
+	}
+	s.view.setImage(host, st)
 }

@@ -99,7 +99,7 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 		return api.VM{}, s.failCreate(ctx, chain, vm, fromAgent(err, vm.HostName, "create VM "+vm.ID))
 	}
 	if img != nil {
-		s.view.markImageReady(vm.HostName, *img)
+		s.noteImageOnHost(ctx, vm.HostName, agent, *img)
 	}
 	if hook := s.hooks.AfterAgentCreate; hook != nil {
 		if err := hook(ctx, vm.ID); err != nil {

@@ -39,6 +39,11 @@ const (
 	summaryImportFork         = "Unable to Import Fork"
 	summaryForkFailed         = "Fork Failed to Become Ready"
 	summaryForkPointTaken     = "Fork Point Already Taken"
+	summaryCreateImage        = "Unable to Register Image"
+	summaryReadImage          = "Unable to Read Image"
+	summaryUpdateImage        = "Unable to Update Image"
+	summaryDeleteImage        = "Unable to Delete Image"
+	summaryImageAlreadyExists = "Image Already Registered"
 )
 
 // addAPIError adds an error diagnostic for a failed control API call:
