@@ -85,6 +85,7 @@ func (a *Agent) routes() http.Handler {
 	v1.DELETE("/vms/:id", a.deleteVM)
 	v1.GET("/vms/:id/console", a.getConsole)
 	v1.POST("/vms/:id/:action", a.postAction)
+	v1.PUT("/vms/:id/disk", a.putDisk)
 	a.snapshotRoutes(v1)
 	a.imageRoutes(v1)
 	v1.GET("/pool", a.getPool)

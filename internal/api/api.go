@@ -111,6 +111,9 @@ type VMCreate struct {
 type VMPatch struct {
 	PowerState *string            `json:"power_state,omitempty"`
 	Labels     *map[string]string `json:"labels,omitempty"`
+	// DiskMiB grows the VM's disk in place (never shrinks it); the growth
+	// is reserved on its host first (no room is 409 no_capacity).
+	DiskMiB *int64 `json:"disk_mib,omitempty"`
 }
 
 // VM is a virtual machine: what was asked for and what was last observed.

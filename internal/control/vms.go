@@ -250,6 +250,11 @@ func (s *Service) UpdateVM(ctx context.Context, id string, in api.VMPatch) (api.
 			return api.VM{}, fromStore(err, "update labels of vm "+id)
 		}
 	}
+	if in.DiskMiB != nil {
+		if err := s.growDisk(ctx, vm, *in.DiskMiB); err != nil {
+			return api.VM{}, err
+		}
+	}
 	return s.GetVM(ctx, id)
 }
 

@@ -96,10 +96,11 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 				PlanModifiers:       replaceInt,
 			},
 			"disk_mib": schema.Int64Attribute{
-				MarkdownDescription: "Size of the VM's disk in MiB. Changing it replaces the VM.",
-				Required:            true,
-				Validators:          []validator.Int64{int64validator.AtLeast(1)},
-				PlanModifiers:       replaceInt,
+				MarkdownDescription: "Size of the VM's disk in MiB, its own overlay on the image. A larger value grows " +
+					"the disk in place (online while the VM runs, offline while it is stopped; the guest's file system " +
+					"is not grown); a smaller one is refused, since disks never shrink.",
+				Required:   true,
+				Validators: []validator.Int64{int64validator.AtLeast(1)},
 			},
 			"host": schema.StringAttribute{
 				MarkdownDescription: "Name of the host to pin the VM to. Left out, the control API chooses the best host " +
@@ -292,6 +293,9 @@ func (r *vmResource) Update(ctx context.Context, req resource.UpdateRequest, res
 	// stored power_state may be the observed one, not what the API holds.
 	power := plan.PowerState.ValueString()
 	patch := api.VMPatch{PowerState: &power, Labels: &labels}
+	if disk := plan.DiskMiB.ValueInt64(); disk != state.DiskMiB.ValueInt64() {
+		patch.DiskMiB = &disk
+	}
 	vm, err := r.data.client.UpdateVM(ctx, id, patch)
 	r.data.wrote()
 	if err != nil {

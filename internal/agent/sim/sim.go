@@ -183,3 +183,8 @@ func (d *Driver) Console(m *agent.Machine, limit int64) ([]byte, error) {
 	b := []byte("sim: vm " + m.ID + " is simulated; there is no guest and no serial console\n")
 	return b[max(0, int64(len(b))-limit):], nil
 }
+
+var _ agent.DiskResizer = (*Driver)(nil)
+
+// ResizeDisk accepts any growth: a simulated VM has no disk file.
+func (d *Driver) ResizeDisk(context.Context, *agent.Machine, bool, int64) error { return nil }
