@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"testing"
+	"time"
 
 	"github.com/hashicorp/terraform-plugin-testing/helper/resource"
 	"github.com/hashicorp/terraform-plugin-testing/knownvalue"
@@ -16,6 +17,8 @@ import (
 	"github.com/hashicorp/terraform-plugin-testing/terraform"
 	"github.com/hashicorp/terraform-plugin-testing/tfjsonpath"
 
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
 )
@@ -220,4 +223,51 @@ resource "kvm_vm" "test" {
 	if n := imgs.srv.Requests(); n != 0 {
 		t.Fatalf("the file:// image went through the HTTP server %d times", n)
 	}
+}
+
+// kvm_placement over two equal hosts, one of which holds a registered
+// image: that host ranks first and the note says why.
+func TestAccImage_placementPrefersHolder(t *testing.T) {
+	f := newFleet(t, "h1", "h2")
+	imgs := newTestImages(t)
+	ctx := context.Background()
+	if _, err := f.Control.Client.CreateImage(ctx, api.ImageCreate{Name: "near", SourceURL: imgs.url1, SHA256: imgs.sha1, Format: "qcow2"}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = f.Control.Client.DeleteImage(context.Background(), "near") })
+	// h2 fetches it (a prefetch on that agent alone); the control API learns
+	// it at the next sync.
+	if _, err := f.Agents["h2"].Client.PrefetchImage(ctx, agentapi.ImageSource{Name: "near", SHA256: imgs.sha1, SourceURL: imgs.url1, Format: "qcow2"}); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; ; i++ {
+		img, err := f.Control.Client.GetImage(ctx, "near")
+		if err == nil && len(img.Hosts) == 1 && img.Hosts[0].Status == "ready" {
+			break
+		}
+		if i == 300 {
+			t.Fatalf("h2 never reported the image: %+v %v", img, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	resource.Test(t, resource.TestCase{
+		ProtoV6ProviderFactories: factories(),
+		Steps: []resource.TestStep{{
+			Config: f.providerBlock() + `
+data "kvm_placement" "near" {
+  image      = "near"
+  vcpus      = 1
+  memory_mib = 512
+  disk_mib   = 1024
+}
+`,
+			ConfigStateChecks: []statecheck.StateCheck{
+				statecheck.ExpectKnownValue("data.kvm_placement.near", tfjsonpath.New("chosen_host"), knownvalue.StringExact("h2")),
+				statecheck.ExpectKnownValue("data.kvm_placement.near", tfjsonpath.New("note"),
+					knownvalue.StringRegexp(regexp.MustCompile(`^image locality decided: host h2 already holds image near`))),
+				statecheck.ExpectKnownValue("data.kvm_placement.near", tfjsonpath.New("ranked").AtSliceIndex(0).AtMapKey("terms").AtMapKey("image_local"),
+					knownvalue.Float64Exact(1)),
+			},
+		}},
+	})
 }

@@ -118,7 +118,9 @@ func (d *placementDataSource) Schema(_ context.Context, _ datasource.SchemaReque
 			},
 			"note": schema.StringAttribute{
 				MarkdownDescription: "Set when something besides the score decided: a host whose score is within 10% of " +
-					"the best wins when it has a ready warm VM of this image and shape and the best has none.",
+					"the best wins when it has a ready warm VM of this image and shape and the best has none, or, for a " +
+					"registered image (`kvm_image`), when it already holds the image and the best would have to fetch it. " +
+					"For a registered image it also says whether the chosen host holds it.",
 				Computed: true,
 			},
 			"rejected": schema.ListNestedAttribute{
