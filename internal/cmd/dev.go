@@ -112,6 +112,9 @@ func runDev(ctx context.Context, args []string, getenv Env, stderr io.Writer) er
 		wg.Wait()
 		return fmt.Errorf("kvmd dev: register the local agent as host %q: %w", hostName, err)
 	}
+	if err := registerDevImages(ctx, c, imageDir, filepath.Join(dataDir, "images"), stderr); err != nil {
+		fmt.Fprintf(stderr, "kvmd dev: %v\n", err)
+	}
 	fmt.Fprintf(stderr, "kvmd dev: control API on http://%s (SQLite in %s), local agent %q on %s with the %s driver\n",
 		controlAt, controlCfg.DataDir, hostName, agentAt, driver)
 	fmt.Fprintf(stderr, "kvmd dev: for the provider:\n  export KVM_ENDPOINT=http://%s\n  export KVM_TOKEN=%s\n", controlAt, token)

@@ -3,7 +3,6 @@ package control_test
 import (
 	"context"
 	"fmt"
-	"path/filepath"
 	"regexp"
 	"testing"
 	"time"
@@ -11,19 +10,6 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
 )
-
-// registerBusybox registers the busybox guest as an image like any other:
-// a kernel bundle of its folder, by file:// URL and sha256.
-func registerBusybox(t *testing.T, c *testenv.Control) {
-	t.Helper()
-	tarPath := filepath.Join(t.TempDir(), "busybox.tar")
-	sha := testenv.BundleImage(t, filepath.Join(testenv.GuestImageDir(t), "busybox"), tarPath)
-	if _, err := c.Client.CreateImage(context.Background(), api.ImageCreate{
-		Name: "busybox-fetched", SourceURL: "file://" + tarPath, SHA256: sha, Format: api.ImageFormatKernel,
-	}); err != nil {
-		t.Fatal(err)
-	}
-}
 
 func waitConsoleCount(t *testing.T, a *testenv.Agent, id, pattern string, n int, within time.Duration) string {
 	t.Helper()
@@ -52,7 +38,7 @@ func TestQEMUGrowDiskOfFetchedImage(t *testing.T) {
 	c := testenv.StartControl(t, testenv.ControlOptions{})
 	a := testenv.StartAgent(t, testenv.AgentOptions{Driver: "qemu", ImageDir: t.TempDir()})
 	c.RegisterHost(t, "h1", a.Address)
-	registerBusybox(t, c)
+	c.RegisterGuestImage(t, "busybox-fetched")
 	ctx := context.Background()
 	vm, err := c.Client.CreateVM(ctx, api.VMCreate{Name: "grow", Image: "busybox-fetched", VCPUs: 1, MemoryMiB: 128, DiskMiB: 64}, "")
 	if err != nil {

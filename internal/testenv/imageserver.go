@@ -1,7 +1,6 @@
 package testenv
 
 import (
-	"archive/tar"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -11,13 +10,15 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"sort"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/image"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 )
 
 // ImageServer serves image files over HTTP on 127.0.0.1, as a source URL
@@ -139,59 +140,15 @@ func FileSHA256(t testing.TB, path string) string {
 	return hex.EncodeToString(h.Sum(nil))
 }
 
-// BundleImage writes a kernel bundle of the image folder src (its regular
-// files at the top level of a tar, sorted, with fixed times, so the same
-// folder always gives the same digest) to dst and returns its sha256.
+// BundleImage writes a kernel bundle of the image folder src to dst and
+// returns its sha256 (image.WriteBundle).
 func BundleImage(t testing.TB, src, dst string) string {
 	t.Helper()
-	if err := WriteBundle(src, dst); err != nil {
+	sha, err := image.WriteBundle(src, dst)
+	if err != nil {
 		t.Fatalf("testenv: bundle %s: %v", src, err)
 	}
-	return FileSHA256(t, dst)
-}
-
-// WriteBundle writes the kernel bundle of the image folder src to dst.
-func WriteBundle(src, dst string) error {
-	des, err := os.ReadDir(src)
-	if err != nil {
-		return err
-	}
-	var names []string
-	for _, de := range des {
-		if de.Type().IsRegular() && de.Name()[0] != '.' {
-			names = append(names, de.Name())
-		}
-	}
-	sort.Strings(names)
-	out, err := os.Create(dst)
-	if err != nil {
-		return err
-	}
-	tw := tar.NewWriter(out)
-	for _, n := range names {
-		f, err := os.Open(filepath.Join(src, n))
-		if err != nil {
-			_ = out.Close()
-			return err
-		}
-		fi, err := f.Stat()
-		if err == nil {
-			err = tw.WriteHeader(&tar.Header{Name: n, Mode: 0o644, Size: fi.Size(), Typeflag: tar.TypeReg, ModTime: time.Unix(0, 0)})
-		}
-		if err == nil {
-			_, err = io.Copy(tw, f)
-		}
-		_ = f.Close()
-		if err != nil {
-			_ = out.Close()
-			return err
-		}
-	}
-	if err := tw.Close(); err != nil {
-		_ = out.Close()
-		return err
-	}
-	return out.Close()
+	return sha
 }
 
 // WriteQCOW2 writes a small real qcow2 file of virtual size sizeMiB with
@@ -209,4 +166,20 @@ func runQemuImg(args ...string) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	return exec.CommandContext(ctx, "qemu-img", args...).CombinedOutput()
+}
+
+// RegisterGuestImage registers the busybox guest image as an image like any
+// other, under name: a kernel bundle of its folder, by file:// URL and
+// sha256. The agents fetch it into their caches when a VM needs it.
+func (c *Control) RegisterGuestImage(t testing.TB, name string) api.Image {
+	t.Helper()
+	tarPath := filepath.Join(t.TempDir(), name+".tar")
+	sha := BundleImage(t, filepath.Join(GuestImageDir(t), guestImageName), tarPath)
+	img, err := c.Client.CreateImage(context.Background(), api.ImageCreate{
+		Name: name, SourceURL: "file://" + tarPath, SHA256: sha, Format: api.ImageFormatKernel,
+	})
+	if err != nil {
+		t.Fatalf("testenv: register image %s: %v", name, err)
+	}
+	return img
 }

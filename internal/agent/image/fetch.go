@@ -65,8 +65,13 @@ func (c *Cache) fetch(ctx context.Context, src agentapi.ImageSource) (agentapi.I
 		if err == nil {
 			return c.install(src, partial, redact(src.SourceURL))
 		}
+		if ctx.Err() != nil {
+			// The agent is stopping: the partial file stays, so that the
+			// next fetch resumes it.
+			return agentapi.ImageStatus{}, fmt.Errorf("fetch of image %s stopped: %w", src.Name, ctx.Err())
+		}
 		var perm errPermanent
-		if errors.As(err, &perm) || ctx.Err() != nil {
+		if errors.As(err, &perm) {
 			break
 		}
 	}
