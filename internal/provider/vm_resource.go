@@ -77,8 +77,9 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 				PlanModifiers:       []planmodifier.String{stringplanmodifier.RequiresReplace()},
 			},
 			"image": schema.StringAttribute{
-				MarkdownDescription: "Guest image to boot, one of the `images` a host offers (for example `busybox`, " +
-					"or `sim` on hosts with the simulated driver). Changing it replaces the VM.",
+				MarkdownDescription: "Guest image to boot: a registered image (`kvm_image`, which a host fetches when " +
+					"it needs it), or one of the `images` a host offers (for example `busybox`, or `sim` on hosts with " +
+					"the simulated driver). Changing it replaces the VM.",
 				Required:      true,
 				Validators:    []validator.String{stringvalidator.LengthAtLeast(1)},
 				PlanModifiers: []planmodifier.String{stringplanmodifier.RequiresReplace()},
