@@ -240,6 +240,13 @@ func (s *Service) UpdateVM(ctx context.Context, id string, in api.VMPatch) (api.
 	if err != nil {
 		return api.VM{}, fromStore(err, "read vm "+id)
 	}
+	// The disk first: it is the change that can be refused (a shrink, no
+	// room), and a refused PATCH changes nothing.
+	if in.DiskMiB != nil {
+		if err := s.growDisk(ctx, vm, *in.DiskMiB); err != nil {
+			return api.VM{}, err
+		}
+	}
 	if in.PowerState != nil {
 		if err := s.setPower(ctx, vm, *in.PowerState); err != nil {
 			return api.VM{}, err
@@ -248,11 +255,6 @@ func (s *Service) UpdateVM(ctx context.Context, id string, in api.VMPatch) (api.
 	if in.Labels != nil {
 		if err := s.store.SetVMLabels(ctx, id, *in.Labels); err != nil {
 			return api.VM{}, fromStore(err, "update labels of vm "+id)
-		}
-	}
-	if in.DiskMiB != nil {
-		if err := s.growDisk(ctx, vm, *in.DiskMiB); err != nil {
-			return api.VM{}, err
 		}
 	}
 	return s.GetVM(ctx, id)

@@ -102,8 +102,9 @@ func (fc *fuzzControl) served(method, path string) bool {
 // snapshot is what a refused request must leave as it was: every VM and
 // every host registration (not the observed fields, which the agent owns).
 type controlSnapshot struct {
-	vms   []api.VM
-	hosts []api.Host
+	vms    []api.VM
+	hosts  []api.Host
+	images []api.Image
 }
 
 func (fc *fuzzControl) snapshot(t *testing.T) controlSnapshot {
@@ -117,7 +118,14 @@ func (fc *fuzzControl) snapshot(t *testing.T) controlSnapshot {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := controlSnapshot{vms: vms.Items, hosts: hosts.Items}
+	images, err := fc.svc.ListImages(ctx, control.Page{Size: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := controlSnapshot{vms: vms.Items, hosts: hosts.Items, images: images.Items}
+	for i := range s.images {
+		s.images[i].Hosts = nil // what the agents report, not what a request wrote
+	}
 	for i := range s.vms {
 		s.vms[i].ObservedState = ""
 	}
@@ -234,6 +242,9 @@ func FuzzPatchVM(f *testing.F) {
 	f.Add(true, "", []byte(`{"power_state":"running","labels":{"a":"b"}}`))
 	f.Add(true, "", []byte(`{"power_state":"paused"}`))
 	f.Add(true, "", []byte(`{"labels":{"bad key!":"x"}}`))
+	f.Add(true, "", []byte(`{"labels":{"a":"c"},"disk_mib":1}`))
+	f.Add(true, "", []byte(`{"disk_mib":1000000000}`))
+	f.Add(true, "", []byte(`{"power_state":"stopped","disk_mib":-5}`))
 	f.Add(false, "nope", []byte(`{"power_state":"stopped"}`))
 	f.Add(false, "../../x", []byte(`{}`))
 	f.Fuzz(func(t *testing.T, existing bool, id string, body []byte) {
@@ -241,6 +252,22 @@ func FuzzPatchVM(f *testing.F) {
 			id = fc.vmID
 		}
 		fc.do(t, http.MethodPatch, "/v1/vms/"+url.PathEscape(id), body, nil, false)
+	})
+}
+
+func FuzzCreateImage(f *testing.F) {
+	fc := newFuzzControl(f)
+	for _, s := range bodySeeds {
+		f.Add([]byte(s))
+	}
+	sha := strings.Repeat("ab", 32)
+	f.Add([]byte(`{"name":"img1","source_url":"http://127.0.0.1:1/x.qcow2","sha256":"` + sha + `","format":"qcow2"}`))
+	f.Add([]byte(`{"name":"img2","source_url":"file:///srv/x.tar","sha256":"` + sha + `","format":"kernel","min_disk_mib":64}`))
+	f.Add([]byte(`{"name":"img3","source_url":"ftp://127.0.0.1/x","sha256":"` + sha + `","format":"qcow2"}`))
+	f.Add([]byte(`{"name":"img4","source_url":"http://127.0.0.1:1/x","sha256":"XYZ","format":"qcow2"}`))
+	f.Add([]byte(`{"name":"img5","source_url":"http://127.0.0.1:1/x","sha256":"` + sha + `","format":"vmdk","min_disk_mib":-1}`))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		fc.do(t, http.MethodPost, "/v1/images", body, nil, false)
 	})
 }
 
