@@ -5,6 +5,8 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -335,5 +337,26 @@ func TestDiskFull(t *testing.T) {
 	}
 	if left := cacheEntries(t, cache); len(left) != 0 {
 		t.Fatalf("cache holds %v", left)
+	}
+}
+
+// A peer that is down, or that serves other bytes, is skipped: the image
+// comes from the source and verifies.
+func TestBadPeerFallsBackToSource(t *testing.T) {
+	dir, qcowSHA, _ := imageFiles(t)
+	srv := testenv.StartImageServer(t, dir)
+	liar := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = w.Write([]byte("QFI\xfb but not the image you asked for"))
+	}))
+	t.Cleanup(liar.Close)
+	a := testenv.StartAgent(t, testenv.AgentOptions{ImageFetch: fastFetch})
+	src := agentapi.ImageSource{Name: "tiny", SHA256: qcowSHA, SourceURL: srv.FileURL("tiny.qcow2"), Format: "qcow2",
+		Peers: []string{"127.0.0.1:1", liar.URL}}
+	if _, err := a.Client.CreateVM(context.Background(), "vm-1", vmSpec(src)); err != nil {
+		t.Fatal(err)
+	}
+	st := imageStatus(t, a, qcowSHA)
+	if st.Status != agentapi.ImageReady || st.From != srv.FileURL("tiny.qcow2") || srv.Downloads() != 1 {
+		t.Fatalf("status %+v, downloads %d", st, srv.Downloads())
 	}
 }
