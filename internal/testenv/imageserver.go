@@ -35,6 +35,7 @@ type ImageServer struct {
 	mu        sync.Mutex
 	dropAfter int64 // > 0: the next GET is cut after this many bytes
 	delay     time.Duration
+	pause     time.Duration // between writes of at most 64 KiB (a slow link)
 }
 
 // StartImageServer serves the files of dir until the test ends.
@@ -75,6 +76,14 @@ func (s *ImageServer) Delay(d time.Duration) {
 	s.mu.Unlock()
 }
 
+// Slow makes every answer write its body 64 KiB at a time with pause
+// between writes (0: full speed again).
+func (s *ImageServer) Slow(pause time.Duration) {
+	s.mu.Lock()
+	s.pause = pause
+	s.mu.Unlock()
+}
+
 // FileURL is the URL of a file of the served folder.
 func (s *ImageServer) FileURL(name string) string { return s.URL + "/" + name }
 
@@ -83,9 +92,31 @@ type countingWriter struct {
 	n     *atomic.Int64
 	limit int64 // > 0: fail after this many bytes
 	wrote int64
+	pause time.Duration
 }
 
 func (w *countingWriter) Write(p []byte) (int, error) {
+	if w.pause > 0 {
+		total := 0
+		for len(p) > 0 {
+			k := min(len(p), 64<<10)
+			time.Sleep(w.pause)
+			n, err := w.write(p[:k])
+			total += n
+			if err != nil {
+				return total, err
+			}
+			if f, ok := w.ResponseWriter.(http.Flusher); ok {
+				f.Flush()
+			}
+			p = p[k:]
+		}
+		return total, nil
+	}
+	return w.write(p)
+}
+
+func (w *countingWriter) write(p []byte) (int, error) {
 	if w.limit > 0 && w.wrote+int64(len(p)) > w.limit {
 		p = p[:w.limit-w.wrote]
 		k, _ := w.ResponseWriter.Write(p)
@@ -116,13 +147,13 @@ func (s *ImageServer) serve(w http.ResponseWriter, r *http.Request) {
 		s.downloads.Add(1)
 	}
 	s.mu.Lock()
-	drop, delay := s.dropAfter, s.delay
+	drop, delay, pause := s.dropAfter, s.delay, s.pause
 	s.dropAfter = 0
 	s.mu.Unlock()
 	if delay > 0 {
 		time.Sleep(delay)
 	}
-	http.ServeContent(&countingWriter{ResponseWriter: w, n: &s.bytes, limit: drop}, r, name, time.Time{}, f)
+	http.ServeContent(&countingWriter{ResponseWriter: w, n: &s.bytes, limit: drop, pause: pause}, r, name, time.Time{}, f)
 }
 
 // FileSHA256 is the hex sha256 of a file.

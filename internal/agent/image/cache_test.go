@@ -360,3 +360,46 @@ func TestBadPeerFallsBackToSource(t *testing.T) {
 		t.Fatalf("status %+v, downloads %d", st, srv.Downloads())
 	}
 }
+
+// A fetch cut by an agent restart keeps its partial file; the next fetch
+// asks only for the rest (Range), and the result verifies.
+func TestFetchResumesAfterRestart(t *testing.T) {
+	dir, _, rawSHA := imageFiles(t)
+	srv := testenv.StartImageServer(t, dir)
+	srv.Slow(20 * time.Millisecond) // 3 MiB in about a second
+	a := testenv.StartAgent(t, testenv.AgentOptions{ImageFetch: fastFetch})
+	ctx := context.Background()
+	src := agentapi.ImageSource{Name: "blob", SHA256: rawSHA, SourceURL: srv.FileURL("blob.raw"), Format: "raw"}
+	if _, err := a.Client.PrefetchImage(ctx, src); err != nil {
+		t.Fatal(err)
+	}
+	partial := filepath.Join(a.CacheDir(), "sha256", ".partial-"+rawSHA)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if fi, err := os.Stat(partial); err == nil && fi.Size() >= 512<<10 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the fetch never wrote 512 KiB")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	a.Restart(t)
+	fi, err := os.Stat(partial)
+	if err != nil || fi.Size() == 0 || fi.Size() >= 3<<20 {
+		t.Fatalf("partial file after the restart: %v %v", fi, err)
+	}
+	srv.Slow(0)
+	if _, err := a.Client.CreateVM(ctx, "vm-1", vmSpec(src)); err != nil {
+		t.Fatal(err)
+	}
+	if srv.Downloads() != 1 || srv.Requests() != 2 {
+		t.Fatalf("full downloads %d, requests %d: want one from the start and one ranged", srv.Downloads(), srv.Requests())
+	}
+	if got := testenv.FileSHA256(t, filepath.Join(a.CacheDir(), "sha256", rawSHA, "disk.raw")); got != rawSHA {
+		t.Fatalf("sha256 %s, want %s", got, rawSHA)
+	}
+	if _, err := os.Stat(partial); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("partial file left: %v", err)
+	}
+}
