@@ -448,3 +448,34 @@ func (s *Service) noteImageOnHost(ctx context.Context, host string, c *agentapi.
 	}
 	s.view.setImage(host, st)
 }
+
+// awaitImage makes the agent of host fetch src (from its peers, else the
+// source) unless it holds it, and waits until it is ready or failed. A
+// failed image is a 400 with the agent's reason (both digests of a
+// mismatch, the format check, a full disk).
+func (s *Service) awaitImage(ctx context.Context, c *agentapi.Client, host string, src agentapi.ImageSource) error {
+	if st, ok := s.view.imageHosts(src.SHA256)[host]; ok && st.Status == agentapi.ImageReady {
+		return nil // the create call finds out if the agent lost it since
+	}
+	var st agentapi.ImageStatus
+	err := s.agents.call("prefetch_image", func() (err error) { st, err = c.PrefetchImage(ctx, src); return err })
+	wait := 10 * time.Millisecond
+	for err == nil && st.Status == agentapi.ImageFetching {
+		select {
+		case <-ctx.Done():
+			return unavailable(ctx.Err(), "host %s was still fetching image %s when the create's time ran out; retry the create", host, src.Name)
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, 500*time.Millisecond)
+		err = s.agents.call("image_status", func() (err error) { st, err = c.Image(ctx, src.SHA256); return err })
+	}
+	if err != nil {
+		return fromAgent(err, host, fmt.Sprintf("fetch image %s", src.Name))
+	}
+	s.view.setImage(host, st)
+	if st.Status == agentapi.ImageFailed {
+		return &Error{Code: api.CodeInvalid, Message: fmt.Sprintf("image %s (sha256 %s) failed on host %s: %s", src.Name, src.SHA256, host, st.Reason),
+			Details: map[string]any{"image": src.Name, "host": host}}
+	}
+	return nil
+}

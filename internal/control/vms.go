@@ -93,6 +93,11 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	if img != nil {
 		src := s.imageSource(*img, vm.HostName)
 		spec.ImageSource = &src
+		// The fetch may outlast one agent call: wait for it here, with the
+		// create's own deadline, so the create call itself only boots.
+		if err := s.awaitImage(ctx, agent, vm.HostName, src); err != nil {
+			return api.VM{}, s.failCreate(ctx, chain, vm, err)
+		}
 	}
 	created, err := s.agents.createVM(ctx, agent, vm.ID, spec)
 	if err != nil {
