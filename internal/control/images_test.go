@@ -255,3 +255,55 @@ func TestImagePrefetchAndUpdate(t *testing.T) {
 		t.Fatalf("update: %+v %v", img, err)
 	}
 }
+
+// A fork of a VM of a registered image spills a child to a host that does
+// not hold the image: that host fetches it from the source's host (one
+// download in all) and starts the child from the pulled snapshot.
+func TestForkOfRegisteredImageSpills(t *testing.T) {
+	srv, url, sha := servedQCOW2(t)
+	c := testenv.StartControl(t, testenv.ControlOptions{})
+	// host-a holds the source and one child (256 MiB each), no more.
+	a := testenv.StartAgent(t, testenv.AgentOptions{VCPUs: 8, MemoryMiB: 600, DiskMiB: 102400})
+	b := startSimAgent(t)
+	c.RegisterHost(t, "host-a", a.Address)
+	c.RegisterHost(t, "host-b", b.Address)
+	ctx := context.Background()
+	if _, err := c.Client.CreateImage(ctx, api.ImageCreate{Name: "tiny", SourceURL: url, SHA256: sha, Format: "qcow2"}); err != nil {
+		t.Fatal(err)
+	}
+	src, err := c.Client.CreateVM(ctx, imageVM("fork-source", "tiny", "host-a"), "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := c.Client.CreateFork(ctx, api.ForkCreate{SourceVMID: src.ID, Count: 2, Placement: api.PlacementColocate}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for f.Phase != api.ForkReady && f.Phase != api.ForkFailed && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+		if f, err = c.Client.GetFork(ctx, f.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if f.Phase != api.ForkReady || len(f.Children) != 2 {
+		t.Fatalf("fork: phase %s error %q children %d", f.Phase, f.Error, len(f.Children))
+	}
+	hosts := map[string]bool{}
+	for _, ch := range f.Children {
+		hosts[ch.Host] = true
+		if ch.ObservedState != api.StateRunning || ch.Image != "tiny" {
+			t.Fatalf("child %+v", ch)
+		}
+	}
+	if !hosts["host-b"] {
+		t.Fatalf("no child spilled to host-b: %v", hosts)
+	}
+	waitImageHost(t, c, "tiny", "host-b", api.ImageReady)
+	if n := srv.Downloads(); n != 1 {
+		t.Fatalf("downloads from the source = %d, want 1", n)
+	}
+	if err := c.Client.DeleteFork(ctx, f.ID); err != nil {
+		t.Fatal(err)
+	}
+}
