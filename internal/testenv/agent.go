@@ -79,6 +79,7 @@ func StartAgent(t testing.TB, opts AgentOptions) *Agent {
 			opts.DiskMiB = simDiskMiB
 		}
 	case "qemu":
+		RequireQEMU(t)
 		if opts.ImageDir == "" {
 			opts.ImageDir = GuestImageDir(t)
 		}
