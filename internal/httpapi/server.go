@@ -75,6 +75,7 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	v1.DELETE("/vms/:id", h.deleteVM)
 	v1.POST("/placements", h.place)
 	h.forkRoutes(v1)
+	h.uiRoutes(e, opts.Token)
 	return e, nil
 }
 
