@@ -1,4 +1,4 @@
-// Package agent is the host agent: its HTTP API (DESIGN.md section 4), the
+// Package agent is the host agent: its HTTP API, the
 // registry of the VMs on this host and their durable metadata. The VMM is a
 // Driver: internal/agent/qemu for real guests, internal/agent/sim for scale
 // tests.

@@ -1,6 +1,6 @@
 package agent
 
-// Snapshots (DESIGN.md section 7): the memory and disk of a running VM taken
+// Snapshots (docs/guides/architecture.md): the memory and disk of a running VM taken
 // in one paused window, children started from them, and pulls of a snapshot
 // from another agent so that a child can start on another host.
 //

@@ -33,7 +33,7 @@ var ErrSimulatedCrash = errors.New("simulated crash")
 // agent call that may pull a snapshot and restore a guest.
 const forkConcurrency = 4
 
-// forkPass brings a fork to its desired state (DESIGN.md section 7):
+// forkPass brings a fork to its desired state (docs/guides/architecture.md):
 // snapshot (idempotent on the fork id) -> snapshot_taken durable -> the
 // children slot by slot, each reserved like any VM and recorded right
 // after it starts. A child already there is kept and never started again.

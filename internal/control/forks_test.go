@@ -142,7 +142,7 @@ func (e *forkEnv) snapshotsCreated() int64 {
 	return n
 }
 
-// checkFork asserts the invariants of DESIGN.md section 7 for a fork that
+// checkFork asserts the invariants of docs/guides/architecture.md for a fork that
 // should have `count` children: exactly one snapshot ever taken, every
 // child running from a snapshot under its fixed name, no leaked capacity,
 // and no VM on any agent that the database does not know (nor the reverse).

@@ -131,7 +131,7 @@ func TestReleaseInstallsFromAFilesystemMirror(t *testing.T) {
 		}
 		tfEnv = append(tfEnv, kv)
 	}
-	tfEnv = append(tfEnv, "TF_CLI_CONFIG_FILE="+cliConfig, "TF_IN_AUTOMATION=1", "HOME="+work,
+	tfEnv = append(tfEnv, "TF_CLI_CONFIG_FILE="+cliConfig, "TF_IN_AUTOMATION=1", "CHECKPOINT_DISABLE=1", "HOME="+work,
 		"KVM_ENDPOINT="+c.URL, "KVM_TOKEN="+c.Token)
 	out := run(t, ctx, work, tfEnv, "terraform", "init", "-input=false", "-no-color")
 	if !strings.Contains(out, "Installed kvmfleet/kvm v"+version) {
