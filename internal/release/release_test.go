@@ -151,7 +151,7 @@ func TestReleaseInstallsFromAFilesystemMirror(t *testing.T) {
 	cmd.Dir, cmd.Env = work, tfEnv
 	plan, err := cmd.CombinedOutput()
 	var exit *exec.ExitError
-	if !(err != nil && errors.As(err, &exit) && exit.ExitCode() == 2) {
+	if err == nil || !errors.As(err, &exit) || exit.ExitCode() != 2 {
 		t.Fatalf("terraform plan: %v (want exit status 2: changes)\n%s", err, plan)
 	}
 	for _, want := range []string{"kvm_vm.demo[0] will be created", "kvm_vm.demo[1] will be created", "Plan: 2 to add, 0 to change, 0 to destroy"} {
