@@ -115,6 +115,7 @@ func runDev(ctx context.Context, args []string, getenv Env, stderr io.Writer) er
 	fmt.Fprintf(stderr, "kvmd dev: control API on http://%s (SQLite in %s), local agent %q on %s with the %s driver\n",
 		controlAt, controlCfg.DataDir, hostName, agentAt, driver)
 	fmt.Fprintf(stderr, "kvmd dev: for the provider:\n  export KVM_ENDPOINT=http://%s\n  export KVM_TOKEN=%s\n", controlAt, token)
+	fmt.Fprintf(stderr, "kvmd dev: fleet page: http://%s/ui (sign in with the token)\n", controlAt)
 	<-ctx.Done()
 	wg.Wait()
 	return devResult(errs)
