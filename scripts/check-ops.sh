@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # check-ops.sh: check the operator files the repository ships.
-#   - scripts/monitoring/kvmd-alerts.yml passes `promtool check rules`;
+#   - scripts/monitoring/kvmd-alerts.yml passes `promtool check rules` and
+#     its unit tests (`promtool test rules kvmd-alerts.test.yml`);
 #   - scripts/monitoring/grafana-dashboard.json is JSON;
 #   - every kvmd_* metric the rules and the dashboard use is exported by a
 #     running kvmd (control API and agent of `kvmd dev --driver sim`);
@@ -30,6 +31,8 @@ mon="$root/scripts/monitoring"
 
 echo "check-ops: promtool check rules"
 promtool check rules "$mon/kvmd-alerts.yml"
+echo "check-ops: promtool test rules (the alerts fire on the cases in kvmd-alerts.test.yml)"
+(cd "$mon" && promtool test rules kvmd-alerts.test.yml)
 python3 -m json.tool "$mon/grafana-dashboard.json" >/dev/null || fail "grafana-dashboard.json is not valid JSON"
 
 echo "check-ops: the metrics the rules and the dashboard use exist"
