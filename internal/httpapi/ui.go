@@ -47,7 +47,7 @@ var uiTemplates = template.Must(template.New("ui").Funcs(template.FuncMap{
 	"gib":      func(mib int64) string { return strconv.FormatFloat(float64(mib)/1024, 'f', 1, 64) },
 	"score":    func(f float64) string { return strconv.FormatFloat(f, 'f', 3, 64) },
 	"termList": termList,
-	"since":    func(t time.Time) string { return time.Since(t).Round(time.Second).String() },
+	"count":    count,
 }).ParseFS(uiFiles, "ui/*.html.tmpl"))
 
 // uiAuth issues and checks the fleet page's session cookies.
@@ -310,6 +310,14 @@ func (u *uiHandlers) view(c echo.Context) (fleetView, error) {
 		v.Forks = append(v.Forks, uf)
 	}
 	return v, nil
+}
+
+// count says "1 host" or "2 hosts".
+func count(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return strconv.Itoa(n) + " " + noun + "s"
 }
 
 // termList renders a placement's score terms in a stable order.
