@@ -65,6 +65,23 @@ type Snapshotter interface {
 	// dir, and starts m running from the memory state, with a new identity
 	// (vmgenid). m.Process is set as by Boot.
 	Spawn(ctx context.Context, m *Machine, dir string, files SnapshotFiles) error
+	// AdoptPulled checks the disk chain of a snapshot pulled from another
+	// agent into dir before anything opens it: each disk file may name as
+	// its backing file only another file of the snapshot, a file of its
+	// parent snapshot (from.ParentDir) or the base disk of its image on
+	// this agent, and the driver rewrites every name to this agent's own
+	// file. Anything else is refused: a peer must not make this host's
+	// VMs read files of its choosing. It returns the files it rewrote.
+	AdoptPulled(ctx context.Context, dir string, files SnapshotFiles, from PulledFrom) ([]string, error)
+}
+
+// PulledFrom is what AdoptPulled may let a pulled snapshot's disks sit on.
+type PulledFrom struct {
+	Image string // the snapshot's image, on this agent
+	// ParentDir and ParentFiles are the parent snapshot, already here
+	// (ParentDir "" without one).
+	ParentDir   string
+	ParentFiles SnapshotFiles
 }
 
 // SnapshotOptions tunes Snapshotter.Snapshot.
@@ -851,6 +868,12 @@ func (a *Agent) pullSnapshot(ctx context.Context, id, address string, chain []st
 		}
 		bytes += f.SizeBytes
 	}
+	if err := a.adoptPulled(ctx, dir, rec); err != nil {
+		a.log.Warn("snapshot pull refused: its disk chain", "snapshot", id, "from", address, "err", err)
+		e := errConflict("snapshot %s from agent %s refused: %v", id, address, err)
+		e.Details = map[string]any{"snapshot": id}
+		return nil, e
+	}
 	if err := a.commitSnapshotDir(dir, rec); err != nil {
 		return nil, fmt.Errorf("pull snapshot %s: %w", id, err)
 	}
@@ -893,10 +916,48 @@ func (a *Agent) pullFile(ctx context.Context, c *agentapi.Client, id, dir string
 	case sum != f.SHA256:
 		return fmt.Errorf("file %s: sha256 %s, the metadata says %s: corrupted in transit or changed at the source", f.Name, sum, f.SHA256)
 	}
-	if f.Kind != agentapi.SnapshotFileMemory {
-		// Frozen disks and RAM images are read-only from now on, as at
-		// the source.
-		return os.Chmod(path, 0o444)
+	return nil
+}
+
+// adoptPulled has the driver check the disk chain of a pulled snapshot and
+// rewrite its backing file names to this agent's files (Snapshotter), then
+// records the new digests of the files it rewrote and makes the frozen
+// disks and RAM image read-only, as at the source.
+func (a *Agent) adoptPulled(ctx context.Context, dir string, rec *snapshotRecord) error {
+	sn, err := a.snapshotter()
+	if err != nil {
+		return err
+	}
+	from := PulledFrom{Image: rec.Image}
+	if rec.Parent != "" {
+		p := a.snaps.lookup(rec.Parent)
+		if p == nil {
+			return fmt.Errorf("its parent snapshot %s is not here", rec.Parent)
+		}
+		prec, _, gone := p.state()
+		if prec == nil || gone {
+			return fmt.Errorf("its parent snapshot %s is not here", rec.Parent)
+		}
+		from.ParentDir, from.ParentFiles = a.snapDir(rec.Parent), prec.files()
+	}
+	rewritten, err := sn.AdoptPulled(ctx, dir, rec.files(), from)
+	if err != nil {
+		return err
+	}
+	for i, f := range rec.Files {
+		path := filepath.Join(dir, f.Name)
+		if slices.Contains(rewritten, f.Name) {
+			size, sum, err := hashFile(path, f.Kind, "")
+			if err != nil {
+				return fmt.Errorf("digest of rewritten %s: %w", f.Name, err)
+			}
+			rec.Files[i].SizeBytes, rec.Files[i].SHA256 = size, sum
+		}
+		if f.Kind != agentapi.SnapshotFileMemory {
+			if err := os.Chmod(path, 0o444); err != nil {
+				return err
+			}
+		}
 	}
 	return nil
 }
