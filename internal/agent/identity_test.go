@@ -8,6 +8,9 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -145,4 +148,76 @@ func TestAgentSignsOnlyForItsOwnAddresses(t *testing.T) {
 			t.Errorf("challenge %+v: %v; want 400", bad, err)
 		}
 	}
+}
+
+// A pull goes only to a peer that proves the key the control plane pinned
+// for it: a server at the pull address that answers with another key (or
+// anything else) never receives the agent token, and nothing is pulled.
+func TestPullOnlyFromAPeerThatProvesItsPinnedKey(t *testing.T) {
+	ctx := context.Background()
+	puller := serveAgentAt(t, t.TempDir(), nil)
+	source := serveAgentAt(t, t.TempDir(), nil) // the agent whose key is pinned
+	impostor := serveAgentAt(t, t.TempDir(), nil)
+	var mu sync.Mutex
+	var auths []string
+	recorder := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		auths = append(auths, r.Method+" "+r.URL.Path+" "+r.Header.Get("Authorization"))
+		mu.Unlock()
+		// It relays to an agent with another key, which signs for the
+		// recorder's address because it was told that address.
+		proxyTo(t, impostor.url, w, r)
+	}))
+	defer recorder.Close()
+	if err := impostor.agent.AllowAddress(recorder.URL); err != nil {
+		t.Fatal(err)
+	}
+	spec := agentapi.VMSpec{Image: "sim", VCPUs: 1, MemoryMiB: 64, DiskMiB: 64,
+		Snapshot: &agentapi.SnapshotSource{ID: "snap", Address: recorder.URL, PublicKey: agentapi.EncodeKey(source.agent.PublicKey())}}
+	_, err := agentapi.NewClient(puller.url, token, agentapi.WithRetries(0)).CreateVM(ctx, "child", spec)
+	if err == nil || !strings.Contains(err.Error(), "did not prove the identity") {
+		t.Fatalf("pull from a peer with another key: %v; want refused", err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(auths) == 0 {
+		t.Fatal("the recorder got no request: the test proves nothing")
+	}
+	for _, a := range auths {
+		if strings.Contains(a, "Bearer") {
+			t.Errorf("the peer that did not prove its key got %q", a)
+		}
+	}
+	for _, bad := range []agentapi.SnapshotSource{
+		{ID: "snap", Address: recorder.URL},
+		{ID: "snap", Address: recorder.URL + "/x?y=", PublicKey: agentapi.EncodeKey(source.agent.PublicKey())},
+		{ID: "snap", PublicKey: agentapi.EncodeKey(source.agent.PublicKey())},
+		{ID: "snap", Address: recorder.URL, PublicKey: "not-a-key"},
+	} {
+		spec.Snapshot = &bad
+		_, err := agentapi.NewClient(puller.url, token, agentapi.WithRetries(0)).CreateVM(ctx, "child", spec)
+		var ae *agentapi.Error
+		if !errors.As(err, &ae) || ae.Status != http.StatusBadRequest {
+			t.Errorf("snapshot source %+v: %v; want 400", bad, err)
+		}
+	}
+}
+
+// proxyTo forwards one request to target and copies the answer back.
+func proxyTo(t *testing.T, target string, w http.ResponseWriter, r *http.Request) {
+	req, err := http.NewRequestWithContext(r.Context(), r.Method, target+r.URL.RequestURI(), r.Body)
+	if err != nil {
+		t.Error(err)
+		return
+	}
+	req.Header = r.Header.Clone()
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadGateway)
+		return
+	}
+	defer func() { _ = resp.Body.Close() }()
+	w.Header().Set("Content-Type", resp.Header.Get("Content-Type"))
+	w.WriteHeader(resp.StatusCode)
+	_, _ = io.Copy(w, resp.Body)
 }

@@ -14,6 +14,8 @@ package agent
 
 import (
 	"context"
+	"crypto/ed25519"
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -302,7 +304,66 @@ func checkSnapshotSource(spec agentapi.VMSpec) error {
 	if spec.Stopped {
 		return errInvalid("a vm started from a snapshot cannot be created stopped: it continues the snapshot's running guest")
 	}
+	if _, err := peerOf(spec.Snapshot); err != nil {
+		return err
+	}
 	return nil
+}
+
+// peer is another agent a snapshot is pulled from: its address and the
+// identity key the control plane pinned for it.
+type peer struct {
+	address string
+	key     ed25519.PublicKey
+}
+
+// peerOf is the agent src names; nil when the snapshot is to be here.
+func peerOf(src *agentapi.SnapshotSource) (*peer, error) {
+	if src.Address == "" {
+		if src.PublicKey != "" {
+			return nil, errInvalid("snapshot.public_key without snapshot.address")
+		}
+		return nil, nil
+	}
+	addr, err := agentapi.CheckAddress(src.Address)
+	if err != nil {
+		return nil, errInvalid("snapshot.address: %v", err)
+	}
+	if src.PublicKey == "" {
+		return nil, errInvalid("snapshot.address %s needs snapshot.public_key, the identity key the control plane pinned for that agent: "+
+			"this agent sends its token only to an agent that proves it", src.Address)
+	}
+	key, err := agentapi.DecodeKey(src.PublicKey)
+	if err != nil {
+		return nil, errInvalid("snapshot.public_key: %v", err)
+	}
+	return &peer{address: addr, key: key}, nil
+}
+
+// peerClient is a client of the agent p after it proved its pinned
+// identity at its address: only then does the agent token go there.
+func (a *Agent) peerClient(ctx context.Context, p *peer) (*agentapi.Client, error) {
+	hc := &http.Client{}
+	if a.cfg.PeerHTTPClient != nil {
+		c := *a.cfg.PeerHTTPClient
+		hc = &c
+	}
+	hc.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	opts := []agentapi.Option{agentapi.WithTimeout(30 * time.Second), agentapi.WithHTTPClient(hc)}
+	nonce := make([]byte, 32)
+	if _, err := rand.Read(nonce); err != nil {
+		return nil, err
+	}
+	ch := agentapi.IdentityChallenge{Nonce: agentapi.NewNonce(nonce), Address: p.address}
+	proof, err := agentapi.NewClient(p.address, "", opts...).Identity(ctx, ch)
+	if err == nil {
+		_, err = agentapi.VerifyIdentity(ch, proof, p.key, "")
+	}
+	if err != nil {
+		return nil, fmt.Errorf("the agent at %s did not prove the identity the control plane pinned for it (%s): %w",
+			p.address, agentapi.KeyFingerprint(p.key), err)
+	}
+	return agentapi.NewClient(p.address, a.cfg.Token, opts...), nil
 }
 
 func errSnapshotNotFound(id string) *Error {
@@ -729,7 +790,11 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 		return fail(err)
 	}
 	start := time.Now()
-	rec, err := a.ensureSnapshot(ctx, src.ID, src.Address, nil)
+	from, err := peerOf(&src)
+	if err != nil {
+		return fail(err)
+	}
+	rec, err := a.ensureSnapshot(ctx, src.ID, from, nil)
 	if err != nil {
 		return fail(err)
 	}
@@ -762,7 +827,7 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 // on) from the agent at address when it is not here. Concurrent callers
 // needing the same pull wait for one. chain holds the ids being pulled
 // further up, against cycles in metadata sent by another agent.
-func (a *Agent) ensureSnapshot(ctx context.Context, id, address string, chain []string) (*snapshotRecord, error) {
+func (a *Agent) ensureSnapshot(ctx context.Context, id string, from *peer, chain []string) (*snapshotRecord, error) {
 	if slices.Contains(chain, id) || len(chain) >= maxSnapshotDepth {
 		return nil, errConflict("snapshot %s: its parents %v form a cycle or are more than %d deep", id, chain, maxSnapshotDepth)
 	}
@@ -782,14 +847,14 @@ func (a *Agent) ensureSnapshot(ctx context.Context, id, address string, chain []
 		case corrupt != "":
 			s.unlock()
 			return nil, errConflict("snapshot %s exists but %s", id, corrupt)
-		case address == "":
+		case from == nil:
 			a.snaps.drop(s)
 			s.unlock()
 			e := errConflict("snapshot %s does not exist on this agent; give snapshot.address to pull it from the agent that has it", id)
 			e.Details = map[string]any{"snapshot": id}
 			return nil, e
 		}
-		rec, err := a.pullSnapshot(ctx, id, address, append(slices.Clone(chain), id))
+		rec, err := a.pullSnapshot(ctx, id, from, append(slices.Clone(chain), id))
 		if err != nil {
 			a.snaps.drop(s)
 			s.unlock()
@@ -814,15 +879,15 @@ func errPull(id, address string, err error) *Error {
 // directory, checks every file's size and sha256 against the metadata, and
 // renames the directory into place only when all match. The caller holds
 // the snapshot's lock.
-func (a *Agent) pullSnapshot(ctx context.Context, id, address string, chain []string) (*snapshotRecord, error) {
+func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain []string) (*snapshotRecord, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), pullTimeout)
 	defer cancel()
 	start := time.Now()
-	opts := []agentapi.Option{agentapi.WithTimeout(30 * time.Second)}
-	if a.cfg.PeerHTTPClient != nil {
-		opts = append(opts, agentapi.WithHTTPClient(a.cfg.PeerHTTPClient))
+	address := from.address
+	c, err := a.peerClient(ctx, from)
+	if err != nil {
+		return nil, errPull(id, address, err)
 	}
-	c := agentapi.NewClient(address, a.cfg.Token, opts...)
 	meta, err := c.GetSnapshot(ctx, id)
 	if errors.Is(err, agentapi.ErrNotFound) {
 		e := errConflict("snapshot %s does not exist on agent %s either", id, address)
@@ -844,7 +909,7 @@ func (a *Agent) pullSnapshot(ctx context.Context, id, address string, chain []st
 		return nil, errConflict("snapshot %s is of image %s, which this agent does not have: %v", id, rec.Image, err)
 	}
 	if rec.Parent != "" {
-		if _, err := a.ensureSnapshot(ctx, rec.Parent, address, chain); err != nil {
+		if _, err := a.ensureSnapshot(ctx, rec.Parent, from, chain); err != nil {
 			return nil, fmt.Errorf("snapshot %s builds on snapshot %s: %w", id, rec.Parent, err)
 		}
 	}

@@ -300,7 +300,7 @@ const (
 	// maxAnswer bounds a JSON answer (a list of many thousand VMs fits).
 	maxAnswer       = 256 << 20
 	maxErrorBody    = 8 << 10
-	maxErrorMessage = 300
+	maxErrorMessage = 1024
 )
 
 var errorCodePattern = regexp.MustCompile(`^[a-z_]{1,40}$`)

@@ -2,6 +2,8 @@ package qemu_test
 
 import (
 	"context"
+	"crypto/ed25519"
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -20,17 +22,30 @@ import (
 
 // hostilePeer serves snapshots made of files the test crafted, the way an
 // agent serves them (metadata and files), to see what a pulling agent
-// accepts.
+// accepts. It is a peer the control plane vouches for (its key is pinned):
+// a compromised host, not an impostor.
 type hostilePeer struct {
 	dir  string
 	snap map[string]agentapi.Snapshot
 	srv  *httptest.Server
+	key  ed25519.PrivateKey
 }
 
 func startHostilePeer(t *testing.T) *hostilePeer {
 	t.Helper()
-	p := &hostilePeer{dir: t.TempDir(), snap: map[string]agentapi.Snapshot{}}
+	_, key, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &hostilePeer{dir: t.TempDir(), snap: map[string]agentapi.Snapshot{}, key: key}
 	p.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/identity" {
+			var ch agentapi.IdentityChallenge
+			_ = json.NewDecoder(r.Body).Decode(&ch)
+			w.Header().Set("Content-Type", "application/json")
+			_ = json.NewEncoder(w).Encode(agentapi.ProveIdentity(key, "agent-token", ch))
+			return
+		}
 		rest, ok := strings.CutPrefix(r.URL.Path, "/v1/snapshots/")
 		if !ok {
 			http.NotFound(w, r)
@@ -78,6 +93,12 @@ func (p *hostilePeer) add(t *testing.T, id, disk string) {
 		s.Files = append(s.Files, agentapi.SnapshotFile{Name: f.name, Kind: f.kind, SizeBytes: int64(len(b)), SHA256: hex.EncodeToString(sum[:])})
 	}
 	p.snap[id] = s
+}
+
+// source is how the control plane names snapshot id on this peer.
+func (p *hostilePeer) source(id string) *agentapi.SnapshotSource {
+	pub, _ := p.key.Public().(ed25519.PublicKey)
+	return &agentapi.SnapshotSource{ID: id, Address: p.srv.URL, PublicKey: agentapi.EncodeKey(pub)}
 }
 
 func qemuImg(t *testing.T, args ...string) {
@@ -164,7 +185,7 @@ func TestPulledSnapshotWithHostileBackingChainIsRefused(t *testing.T) {
 	for name := range hostile {
 		id := "evil-" + name
 		spec := guest
-		spec.Snapshot = &agentapi.SnapshotSource{ID: id, Address: peer.srv.URL}
+		spec.Snapshot = peer.source(id)
 		_, err := a.Client.CreateVM(ctx, "child-"+name, spec)
 		if err == nil || !strings.Contains(err.Error(), "refused") {
 			t.Errorf("%s: child from a hostile chain: %v; want the pull refused", name, err)
@@ -185,7 +206,7 @@ func TestPulledSnapshotWithHostileBackingChainIsRefused(t *testing.T) {
 	qemuImg(t, "create", "-q", "-f", "qcow2", "-u", "-b", "/srv/other-agent/images/"+guest.Image+"/disk.qcow2", "-F", "qcow2", disk, size)
 	peer.add(t, "elsewhere", disk)
 	spec := guest
-	spec.Snapshot = &agentapi.SnapshotSource{ID: "elsewhere", Address: peer.srv.URL}
+	spec.Snapshot = peer.source("elsewhere")
 	_, _ = a.Client.CreateVM(ctx, "child-elsewhere", spec) // its memory state is junk: the child fails to load it
 	snap, err := a.Client.GetSnapshot(ctx, "elsewhere")
 	if err != nil {
