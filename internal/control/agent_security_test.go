@@ -14,8 +14,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
 )
 
@@ -270,4 +272,41 @@ func TestVMLimitsCheckedBeforeReservation(t *testing.T) {
 	if alloc := hostAllocated(t, c, "big"); alloc != (api.Resources{}) {
 		t.Errorf("allocation after refused creates: %+v", alloc)
 	}
+}
+
+// Hosts registered before agents joined have no pinned key: the host
+// monitor challenges them before anything else, pins the key of a real
+// agent, and sends an impostor nothing with the agent token (the host is
+// marked not alive, so nothing is placed there).
+func TestMonitorJoinsHostsWithoutAPinnedKey(t *testing.T) {
+	ctx := ctxT(t)
+	c := testenv.StartControl(t, testenv.ControlOptions{NoMonitor: true})
+	real := testenv.StartAgent(t, testenv.AgentOptions{})
+	im := startImpostor(t)
+	for name, addr := range map[string]string{"old-real": real.URL, "old-fake": im.url} {
+		if _, err := c.Store.UpsertHost(ctx, store.Host{Name: name, Address: addr, Schedulable: true, CPUAllocationRatio: 1}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c.Service.SyncNow(ctx)
+	im.assertNoCredentials(t)
+	fake, err := c.Store.GetHost(ctx, "old-fake")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fake.Alive || fake.AgentKey != "" {
+		t.Errorf("host at an impostor's address after a sync: alive %v, key %q; want not alive, no key", fake.Alive, fake.AgentKey)
+	}
+	got, err := c.Store.GetHost(ctx, "old-real")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !got.Alive || got.AgentKey != agentapi.EncodeKey(real.PublicKey) || got.Total.VCPUs == 0 {
+		t.Errorf("host of a real agent after a sync: alive %v, key %q, total %+v; want alive, its key pinned, its capacity",
+			got.Alive, got.AgentKey, got.Total)
+	}
+	if _, err := c.Client.CreateVM(ctx, api.VMCreate{Name: "placed", Image: "sim", VCPUs: 1, MemoryMiB: 64, DiskMiB: 64, Host: "old-fake"}, ""); err == nil {
+		t.Error("a VM was placed on the impostor's host")
+	}
+	im.assertNoCredentials(t)
 }

@@ -107,7 +107,8 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool) {
 			return
 		}
 		deadAfter := s.opts.DeadAfter
-		if first {
+		if first || h.AgentKey == "" {
+			// An address that has not proved itself is no host to place on.
 			deadAfter = 1
 		}
 		alive, rerr := s.store.RecordHostMissed(ctx, h.Name, deadAfter)
