@@ -17,6 +17,7 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/limits"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
 )
@@ -309,4 +310,36 @@ func TestMonitorJoinsHostsWithoutAPinnedKey(t *testing.T) {
 		t.Error("a VM was placed on the impostor's host")
 	}
 	im.assertNoCredentials(t)
+}
+
+// Finding 6: the control API and the agent share one set of limits: a VM
+// at every limit is created by a real agent, one past a limit is refused
+// by the control API with nothing reserved.
+func TestVMLimitsAgreeWithTheAgent(t *testing.T) {
+	ctx := ctxT(t)
+	c := testenv.StartControl(t, testenv.ControlOptions{NoMonitor: true})
+	ag := testenv.StartAgent(t, testenv.AgentOptions{VCPUs: 4 * limits.MaxVCPUs, MemoryMiB: 4 * limits.MaxMemoryMiB, DiskMiB: 4 * limits.MaxDiskMiB})
+	c.RegisterHost(t, "big", ag.URL)
+	atLimit := api.VMCreate{Name: "at-limit", Image: "sim", VCPUs: limits.MaxVCPUs, MemoryMiB: limits.MaxMemoryMiB, DiskMiB: limits.MaxDiskMiB}
+	vm, err := noRetry(c).CreateVM(ctx, atLimit, "")
+	if err != nil || vm.ObservedState != api.StateRunning {
+		t.Fatalf("a VM at every limit: %+v %v; the agent must accept what the control API accepts", vm, err)
+	}
+	for _, in := range []api.VMCreate{
+		{Name: "cpus", Image: "sim", VCPUs: limits.MaxVCPUs + 1, MemoryMiB: 64, DiskMiB: 64},
+		{Name: "memory", Image: "sim", VCPUs: 1, MemoryMiB: limits.MaxMemoryMiB + 1, DiskMiB: 64},
+		{Name: "disk", Image: "sim", VCPUs: 1, MemoryMiB: 64, DiskMiB: limits.MaxDiskMiB + 1},
+	} {
+		_, err := noRetry(c).CreateVM(ctx, in, "")
+		var e *client.Error
+		if !errors.As(err, &e) || e.Status != http.StatusBadRequest || strings.Contains(e.Message, "host big") {
+			t.Errorf("create %s past its limit: %v; want a 400 from the control API's own checks", in.Name, err)
+		}
+	}
+	if alloc := hostAllocated(t, c, "big"); alloc != (api.Resources{VCPUs: limits.MaxVCPUs, MemoryMiB: limits.MaxMemoryMiB, DiskMiB: limits.MaxDiskMiB}) {
+		t.Errorf("allocation: %+v; want the one VM at the limits", alloc)
+	}
+	if vms, err := ag.Client.ListVMs(ctx); err != nil || len(vms) != 1 {
+		t.Errorf("the agent holds %d VMs (%v); want the one at the limits", len(vms), err)
+	}
 }
