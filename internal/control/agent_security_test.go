@@ -343,3 +343,17 @@ func TestVMLimitsAgreeWithTheAgent(t *testing.T) {
 		t.Errorf("the agent holds %d VMs (%v); want the one at the limits", len(vms), err)
 	}
 }
+
+// A verified agent's server errors reach the API client as its status and
+// code; their text (paths, causes) stays in the agent's log.
+func TestAgentServerErrorTextIsNotRepeated(t *testing.T) {
+	ctx := ctxT(t)
+	c := testenv.StartControl(t, testenv.ControlOptions{NoMonitor: true})
+	d := testenv.StartAgentDouble(t, testenv.AgentDoubleOptions{})
+	c.RegisterHost(t, "h", d.URL)
+	d.FailCreates(true)
+	_, err := noRetry(c).CreateVM(ctx, smallVM("fails"), "")
+	if err == nil || strings.Contains(err.Error(), "injected create failure") || !strings.Contains(err.Error(), "500") {
+		t.Errorf("create failing on the agent: %v; want its status, not its text", err)
+	}
+}
