@@ -107,7 +107,7 @@ func runDev(ctx context.Context, args []string, getenv Env, stderr io.Writer) er
 	// Idle demo guests barely use their vCPUs, so one machine can hold a few
 	// more of them than it has cores.
 	ratio := devCPUAllocationRatio
-	if _, err := c.PutHost(ctx, hostName, api.HostPut{Address: agentAt, CPUAllocationRatio: &ratio}); err != nil {
+	if _, err := c.PutHost(ctx, hostName, api.HostPut{Address: "http://" + agentAt, CPUAllocationRatio: &ratio}); err != nil {
 		cancel()
 		wg.Wait()
 		return fmt.Errorf("kvmd dev: register the local agent as host %q: %w", hostName, err)

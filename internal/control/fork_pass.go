@@ -287,7 +287,9 @@ func (s *Service) startChild(ctx context.Context, crash context.CancelCauseFunc,
 	})
 	src := &agentapi.SnapshotSource{ID: f.ID}
 	if vm.HostName != f.SourceHost {
-		src.Address = srcAddress
+		// The child's agent pulls from the source's, and sends its token
+		// there only once the key pinned for the source host signs.
+		src.Address, src.PublicKey = agentURL(srcAddress), s.view.agentKey(f.SourceHost)
 	}
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Snapshot: src}

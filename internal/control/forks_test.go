@@ -68,7 +68,8 @@ func startForkHost(t *testing.T, name string, memoryMiB int64) *forkHost {
 		proxy.ServeHTTP(w, r.WithContext(context.WithoutCancel(r.Context())))
 	}))
 	t.Cleanup(srv.Close)
-	h.address = strings.TrimPrefix(srv.URL, "http://")
+	h.address = srv.URL
+	h.agent.AllowAddress(t, srv.URL)
 	return h
 }
 
