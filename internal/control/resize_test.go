@@ -247,3 +247,46 @@ func TestResizeCrashSettledByMonitor(t *testing.T) {
 		})
 	}
 }
+
+// A fork's children and its source resize, stop and start like any VM;
+// the fork stays ready with its children in their slots, and a later count
+// change keeps the resized child.
+func TestResizeForkChildAndSource(t *testing.T) {
+	eachDatabase(t, func(t *testing.T, dbURL string) {
+		ctx := ctxT(t)
+		e := startForkEnv(t, dbURL, 16384, nil)
+		f, err := e.c.Client.CreateFork(ctx, api.ForkCreate{SourceVMID: e.source.ID, Count: 2}, "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		f = e.checkFork(t, f.ID, 2)
+		child := f.Children[0]
+		got, err := e.c.Client.UpdateVM(ctx, child.ID, api.VMPatch{VCPUs: ptr[int64](2), MemoryMiB: ptr[int64](2048)})
+		if err != nil || got.VCPUs != 2 || got.MemoryMiB != 2048 || got.ObservedState != api.StateRunning || got.ForkID != f.ID {
+			t.Fatalf("resize child: %+v %v", got, err)
+		}
+		if _, err := e.c.Client.UpdateVM(ctx, e.source.ID, api.VMPatch{MemoryMiB: ptr[int64](2048)}); err != nil {
+			t.Fatalf("resize fork source: %v", err)
+		}
+		for _, p := range []string{api.PowerStopped, api.PowerRunning} {
+			got, err := e.c.Client.UpdateVM(ctx, child.ID, api.VMPatch{PowerState: ptr(p)})
+			if err != nil || got.PowerState != p || got.VCPUs != 2 {
+				t.Fatalf("child power %s: %+v %v", p, got, err)
+			}
+		}
+		if _, err := noRetry(e.c).UpdateVM(ctx, child.ID, api.VMPatch{Name: ptr("renamed")}); apiCode(err) != api.CodeConflict {
+			t.Errorf("rename of a fork child: %v, want conflict (children keep <fork>-<slot>)", err)
+		}
+		up := 3
+		if _, err := e.c.Client.UpdateFork(ctx, f.ID, api.ForkPatch{Count: &up}); err != nil {
+			t.Fatal(err)
+		}
+		f = e.checkFork(t, f.ID, 3)
+		if f.Children[0].ID != child.ID || f.Children[0].VCPUs != 2 || f.Children[0].MemoryMiB != 2048 {
+			t.Errorf("after a count change slot 0 is %+v, want the resized child %s", f.Children[0], child.ID)
+		}
+		if f.Children[2].VCPUs != f.Children[1].VCPUs || f.Children[2].MemoryMiB != 1024 {
+			t.Errorf("a new child has %d vCPUs and %d MiB, want the snapshot's shape", f.Children[2].VCPUs, f.Children[2].MemoryMiB)
+		}
+	})
+}
