@@ -73,8 +73,13 @@ func (a *Agent) ResizeVM(ctx context.Context, id string, shape agentapi.VMShape)
 		a.restartAfterFailedResize(ctx, e, old, wasUp)
 		return agentapi.VM{}, fmt.Errorf("resize vm %s: record the new shape: %w", id, err)
 	}
-	e.set(r)
 	if wasUp {
+		// Until the boot is done, listings show the new shape in the state
+		// the VM is coming back to: a stopped VM for the few seconds of a
+		// restart would read as drift and be recorded by the control plane.
+		shown := r
+		shown.State = old.State
+		e.set(shown)
 		m = machineOf(a, r)
 		if err := d.Create(ctx, m); err != nil {
 			return agentapi.VM{}, a.failedRestart(ctx, e, r, err)
@@ -86,6 +91,8 @@ func (a *Agent) ResizeVM(ctx context.Context, id string, shape agentapi.VMShape)
 		if err := a.saveRecord(&r); err != nil {
 			return agentapi.VM{}, fmt.Errorf("resize vm %s: record the restarted vm: %w", id, err)
 		}
+		e.set(r)
+	} else {
 		e.set(r)
 	}
 	a.log.Info("vm resized", "vm", id, "vcpus", r.VCPUs, "memory_mib", r.MemoryMiB,
