@@ -48,15 +48,17 @@ func (vm VM) held() Resources {
 func (s *Store) BeginResize(ctx context.Context, id string, shape Shape) (VM, error) {
 	var vm VM
 	err := s.inTx(ctx, func(tx *gorm.DB) error {
-		var err error
-		if vm, err = getVM(tx, id); err != nil {
-			return err
-		}
 		t := now()
 		res := tx.Exec(`UPDATE vms SET pending_vcpus = ?, pending_memory_mib = ?, resize_started_at = ?, updated_at = ?
 			WHERE id = ? AND holds_capacity AND pending_vcpus IS NULL`, shape.VCPUs, shape.MemoryMiB, t, t, id)
 		if res.Error != nil {
 			return fmt.Errorf("record resize of vm %s: %w", id, res.Error)
+		}
+		var err error
+		// Read after the UPDATE, which locks the row: the shape the growth
+		// is computed from cannot change under this transaction.
+		if vm, err = getVM(tx, id); err != nil {
+			return err
 		}
 		if res.RowsAffected == 0 {
 			if _, pending := vm.Pending(); pending {
@@ -64,7 +66,6 @@ func (s *Store) BeginResize(ctx context.Context, id string, shape Shape) (VM, er
 			}
 			return fmt.Errorf("vm %s holds no capacity (missing or released): %w", id, ErrNotFound)
 		}
-		vm.PendingVCPUs, vm.PendingMemoryMiB, vm.ResizeStartedAt = &shape.VCPUs, &shape.MemoryMiB, &t
 		growV, growM := max(0, shape.VCPUs-vm.Resources.VCPUs), max(0, shape.MemoryMiB-vm.Resources.MemoryMiB)
 		if growV == 0 && growM == 0 {
 			return nil
@@ -114,13 +115,14 @@ func (s *Store) FinishResize(ctx context.Context, id string, applied bool) (VM, 
 			from.VCPUs, from.MemoryMiB = p.VCPUs, p.MemoryMiB
 		}
 		res := tx.Exec(`UPDATE vms SET vcpus = ?, memory_mib = ?, pending_vcpus = NULL, pending_memory_mib = NULL,
-			resize_started_at = NULL, updated_at = ? WHERE id = ? AND pending_vcpus IS NOT NULL`,
-			to.VCPUs, to.MemoryMiB, now(), id)
+			resize_started_at = NULL, updated_at = ?
+			WHERE id = ? AND pending_vcpus = ? AND pending_memory_mib = ? AND vcpus = ? AND memory_mib = ?`,
+			to.VCPUs, to.MemoryMiB, now(), id, p.VCPUs, p.MemoryMiB, vm.Resources.VCPUs, vm.Resources.MemoryMiB)
 		if res.Error != nil {
 			return fmt.Errorf("settle resize of vm %s: %w", id, res.Error)
 		}
 		if res.RowsAffected == 0 {
-			return nil
+			return nil // settled (and maybe resized again) since the read: that one counted
 		}
 		settled = true
 		relV, relM := max(0, from.VCPUs-to.VCPUs), max(0, from.MemoryMiB-to.MemoryMiB)
