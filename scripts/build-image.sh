@@ -3,15 +3,16 @@
 # IMAGE_DIR/busybox from Debian packages only: the kernel of linux-image-amd64
 # (direct boot) and an initramfs with busybox-static, the virtio modules the
 # guest needs and an /init that prints "kvm-guest-ready", whether it sees a
-# vmgenid device, the disk it sees ("disk vda <bytes>"), then "tick N" every
-# second on the serial console.
+# vmgenid device, the disk it sees ("disk vda <bytes>"), the marker at the
+# start of that disk if there is one, its memory and vCPUs, then "tick N"
+# every second on the serial console.
 #
 # Idempotent: an image built by this script version from the same packages
 # is left alone. Run as root or as a user who may run apt-get download.
 set -euo pipefail
 
 # Bump when the init, the module list or the manifest changes.
-SCRIPT_VERSION=5
+SCRIPT_VERSION=6
 NAME=busybox
 # Modules the guest loads, in dependency order after resolution: virtio-mmio
 # (microvm) and virtio-pci (q35) transports, the disk, and the ACPI power
@@ -160,9 +161,15 @@ found=0
 for d in /sys/block/vd*; do
 	[ -e "$d" ] || continue
 	echo "disk ${d##*/} $(($(cat "$d/size") * 512))"
+	# A marker a test wrote at the start of the disk (resizes keep the disk).
+	m=$(head -c 64 "/dev/${d##*/}" 2>/dev/null | tr -dc 'A-Za-z0-9:._-')
+	case $m in kvm-marker:*) echo "kvm-guest-disk-marker ${d##*/} $m" ;; esac
 	found=1
 done
 [ $found = 1 ] || echo "disk none"
+# The shape the guest sees (resizes change it).
+echo "kvm-guest-memory $(sed -n 's/^MemTotal: *\([0-9]*\) kB$/\1/p' /proc/meminfo) kB"
+echo "kvm-guest-cpus $(grep -c ^processor /proc/cpuinfo)"
 n=0
 while :; do
 	echo "tick $n"

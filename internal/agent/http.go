@@ -87,6 +87,7 @@ func (a *Agent) routes() http.Handler {
 	v1.PUT("/vms/:id", a.putVM)
 	v1.GET("/vms/:id", a.getVM)
 	v1.DELETE("/vms/:id", a.deleteVM)
+	v1.PUT("/vms/:id/shape", a.putShape)
 	v1.GET("/vms/:id/console", a.getConsole)
 	v1.POST("/vms/:id/:action", a.postAction)
 	a.snapshotRoutes(v1)
@@ -208,6 +209,18 @@ func (a *Agent) putVM(c echo.Context) error {
 	}
 	if created {
 		return c.JSON(http.StatusCreated, vm)
+	}
+	return c.JSON(http.StatusOK, vm)
+}
+
+func (a *Agent) putShape(c echo.Context) error {
+	var shape agentapi.VMShape
+	if err := bindJSON(c, &shape); err != nil {
+		return err
+	}
+	vm, err := a.ResizeVM(c.Request().Context(), c.Param("id"), shape)
+	if err != nil {
+		return err
 	}
 	return c.JSON(http.StatusOK, vm)
 }

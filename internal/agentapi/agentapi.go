@@ -111,6 +111,16 @@ type PortForward struct {
 	HostPort    int    `json:"host_port,omitempty"`
 }
 
+// VMShape is the body of PUT /v1/vms/{id}/shape: the VM's new vCPUs and
+// memory. The agent applies it with a cold restart on the VM's own disk (a
+// running VM is stopped and booted again, a paused one comes back paused, a
+// stopped one takes the shape at its next start). The same shape again
+// changes nothing.
+type VMShape struct {
+	VCPUs     int64 `json:"vcpus"`
+	MemoryMiB int64 `json:"memory_mib"`
+}
+
 // VM is one VM on an agent.
 type VM struct {
 	ID          string    `json:"id"`

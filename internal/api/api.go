@@ -108,25 +108,40 @@ type VMCreate struct {
 }
 
 // VMPatch is the body of PATCH /v1/vms/{id}. Only the fields that are set change.
+// A new vcpus or memory_mib restarts a running guest on its own disk (the
+// growth is reserved on its host first; no room is 409 no_capacity); a new
+// name changes only the control plane's record.
 type VMPatch struct {
 	PowerState *string            `json:"power_state,omitempty"`
 	Labels     *map[string]string `json:"labels,omitempty"`
+	Name       *string            `json:"name,omitempty"`
+	VCPUs      *int64             `json:"vcpus,omitempty"`
+	MemoryMiB  *int64             `json:"memory_mib,omitempty"`
+}
+
+// VMShape is a VM's vCPUs and memory.
+type VMShape struct {
+	VCPUs     int64 `json:"vcpus"`
+	MemoryMiB int64 `json:"memory_mib"`
 }
 
 // VM is a virtual machine: what was asked for and what was last observed.
 type VM struct {
-	ID            string            `json:"id"`
-	Name          string            `json:"name"`
-	Image         string            `json:"image"`
-	VCPUs         int64             `json:"vcpus"`
-	MemoryMiB     int64             `json:"memory_mib"`
-	DiskMiB       int64             `json:"disk_mib"`
-	Host          string            `json:"host"`
-	PowerState    string            `json:"power_state"`
-	ObservedState string            `json:"observed_state"`
-	Reason        string            `json:"reason,omitempty"`
-	StartedFrom   string            `json:"started_from,omitempty"`
-	ForkID        string            `json:"fork_id,omitempty"`
+	ID            string `json:"id"`
+	Name          string `json:"name"`
+	Image         string `json:"image"`
+	VCPUs         int64  `json:"vcpus"`
+	MemoryMiB     int64  `json:"memory_mib"`
+	DiskMiB       int64  `json:"disk_mib"`
+	Host          string `json:"host"`
+	PowerState    string `json:"power_state"`
+	ObservedState string `json:"observed_state"`
+	Reason        string `json:"reason,omitempty"`
+	StartedFrom   string `json:"started_from,omitempty"`
+	ForkID        string `json:"fork_id,omitempty"`
+	// PendingResize is the shape a resize is applying and has not settled
+	// (its host's allocation holds the larger of the two meanwhile).
+	PendingResize *VMShape          `json:"pending_resize,omitempty"`
 	Placement     *Placement        `json:"placement,omitempty"`
 	Labels        map[string]string `json:"labels"`
 	// NetworkInterfaces are the VM's NICs with their MAC, address and

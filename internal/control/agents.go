@@ -136,3 +136,15 @@ func (p *agentPool) action(ctx context.Context, c *agentapi.Client, id, action s
 	err := p.call(action, func() (err error) { out, err = c.Action(ctx, id, action); return err })
 	return out, err
 }
+
+func (p *agentPool) resizeVM(ctx context.Context, c *agentapi.Client, id string, shape agentapi.VMShape) (agentapi.VM, error) {
+	var out agentapi.VM
+	err := p.call("resize_vm", func() (err error) { out, err = c.ResizeVM(ctx, id, shape); return err })
+	return out, err
+}
+
+func (p *agentPool) getVM(ctx context.Context, c *agentapi.Client, id string) (agentapi.VM, error) {
+	var out agentapi.VM
+	err := p.call("get_vm", func() (err error) { out, err = c.GetVM(ctx, id); return err })
+	return out, err
+}

@@ -67,6 +67,12 @@ type Hooks struct {
 	// database write failing there; an error wrapping ErrSimulatedCrash
 	// stops the pass on the spot with no cleanup, like a process dying.
 	ForkStep func(ctx context.Context, forkID, step string, slot int) error
+	// AfterResizeReserve runs after a resize reserved its growth and
+	// recorded the pending shape, before the agent is asked; AfterAgentResize
+	// after the agent applied it, before the row is settled. An error stops
+	// the resize on the spot with no cleanup, like a process dying there.
+	AfterResizeReserve func(ctx context.Context, vmID string) error
+	AfterAgentResize   func(ctx context.Context, vmID string) error
 }
 
 // Service runs the control plane's use cases.

@@ -175,6 +175,9 @@ func (s *Service) reconcileVMs(ctx context.Context, host string, rows []store.VM
 			continue
 		}
 		a, ok := onAgent[row.ID]
+		if _, pending := row.Pending(); pending && ok {
+			row = s.settleResize(ctx, host, row, a)
+		}
 		creating := row.ObservedState == api.StateCreating
 		switch {
 		case !ok && creating && (time.Since(row.CreatedAt) < s.opts.CreateGrace || row.ForkID != nil):

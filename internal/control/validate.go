@@ -83,6 +83,33 @@ func validatePowerState(p string) error {
 	return invalidf("power_state must be %q or %q, got %q", api.PowerRunning, api.PowerStopped, p)
 }
 
+func validateVMPatch(in api.VMPatch) error {
+	if in.Name != nil {
+		if err := validateName("name", *in.Name); err != nil {
+			return err
+		}
+	}
+	if in.VCPUs != nil {
+		if err := validateSize("vcpus", *in.VCPUs, MaxVCPUs, ""); err != nil {
+			return err
+		}
+	}
+	if in.MemoryMiB != nil {
+		if err := validateSize("memory_mib", *in.MemoryMiB, MaxMemoryMiB, " MiB"); err != nil {
+			return err
+		}
+	}
+	if in.PowerState != nil {
+		if err := validatePowerState(*in.PowerState); err != nil {
+			return err
+		}
+	}
+	if in.Labels != nil {
+		return validateLabels(*in.Labels)
+	}
+	return nil
+}
+
 func validateVMCreate(in api.VMCreate) error {
 	if err := validateName("name", in.Name); err != nil {
 		return err

@@ -202,19 +202,15 @@ func (s *Service) ListVMs(ctx context.Context, q VMQuery) (api.List[api.VM], err
 	return out, nil
 }
 
-// UpdateVM changes power state and labels in place. Asking for the power
-// state a VM already has still acts when the agent reports otherwise: that
-// is how an apply repairs a VM stopped behind Terraform's back.
+// UpdateVM changes a VM in place: its name, its shape (vCPUs and memory,
+// resize.go), its power state and its labels. Asking for the power state a
+// VM already has still acts when the agent reports otherwise: that is how
+// an apply repairs a VM stopped behind Terraform's back. A VM to be stopped
+// is stopped before its resize (which then only records the shape); one to
+// run is resized first (the restart brings it up in the new shape).
 func (s *Service) UpdateVM(ctx context.Context, id string, in api.VMPatch) (api.VM, error) {
-	if in.PowerState != nil {
-		if err := validatePowerState(*in.PowerState); err != nil {
-			return api.VM{}, err
-		}
-	}
-	if in.Labels != nil {
-		if err := validateLabels(*in.Labels); err != nil {
-			return api.VM{}, err
-		}
+	if err := validateVMPatch(in); err != nil {
+		return api.VM{}, err
 	}
 	ctx, cancel := detached(ctx, createTimeout)
 	defer cancel()
@@ -222,7 +218,36 @@ func (s *Service) UpdateVM(ctx context.Context, id string, in api.VMPatch) (api.
 	if err != nil {
 		return api.VM{}, fromStore(err, "read vm "+id)
 	}
-	if in.PowerState != nil {
+	if in.Name != nil {
+		if err := s.renameVM(ctx, vm, *in.Name); err != nil {
+			return api.VM{}, err
+		}
+	}
+	stopFirst := in.PowerState != nil && *in.PowerState == api.PowerStopped
+	if stopFirst {
+		if err := s.setPower(ctx, vm, *in.PowerState); err != nil {
+			return api.VM{}, err
+		}
+	}
+	if in.VCPUs != nil || in.MemoryMiB != nil {
+		if vm, err = s.store.GetVM(ctx, id); err != nil {
+			return api.VM{}, fromStore(err, "read vm "+id)
+		}
+		want := store.Shape{VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB}
+		if in.VCPUs != nil {
+			want.VCPUs = *in.VCPUs
+		}
+		if in.MemoryMiB != nil {
+			want.MemoryMiB = *in.MemoryMiB
+		}
+		if err := s.resizeVM(ctx, vm, want); err != nil {
+			return api.VM{}, err
+		}
+	}
+	if in.PowerState != nil && !stopFirst {
+		if vm, err = s.store.GetVM(ctx, id); err != nil {
+			return api.VM{}, fromStore(err, "read vm "+id)
+		}
 		if err := s.setPower(ctx, vm, *in.PowerState); err != nil {
 			return api.VM{}, err
 		}
@@ -333,6 +358,9 @@ func apiVM(vm store.VM, hostAlive bool) api.VM {
 	}
 	if vm.ForkID != nil {
 		out.ForkID = *vm.ForkID
+	}
+	if p, ok := vm.Pending(); ok {
+		out.PendingResize = &api.VMShape{VCPUs: p.VCPUs, MemoryMiB: p.MemoryMiB}
 	}
 	if out.Labels == nil {
 		out.Labels = map[string]string{}

@@ -60,8 +60,10 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 	replaceInt := []planmodifier.Int64{int64planmodifier.RequiresReplace()}
 	resp.Schema = schema.Schema{
 		MarkdownDescription: "A virtual machine on the fleet. The control API places it on the best host (or the pinned " +
-			"`host`), reserves its capacity and boots it. `power_state` and `labels` change in place; every other " +
-			"argument replaces the VM. A refresh reports the power state the host observed, so a VM stopped behind " +
+			"`host`), reserves its capacity and boots it. `name`, `vcpus`, `memory_mib`, `power_state` and `labels` " +
+			"change in place, keeping the VM's id and disk; a change of `vcpus` or `memory_mib` restarts a running guest " +
+			"(a clean power-off, then a boot in the new shape from the same disk). `image`, `disk_mib` and `host` " +
+			"replace the VM, which destroys its disk. A refresh reports the power state the host observed, so a VM stopped behind " +
 			"Terraform's back shows as a change and `terraform apply` starts it again; a VM deleted behind its back is " +
 			"planned for creation.",
 		Attributes: map[string]schema.Attribute{
@@ -71,10 +73,11 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 				PlanModifiers:       fixedAtCreate,
 			},
 			"name": schema.StringAttribute{
-				MarkdownDescription: "Name of the VM, unique in the fleet. Changing it replaces the VM.",
-				Required:            true,
-				Validators:          []validator.String{stringvalidator.LengthAtLeast(1)},
-				PlanModifiers:       []planmodifier.String{stringplanmodifier.RequiresReplace()},
+				MarkdownDescription: "Name of the VM, unique in the fleet. Changed in place: it is the control plane's " +
+					"name for the VM, the guest does not see it and keeps running. A name another VM holds fails the apply " +
+					"and names that VM. Children of a `kvm_fork` keep their fixed names.",
+				Required:   true,
+				Validators: []validator.String{stringvalidator.LengthAtLeast(1)},
 			},
 			"image": schema.StringAttribute{
 				MarkdownDescription: "Guest image to boot, one of the `images` a host offers (for example `busybox`, " +
@@ -84,16 +87,20 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 				PlanModifiers: []planmodifier.String{stringplanmodifier.RequiresReplace()},
 			},
 			"vcpus": schema.Int64Attribute{
-				MarkdownDescription: "Number of virtual CPUs. Changing it replaces the VM.",
-				Required:            true,
-				Validators:          []validator.Int64{int64validator.AtLeast(1)},
-				PlanModifiers:       replaceInt,
+				MarkdownDescription: "Number of virtual CPUs. Changed in place: **a running guest restarts** (clean " +
+					"power-off, boot with the new count from its own disk); a stopped VM takes it at its next start. " +
+					"More vCPUs are reserved on the VM's host first: when that host has no room the apply fails, naming " +
+					"the host and what is short, and the VM keeps running unchanged.",
+				Required:   true,
+				Validators: []validator.Int64{int64validator.AtLeast(1)},
 			},
 			"memory_mib": schema.Int64Attribute{
-				MarkdownDescription: "Memory in MiB. Changing it replaces the VM.",
-				Required:            true,
-				Validators:          []validator.Int64{int64validator.AtLeast(1)},
-				PlanModifiers:       replaceInt,
+				MarkdownDescription: "Memory in MiB. Changed in place: **a running guest restarts** (clean power-off, " +
+					"boot with the new size from its own disk, so data on the disk is kept and memory contents are not); " +
+					"a stopped VM takes it at its next start. More memory is reserved on the VM's host first: when that " +
+					"host has no room the apply fails, naming the host and what is short, and the VM keeps running unchanged.",
+				Required:   true,
+				Validators: []validator.Int64{int64validator.AtLeast(1)},
 			},
 			"disk_mib": schema.Int64Attribute{
 				MarkdownDescription: "Size of the VM's disk in MiB. Changing it replaces the VM.",
@@ -291,10 +298,26 @@ func (r *vmResource) Update(ctx context.Context, req resource.UpdateRequest, res
 	// Send the whole in-place desired state: PATCH is idempotent, and the
 	// stored power_state may be the observed one, not what the API holds.
 	power := plan.PowerState.ValueString()
-	patch := api.VMPatch{PowerState: &power, Labels: &labels}
+	name, vcpus, memory := plan.Name.ValueString(), plan.VCPUs.ValueInt64(), plan.MemoryMiB.ValueInt64()
+	patch := api.VMPatch{PowerState: &power, Labels: &labels, Name: &name, VCPUs: &vcpus, MemoryMiB: &memory}
+	if vcpus != state.VCPUs.ValueInt64() || memory != state.MemoryMiB.ValueInt64() {
+		tflog.Info(ctx, "resizing VM in place; a running guest restarts", map[string]any{"id": id,
+			"vcpus": vcpus, "memory_mib": memory})
+	}
 	vm, err := r.data.client.UpdateVM(ctx, id, patch)
 	r.data.wrote()
 	if err != nil {
+		if errors.Is(err, client.ErrConflict) && name != state.Name.ValueString() && conflictingVMID(err) != "" {
+			resp.Diagnostics.AddAttributeError(path.Root("name"), summaryVMNameAlreadyTaken, nameTakenDetail(name, err))
+			return
+		}
+		if errors.Is(err, client.ErrNoCapacity) {
+			resp.Diagnostics.AddError(summaryUpdateVM, fmt.Sprintf("VM %s (%q) cannot grow to %d vCPUs and %d MiB: its host "+
+				"%s has no room for the difference. The VM keeps running in its current shape. Ask for less, or free "+
+				"capacity on that host, then run terraform apply again.\n\nError: %s",
+				id, state.Name.ValueString(), vcpus, memory, state.Host.ValueString(), err))
+			return
+		}
 		addAPIError(&resp.Diagnostics, summaryUpdateVM, fmt.Sprintf("updating VM %s (%q)", id, state.Name.ValueString()), err)
 		return
 	}

@@ -28,9 +28,14 @@ type VM struct {
 	ForkSlot *int              `gorm:"column:fork_slot"`
 	Labels   map[string]string `gorm:"column:labels;serializer:json"`
 	// Placement is the placement explanation as JSON (written by control).
-	Placement string    `gorm:"column:placement"`
-	CreatedAt time.Time `gorm:"column:created_at"`
-	UpdatedAt time.Time `gorm:"column:updated_at"`
+	Placement string `gorm:"column:placement"`
+	// PendingVCPUs and PendingMemoryMiB are the shape an unsettled resize
+	// applies (resize.go); nil when none is pending.
+	PendingVCPUs     *int64     `gorm:"column:pending_vcpus"`
+	PendingMemoryMiB *int64     `gorm:"column:pending_memory_mib"`
+	ResizeStartedAt  *time.Time `gorm:"column:resize_started_at"`
+	CreatedAt        time.Time  `gorm:"column:created_at"`
+	UpdatedAt        time.Time  `gorm:"column:updated_at"`
 }
 
 // TableName is the table of VM.
@@ -160,15 +165,17 @@ func insertLabels(tx *gorm.DB, vmID string, labels map[string]string) error {
 // releaseInTx gives the VM's resources back to its host if it still holds
 // them. The conditional UPDATE on holds_capacity makes a release happen
 // exactly once, whichever path (delete, missing, failed create) gets there.
+// A pending resize ends with it: what the VM held for it goes back too.
 func releaseInTx(tx *gorm.DB, vm VM) (bool, error) {
-	res := tx.Exec("UPDATE vms SET holds_capacity = FALSE, updated_at = ? WHERE id = ? AND holds_capacity", now(), vm.ID)
+	res := tx.Exec(`UPDATE vms SET holds_capacity = FALSE, pending_vcpus = NULL, pending_memory_mib = NULL,
+		resize_started_at = NULL, updated_at = ? WHERE id = ? AND holds_capacity`, now(), vm.ID)
 	if res.Error != nil {
 		return false, fmt.Errorf("release vm %s: %w", vm.ID, res.Error)
 	}
 	if res.RowsAffected == 0 {
 		return false, nil
 	}
-	r := vm.Resources
+	r := vm.held()
 	res = tx.Exec(`UPDATE hosts SET alloc_vcpus = alloc_vcpus - ?, alloc_memory_mib = alloc_memory_mib - ?,
 		alloc_disk_mib = alloc_disk_mib - ? WHERE name = ?`, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName)
 	if res.Error != nil {

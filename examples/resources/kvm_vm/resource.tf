@@ -1,4 +1,6 @@
-# The control API places the VM on the best host and boots it.
+# The control API places the VM on the best host and boots it. A later change
+# of vcpus or memory_mib resizes it in place (the guest restarts, its disk
+# stays); a change of name renames it in place.
 resource "kvm_vm" "web" {
   name       = "web-1"
   image      = "busybox"
