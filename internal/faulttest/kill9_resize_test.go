@@ -56,7 +56,7 @@ func startResizeGate(t *testing.T, agentURL string, forward bool) *resizeGate {
 		}
 	}))
 	t.Cleanup(func() { close(g.stop); srv.Close() })
-	g.address = strings.TrimPrefix(srv.URL, "http://")
+	g.address = srv.URL
 	return g
 }
 
@@ -83,6 +83,7 @@ func kill9DuringResize(t *testing.T, bin, databaseURL, dataDir string, applied b
 	k := startKVMD(t, bin, databaseURL, dataDir)
 	a := testenv.StartAgent(t, testenv.AgentOptions{VCPUs: 8, MemoryMiB: 16384, DiskMiB: 100000})
 	gate := startResizeGate(t, a.URL, applied)
+	a.AllowAddress(t, gate.address)
 	if _, err := k.client(true).PutHost(ctx, "h1", api.HostPut{Address: gate.address}); err != nil {
 		t.Fatal(err)
 	}
