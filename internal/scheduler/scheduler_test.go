@@ -67,9 +67,9 @@ func TestRejectReasons(t *testing.T) {
 	cordoned := base
 	cordoned.Schedulable = false
 	tests := []struct {
-		name string
-		host Host
-		req  Request
+		name   string
+		host   Host
+		req    Request
 		reason string
 		want   string
 	}{
