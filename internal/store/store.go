@@ -26,7 +26,10 @@ var (
 	ErrNotFound      = errors.New("not found")
 	ErrDuplicateName = errors.New("name already taken")
 	ErrNoRoom        = errors.New("host has no room for the request")
-	ErrHostInUse     = errors.New("host still has VMs")
+	// ErrGroupCap: the VM's group already holds max_per_domain VMs in the
+	// host's domain.
+	ErrGroupCap  = errors.New("the group is at its cap in this domain")
+	ErrHostInUse = errors.New("host still has VMs")
 )
 
 // Dialects.
