@@ -107,6 +107,11 @@ func (s *Store) SetForkCount(ctx context.Context, id string, count int) error {
 	return s.updateFork(ctx, id, map[string]any{"child_count": count})
 }
 
+// SetForkConstraints replaces the constraints of the children to come.
+func (s *Store) SetForkConstraints(ctx context.Context, id, constraints string) error {
+	return s.updateFork(ctx, id, map[string]any{"constraints": constraints})
+}
+
 func (s *Store) updateFork(ctx context.Context, id string, cols map[string]any) error {
 	cols["updated_at"] = now()
 	res := s.db.WithContext(ctx).Model(&Fork{}).Where("id = ?", id).Updates(cols)

@@ -465,6 +465,13 @@ func (s *Store) SetVMLabels(ctx context.Context, id string, labels map[string]st
 	})
 }
 
+// SetVMConstraints replaces a VM's stored constraints (JSON, "" for none).
+// Its group slot stays: a VM counts where it was placed.
+func (s *Store) SetVMConstraints(ctx context.Context, id, constraints string) error {
+	return updateVMRow(s.db.WithContext(ctx), "update constraints of", id,
+		"UPDATE vms SET constraints = ?, updated_at = ? WHERE id = ?", constraints, now(), id)
+}
+
 // CountVMsByState counts VMs per observed state (for metrics).
 func (s *Store) CountVMsByState(ctx context.Context) (map[string]int64, error) {
 	var rows []struct {
