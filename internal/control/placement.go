@@ -103,7 +103,9 @@ func (s *Service) tryReserve(ctx context.Context, vm *store.VM, req *scheduler.R
 	}
 	err := s.store.ReserveAndInsertVM(ctx, *vm)
 	if err == nil {
-		s.metrics.countRejections(apiRejections(res.Rejected))
+		for _, r := range res.Rejected {
+			s.metrics.rejections.WithLabelValues(r.Reason).Inc()
+		}
 		return true, nil
 	}
 	s.view.undo(a)

@@ -203,9 +203,10 @@ func (s *Service) ListVMs(ctx context.Context, q VMQuery) (api.List[api.VM], err
 	return out, nil
 }
 
-// UpdateVM changes power state, labels and stored constraints in place. Asking for the power
-// state a VM already has still acts when the agent reports otherwise: that
-// is how an apply repairs a VM stopped behind Terraform's back.
+// UpdateVM changes power state, labels and stored constraints in place.
+// Asking for the power state a VM already has still acts when the agent
+// reports otherwise: that is how an apply repairs a VM stopped behind
+// Terraform's back.
 func (s *Service) UpdateVM(ctx context.Context, id string, in api.VMPatch) (api.VM, error) {
 	if in.PowerState != nil {
 		if err := validatePowerState(*in.PowerState); err != nil {
