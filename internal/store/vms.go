@@ -78,8 +78,6 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 	}
 	var err error
 	switch {
-	case s.dialect == DialectPostgres && vm.Group.Name != "":
-		err = s.reserveWithGroupSlot(ctx, vm)
 	case s.dialect == DialectPostgres:
 		err = s.reserveInOneStatement(ctx, vm)
 	default:
@@ -88,6 +86,8 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 	switch {
 	case err == nil || errors.Is(err, ErrNoRoom) || errors.Is(err, ErrGroupCap):
 		return err
+	case pgCode(err) == "23514": // group_domains_cap: the slot's CHECK
+		return fmt.Errorf("group %q already has %d VMs in %s %s: %w", vm.Group.Name, vm.Group.Cap, vm.Group.SpreadBy, vm.Group.Domain, ErrGroupCap)
 	case isDuplicate(err):
 		return fmt.Errorf("vm name %q: %w", vm.Name, ErrDuplicateName)
 	case isForeignKey(err):
@@ -104,9 +104,13 @@ const reserveOnHostSQL = `UPDATE hosts SET
 	AND alloc_vcpus + ? <= cap_vcpus AND alloc_memory_mib + ? <= cap_memory_mib AND alloc_disk_mib + ? <= cap_disk_mib`
 
 // reserveInOneStatement is the same reservation on PostgreSQL as one
-// statement: data-modifying CTEs run the conditional UPDATE, the VM insert
-// (only if the UPDATE matched) and the label inserts atomically, in one
-// round trip instead of four (BEGIN, UPDATE, INSERT, COMMIT).
+// statement: data-modifying CTEs run the conditional UPDATE, the group
+// slot and the VM insert (only if the UPDATE matched) and the label
+// inserts atomically, in one round trip instead of four (BEGIN, UPDATE,
+// INSERT, COMMIT). A group at its cap fails the statement with the CHECK
+// group_domains_cap (SQLSTATE 23514): the slot's upsert locks the group's
+// row of that domain, so a racing create of the same group on any replica
+// waits and then sees the new count; two never take the last slot.
 func (s *Store) reserveInOneStatement(ctx context.Context, vm VM) error {
 	query, args, err := reserveStatement(vm)
 	if err != nil {
@@ -128,36 +132,11 @@ func (s *Store) reserveInOneStatement(ctx context.Context, vm VM) error {
 	return nil
 }
 
-// reserveWithGroupSlot is the PostgreSQL reservation of a VM in a group:
-// the group slot and then the reservation statement in one transaction.
-// The slot's upsert locks the group's row of that domain, so a racing
-// create of the same group on any replica waits and then sees the new
-// count: two never take the last slot. A refused host rolls the slot back.
-func (s *Store) reserveWithGroupSlot(ctx context.Context, vm VM) error {
-	query, args, err := reserveStatement(vm)
-	if err != nil {
-		return err
-	}
-	return s.inTx(ctx, func(tx *gorm.DB) error {
-		if err := takeGroupSlot(tx, vm); err != nil {
-			return err
-		}
-		var placed int
-		if err := tx.Raw(query, args...).Scan(&placed).Error; err != nil {
-			return err
-		}
-		if placed != 1 {
-			return fmt.Errorf("host %s: %w", vm.HostName, ErrNoRoom)
-		}
-		return nil
-	})
-}
-
 // takeGroupSlotSQL counts one more VM of a group in a domain, only while
 // the domain is under the cap (arguments: group, spread_by, domain, cap,
-// cap). Zero rows affected means the domain is full.
-const takeGroupSlotSQL = `INSERT INTO group_domains (group_name, spread_by, domain, vm_count) VALUES (?, ?, ?, 1)
-	ON CONFLICT (group_name, spread_by, domain) DO UPDATE SET vm_count = group_domains.vm_count + 1
+// cap, cap). Zero rows affected means the domain is full.
+const takeGroupSlotSQL = `INSERT INTO group_domains (group_name, spread_by, domain, vm_count, vm_cap) VALUES (?, ?, ?, 1, ?)
+	ON CONFLICT (group_name, spread_by, domain) DO UPDATE SET vm_count = group_domains.vm_count + 1, vm_cap = excluded.vm_cap
 	WHERE ? = 0 OR group_domains.vm_count < ?`
 
 // takeGroupSlot takes vm's slot in its group; ErrGroupCap when the domain
@@ -167,7 +146,7 @@ func takeGroupSlot(tx *gorm.DB, vm VM) error {
 	if g.Name == "" {
 		return nil
 	}
-	res := tx.Exec(takeGroupSlotSQL, g.Name, g.SpreadBy, g.Domain, g.Cap, g.Cap)
+	res := tx.Exec(takeGroupSlotSQL, g.Name, g.SpreadBy, g.Domain, g.Cap, g.Cap, g.Cap)
 	if res.Error != nil {
 		return fmt.Errorf("take slot of group %q in %s %s: %w", g.Name, g.SpreadBy, g.Domain, res.Error)
 	}
@@ -215,12 +194,14 @@ func reserveStatement(vm VM) (string, []any, error) {
 	}
 	g := vm.Group
 	r := vm.Resources
-	args := []any{
-		r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName, r.VCPUs, r.MemoryMiB, r.DiskMiB,
+	args := []any{r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName, r.VCPUs, r.MemoryMiB, r.DiskMiB}
+	if g.Name != "" {
+		args = append(args, g.Name, g.SpreadBy, g.Domain, g.Cap)
+	}
+	args = append(args,
 		vm.ID, vm.Name, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.PowerState, vm.ObservedState, vm.Reason,
 		vm.StartedFrom, vm.ForkID, vm.ForkSlot, labels, vm.Placement, vm.Constraints, g.Name, g.SpreadBy, g.Domain, g.Cap,
-		vm.CreatedAt, vm.UpdatedAt,
-	}
+		vm.CreatedAt, vm.UpdatedAt)
 	var sql strings.Builder
 	sql.WriteString(`WITH reserved AS (
 		UPDATE hosts SET
@@ -228,7 +209,20 @@ func reserveStatement(vm VM) (string, []any, error) {
 		WHERE name = ? AND alive AND schedulable
 			AND alloc_vcpus + ? <= cap_vcpus AND alloc_memory_mib + ? <= cap_memory_mib AND alloc_disk_mib + ? <= cap_disk_mib
 		RETURNING name
-	), vm AS (
+	)`)
+	if g.Name != "" {
+		// The group slot, only if the host took the VM. Past the cap the
+		// CHECK group_domains_cap fails the whole statement, so the host's
+		// reservation goes with it.
+		sql.WriteString(`, slot AS (
+		INSERT INTO group_domains (group_name, spread_by, domain, vm_count, vm_cap)
+		SELECT ?, ?, ?, 1, ?::integer FROM reserved
+		ON CONFLICT (group_name, spread_by, domain) DO UPDATE
+			SET vm_count = group_domains.vm_count + 1, vm_cap = excluded.vm_cap
+		RETURNING 1
+	)`)
+	}
+	sql.WriteString(`, vm AS (
 		INSERT INTO vms (id, name, host_name, image, vcpus, memory_mib, disk_mib, power_state, observed_state,
 			reason, started_from, holds_capacity, fork_id, fork_slot, labels, placement,
 			constraints, group_name, spread_by, spread_domain, group_cap, created_at, updated_at)

@@ -10,14 +10,18 @@ ALTER TABLE vms ADD COLUMN group_cap INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE forks ADD COLUMN constraints TEXT NOT NULL DEFAULT '';
 
 -- How many VMs of a group hold capacity in each domain (a host, or a value
--- of the spread label). A reservation takes a slot with a conditional
--- upsert (vm_count < cap) in the same transaction as the capacity; the
--- database, not a replica's memory, decides the last slot of a domain.
+-- of the spread label), and the cap (max_per_domain, 0: none) the last VM
+-- placed there asked for. A reservation takes a slot in the same
+-- transaction (on PostgreSQL the same statement) as the capacity, and the
+-- CHECK refuses a count past the cap: the database, not a replica's
+-- memory, decides the last slot of a domain.
 CREATE TABLE group_domains (
     group_name TEXT NOT NULL,
     spread_by  TEXT NOT NULL,
     domain     TEXT NOT NULL,
     vm_count   INTEGER NOT NULL,
+    vm_cap     INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (group_name, spread_by, domain),
-    CHECK (vm_count >= 0)
+    CHECK (vm_count >= 0),
+    CONSTRAINT group_domains_cap CHECK (vm_cap = 0 OR vm_count <= vm_cap)
 );
