@@ -170,18 +170,27 @@ func giveGroupSlot(tx *gorm.DB, g GroupSlot) error {
 // of one spread (domains with none are left out): the facts the scheduler
 // spreads by.
 func (s *Store) GroupCounts(ctx context.Context, group, spreadBy string) (map[string]int, error) {
-	var rows []struct {
-		Domain  string
-		VMCount int
-	}
-	err := s.db.WithContext(ctx).Raw(`SELECT domain, vm_count FROM group_domains
-		WHERE group_name = ? AND spread_by = ? AND vm_count > 0`, group, spreadBy).Scan(&rows).Error
+	// Plain rows, not gorm's Scan: a group spread over many domains reads
+	// one row per domain on every placement.
+	rows, err := s.db.WithContext(ctx).Raw(`SELECT domain, vm_count FROM group_domains
+		WHERE group_name = ? AND spread_by = ? AND vm_count > 0`, group, spreadBy).Rows()
 	if err != nil {
 		return nil, fmt.Errorf("count vms of group %q per domain: %w", group, err)
 	}
-	out := make(map[string]int, len(rows))
-	for _, r := range rows {
-		out[r.Domain] = r.VMCount
+	defer func() { _ = rows.Close() }()
+	out := map[string]int{}
+	for rows.Next() {
+		var (
+			domain string
+			n      int
+		)
+		if err := rows.Scan(&domain, &n); err != nil {
+			return nil, fmt.Errorf("count vms of group %q per domain: %w", group, err)
+		}
+		out[domain] = n
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("count vms of group %q per domain: %w", group, err)
 	}
 	return out, nil
 }
