@@ -77,10 +77,9 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 		vm.Labels = map[string]string{}
 	}
 	var err error
-	switch {
-	case s.dialect == DialectPostgres:
+	if s.dialect == DialectPostgres {
 		err = s.reserveInOneStatement(ctx, vm)
-	default:
+	} else {
 		err = s.batcher.reserve(ctx, vm)
 	}
 	switch {
