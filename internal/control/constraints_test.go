@@ -9,10 +9,12 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
 )
 
@@ -408,4 +410,41 @@ func TestForkChildrenSpreadByConstraints(t *testing.T) {
 		t.Errorf("fork with a negative cap: %v, want 400", err)
 	}
 	checkLedger(t, c.Store)
+}
+
+// A create that fails after its reservation gives the group's slot back
+// with its capacity: the only host of a group capped at one per host takes
+// the retry.
+func TestFailedCreateGivesGroupSlotBack(t *testing.T) {
+	eachDatabase(t, func(t *testing.T, dbURL string) {
+		ctx := ctxT(t)
+		var failures atomic.Int64
+		failures.Store(1)
+		c := testenv.StartControl(t, testenv.ControlOptions{DatabaseURL: dbURL, Hooks: &control.Hooks{
+			AfterAgentCreate: func(context.Context, string) error {
+				if failures.Add(-1) >= 0 {
+					return errors.New("injected database failure")
+				}
+				return nil
+			},
+		}})
+		a := testenv.StartAgent(t, testenv.AgentOptions{VCPUs: 8, MemoryMiB: 16 << 10, DiskMiB: 1 << 20})
+		c.RegisterHost(t, "h1", a.Address)
+		solo := api.Constraints{Group: "solo", SpreadBy: "host", MaxPerDomain: 1}
+		if _, err := noRetry(c).CreateVM(ctx, grouped("solo-0", solo), ""); err == nil {
+			t.Fatal("the injected failure must fail the first create")
+		}
+		vm, err := c.Client.CreateVM(ctx, grouped("solo-0", solo), "")
+		if err != nil {
+			t.Fatalf("retry after a failed create: %v (its group slot was not given back?)", err)
+		}
+		if vm.Host != "h1" {
+			t.Errorf("retry on %s, want h1", vm.Host)
+		}
+		_, err = c.Client.CreateVM(ctx, grouped("solo-1", solo), "")
+		if r := rejections(t, err); r["h1"] != api.ReasonGroupCap {
+			t.Errorf("second VM of the group: h1 rejected for %q, want group_cap", r["h1"])
+		}
+		checkLedger(t, c.Store)
+	})
 }
