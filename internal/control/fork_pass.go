@@ -200,9 +200,9 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 	vm := store.VM{
 		ID: newID(), Name: childName(f.ID, slot), Image: f.Image, Resources: f.Resources,
 		PowerState: api.PowerRunning, ObservedState: api.StateCreating, ForkID: &forkID, ForkSlot: &slotN,
-		Labels: map[string]string{},
+		Labels: map[string]string{}, Constraints: f.Constraints,
 	}
-	req := scheduler.Request{Image: f.Image, Resources: schedResources(f.Resources)}
+	req := scheduler.Request{Image: f.Image, Resources: schedResources(f.Resources), Constraints: childConstraints(f)}
 	err := errNoPin
 	if f.Placement == api.PlacementColocate {
 		pinned := req
@@ -237,6 +237,17 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 }
 
 var errNoPin = errors.New("no pinned placement")
+
+// childConstraints are the scheduler constraints of f's children: the
+// fork's, in the group they name or else in a group of the fork's own
+// (its id) when they spread or cap.
+func childConstraints(f store.Fork) scheduler.Constraints {
+	c := parseConstraints(f.Constraints)
+	if c != nil && c.Group == "" && (c.SpreadBy != "" || c.MaxPerDomain > 0) {
+		c.Group = "fork-" + f.ID
+	}
+	return schedConstraints(c)
+}
 
 func childName(forkID string, slot int) string { return fmt.Sprintf("%s-%d", forkID, slot) }
 

@@ -40,7 +40,7 @@ func schedHost(h store.Host) scheduler.Host {
 		Name: h.Name, Alive: h.Alive, Schedulable: h.Schedulable, Images: h.Images,
 		Total:              schedResources(h.Total),
 		CPUAllocationRatio: h.CPUAllocationRatio, MemoryReservedMiB: h.MemoryReservedMiB,
-		Allocated: schedResources(h.Allocated),
+		Allocated: schedResources(h.Allocated), Labels: h.Labels,
 	}
 }
 

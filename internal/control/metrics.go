@@ -7,6 +7,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/scheduler"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
 )
 
@@ -16,6 +17,7 @@ type metrics struct {
 	conflicts        prometheus.Counter
 	agentSeconds     *prometheus.HistogramVec
 	agentErrors      *prometheus.CounterVec
+	rejections       *prometheus.CounterVec
 }
 
 // Placement results (the label of kvmd_placements_total).
@@ -44,6 +46,13 @@ func newMetrics(reg *prometheus.Registry, st *store.Store) *metrics {
 		agentErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmd_agent_call_errors_total", Help: "Failed calls to host agents, by operation.",
 		}, []string{"op"}),
+		rejections: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvm_placement_rejections_total",
+			Help: "Hosts rejected by placements with reservation, by reason (the first filter the host failed), as listed in each placement's explanation.",
+		}, []string{"reason"}),
+	}
+	for _, r := range scheduler.Reasons() {
+		m.rejections.WithLabelValues(r)
 	}
 	// Zero series up front, so that dashboards and alerts see them before
 	// the first event.
@@ -53,8 +62,15 @@ func newMetrics(reg *prometheus.Registry, st *store.Store) *metrics {
 	for _, op := range []string{"info", "list_vms", "create_vm", "delete_vm", "start", "stop"} {
 		m.agentErrors.WithLabelValues(op)
 	}
-	reg.MustRegister(m.placements, m.placementSeconds, m.conflicts, m.agentSeconds, m.agentErrors, &vmStateCollector{st: st})
+	reg.MustRegister(m.placements, m.placementSeconds, m.conflicts, m.agentSeconds, m.agentErrors, m.rejections, &vmStateCollector{st: st})
 	return m
+}
+
+// countRejections counts the hosts a placement's explanation rejected.
+func (m *metrics) countRejections(rs []api.Rejection) {
+	for _, r := range rs {
+		m.rejections.WithLabelValues(r.Reason).Inc()
+	}
 }
 
 func (m *metrics) observeAgent(op string, start time.Time, err error) {

@@ -127,7 +127,10 @@ func validateVMCreate(in api.VMCreate) error {
 			return err
 		}
 	}
-	return validateLabels(in.Labels)
+	if err := validateLabels(in.Labels); err != nil {
+		return err
+	}
+	return validateConstraints(in.Constraints)
 }
 
 func validateHostPut(name string, in api.HostPut) error {

@@ -56,10 +56,11 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	vm := store.VM{
 		ID: newID(), Name: in.Name, Image: in.Image, Labels: in.Labels,
 		Resources:  store.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB},
-		PowerState: in.PowerState, ObservedState: api.StateCreating,
+		PowerState: in.PowerState, ObservedState: api.StateCreating, Constraints: constraintsText(in.Constraints),
 		CreatedAt: time.Now().UTC().Truncate(time.Microsecond),
 	}
-	req := scheduler.Request{Image: in.Image, Host: in.Host, Resources: schedResources(vm.Resources)}
+	req := scheduler.Request{Image: in.Image, Host: in.Host, Resources: schedResources(vm.Resources),
+		Constraints: schedConstraints(in.Constraints)}
 	if err := s.placeAndReserve(ctx, &vm, req); err != nil {
 		return api.VM{}, err
 	}
@@ -94,7 +95,7 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	chain.commit()
 	vm.ObservedState, vm.Reason, vm.StartedFrom = created.State, created.Reason, created.StartedFrom
 	s.log.Info("vm created", "vm", vm.ID, "name", vm.Name, "host", vm.HostName, "state", created.State)
-	return apiVM(vm, true), nil
+	return s.withConstraints(apiVM(vm, true), vm), nil
 }
 
 // failCreate runs the cleanup chain of a failed create and returns cause.
@@ -203,13 +204,17 @@ func (s *Service) ListVMs(ctx context.Context, q VMQuery) (api.List[api.VM], err
 }
 
 // UpdateVM changes a VM in place: its name, its shape (vCPUs and memory,
-// resize.go), its power state and its labels. Asking for the power state a
-// VM already has still acts when the agent reports otherwise: that is how
-// an apply repairs a VM stopped behind Terraform's back. A VM to be stopped
-// is stopped before its resize (which then only records the shape); one to
-// run is resized first (the restart brings it up in the new shape).
+// resize.go), its power state, its labels and its stored constraints (the
+// VM does not move). Asking for the power state a VM already has still acts
+// when the agent reports otherwise: that is how an apply repairs a VM
+// stopped behind Terraform's back. A VM to be stopped is stopped before its
+// resize (which then only records the shape); one to run is resized first
+// (the restart brings it up in the new shape).
 func (s *Service) UpdateVM(ctx context.Context, id string, in api.VMPatch) (api.VM, error) {
 	if err := validateVMPatch(in); err != nil {
+		return api.VM{}, err
+	}
+	if err := validateConstraints(in.Constraints); err != nil {
 		return api.VM{}, err
 	}
 	ctx, cancel := detached(ctx, createTimeout)
@@ -255,6 +260,13 @@ func (s *Service) UpdateVM(ctx context.Context, id string, in api.VMPatch) (api.
 	if in.Labels != nil {
 		if err := s.store.SetVMLabels(ctx, id, *in.Labels); err != nil {
 			return api.VM{}, fromStore(err, "update labels of vm "+id)
+		}
+	}
+	if in.Constraints != nil {
+		// Stored, never acted on: the VM stays where it is and keeps the
+		// group slot it was placed with (see store.VM.Group).
+		if err := s.store.SetVMConstraints(ctx, id, constraintsText(in.Constraints)); err != nil {
+			return api.VM{}, fromStore(err, "update constraints of vm "+id)
 		}
 	}
 	return s.GetVM(ctx, id)
@@ -339,7 +351,7 @@ func (s *Service) apiVMs(ctx context.Context, vms []store.VM) ([]api.VM, error) 
 	}
 	out := make([]api.VM, 0, len(vms))
 	for _, vm := range vms {
-		out = append(out, apiVM(vm, alive[vm.HostName]))
+		out = append(out, s.withConstraints(apiVM(vm, alive[vm.HostName]), vm))
 	}
 	return out, nil
 }
@@ -373,6 +385,19 @@ func apiVM(vm store.VM, hostAlive bool) api.VM {
 		if json.Unmarshal([]byte(vm.Placement), &p) == nil {
 			out.Placement = &p
 		}
+	}
+	return out
+}
+
+// withConstraints adds the VM's constraints and, from this replica's view
+// of its host's labels, whether the host still meets them.
+func (s *Service) withConstraints(out api.VM, vm store.VM) api.VM {
+	out.Constraints = parseConstraints(vm.Constraints)
+	if out.Constraints == nil {
+		return out
+	}
+	if h, ok := s.view.get(vm.HostName); ok {
+		out.ConstraintsViolated = constraintsViolated(out.Constraints, vm.HostName, h.Labels)
 	}
 	return out
 }

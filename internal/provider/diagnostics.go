@@ -39,6 +39,7 @@ const (
 	summaryImportFork         = "Unable to Import Fork"
 	summaryForkFailed         = "Fork Failed to Become Ready"
 	summaryForkPointTaken     = "Fork Point Already Taken"
+	summaryConstraintsStored  = "Constraints Change Moves Nothing"
 )
 
 // addAPIError adds an error diagnostic for a failed control API call:
@@ -87,6 +88,9 @@ func rejectionLines(err error) string {
 	lines := make([]string, len(rej))
 	for i, r := range rej {
 		lines[i] = fmt.Sprintf("  - %s: %s", r.Host, r.Reason)
+		if r.Detail != "" {
+			lines[i] += " (" + r.Detail + ")"
+		}
 	}
 	sort.Strings(lines)
 	return "\n\nRejected hosts:\n" + strings.Join(lines, "\n")

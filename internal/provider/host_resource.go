@@ -87,11 +87,14 @@ func (r *hostResource) Schema(_ context.Context, _ resource.SchemaRequest, resp 
 				Validators: []validator.String{stringvalidator.LengthAtLeast(1)},
 			},
 			"labels": schema.MapAttribute{
-				MarkdownDescription: "Labels of the host (string keys and values).",
-				ElementType:         types.StringType,
-				Optional:            true,
-				Computed:            true,
-				Default:             mapdefault.StaticValue(labelsValue(nil)),
+				MarkdownDescription: "Labels of the host (string keys and values). VM `constraints` select hosts by them " +
+					"(`host_labels`) and spread groups by them (`spread_by = \"label:<key>\"`). Changed in place; VMs " +
+					"already placed never move when they change, and a VM whose host no longer matches reports it in " +
+					"`constraints_violated`.",
+				ElementType: types.StringType,
+				Optional:    true,
+				Computed:    true,
+				Default:     mapdefault.StaticValue(labelsValue(nil)),
 			},
 			"schedulable": schema.BoolAttribute{
 				MarkdownDescription: "Whether new VMs may be placed on the host; `false` drains it of new placements " +

@@ -37,6 +37,7 @@ var (
 	_ resource.Resource                = (*vmResource)(nil)
 	_ resource.ResourceWithConfigure   = (*vmResource)(nil)
 	_ resource.ResourceWithImportState = (*vmResource)(nil)
+	_ resource.ResourceWithModifyPlan  = (*vmResource)(nil)
 )
 
 // NewVMResource is the kvm_vm resource.
@@ -60,9 +61,10 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 	replaceInt := []planmodifier.Int64{int64planmodifier.RequiresReplace()}
 	resp.Schema = schema.Schema{
 		MarkdownDescription: "A virtual machine on the fleet. The control API places it on the best host (or the pinned " +
-			"`host`), reserves its capacity and boots it. `name`, `vcpus`, `memory_mib`, `power_state` and `labels` " +
-			"change in place, keeping the VM's id and disk; a change of `vcpus` or `memory_mib` restarts a running guest " +
-			"(a clean power-off, then a boot in the new shape from the same disk). `image`, `disk_mib` and `host` " +
+			"`host`) that meets its `constraints`, reserves its capacity and boots it. `name`, `vcpus`, `memory_mib`, " +
+			"`power_state`, `labels` and `constraints` change in place, keeping the VM's id and disk; a change of `vcpus` " +
+			"or `memory_mib` restarts a running guest (a clean power-off, then a boot in the new shape from the same disk); " +
+			"a change of `constraints` never moves the VM. `image`, `disk_mib` and `host` " +
 			"replace the VM, which destroys its disk. A refresh reports the power state the host observed, so a VM stopped behind " +
 			"Terraform's back shows as a change and `terraform apply` starts it again; a VM deleted behind its back is " +
 			"planned for creation.",
@@ -159,11 +161,42 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 				Computed:            true,
 				PlanModifiers:       fixedAtCreate,
 			},
+			"constraints_violated": schema.StringAttribute{
+				MarkdownDescription: "How the VM's host no longer meets its `constraints`, for example `host h1 no longer " +
+					"has label rack=a (now rack=b)` after the host's labels changed; empty while they hold. The VM is " +
+					"never moved for it: replace it (`terraform apply -replace=kvm_vm.<name>`) to place it again.",
+				Computed: true,
+			},
 		},
 		Blocks: map[string]schema.Block{
 			"timeouts": timeouts.Block(ctx, timeouts.Opts{Create: true, Update: true, Delete: true}),
+			"constraints": constraintsResourceBlock("Steers placement: `host_labels` filters hosts, `group` with "+
+				"`spread_by` and `max_per_domain` spreads VMs that belong together over failure domains. Changing "+
+				"the block never moves a running VM: the plan shows an update in place, the new constraints are "+
+				"stored (and read back on import) and `constraints_violated` checks them against the host; they "+
+				"decide a placement again only when the VM is replaced, which you ask for with "+
+				"`terraform apply -replace=kvm_vm.<name>`.", true),
 		},
 	}
+}
+
+// ModifyPlan notes a change of constraints on an existing VM: it is an
+// update in place that stores them, and the VM does not move.
+func (r *vmResource) ModifyPlan(ctx context.Context, req resource.ModifyPlanRequest, resp *resource.ModifyPlanResponse) {
+	if req.State.Raw.IsNull() || req.Plan.Raw.IsNull() {
+		return // create or destroy
+	}
+	var plan, state vmModel
+	resp.Diagnostics.Append(req.Plan.Get(ctx, &plan)...)
+	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
+	if resp.Diagnostics.HasError() || plan.Constraints.Equal(state.Constraints) {
+		return
+	}
+	resp.Diagnostics.AddAttributeWarning(path.Root("constraints"), summaryConstraintsStored, fmt.Sprintf(
+		"VM %s (%q) stays on host %s: new constraints are stored and checked (see constraints_violated), but a "+
+			"running VM is never moved and keeps its place in its group. To place it again under the new "+
+			"constraints, run terraform apply -replace=<address of this kvm_vm>, which destroys its disk.",
+		state.ID.ValueString(), state.Name.ValueString(), state.Host.ValueString()))
 }
 
 func (r *vmResource) Configure(_ context.Context, req resource.ConfigureRequest, resp *resource.ConfigureResponse) {
@@ -180,6 +213,8 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 	resp.Diagnostics.Append(diags...)
 	labels, diags := labelsFromValue(ctx, plan.Labels)
 	resp.Diagnostics.Append(diags...)
+	constraints, diags := constraintsFromObject(ctx, plan.Constraints)
+	resp.Diagnostics.Append(diags...)
 	if resp.Diagnostics.HasError() {
 		return
 	}
@@ -187,14 +222,15 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 	defer cancel()
 
 	in := api.VMCreate{
-		Name:       plan.Name.ValueString(),
-		Image:      plan.Image.ValueString(),
-		VCPUs:      plan.VCPUs.ValueInt64(),
-		MemoryMiB:  plan.MemoryMiB.ValueInt64(),
-		DiskMiB:    plan.DiskMiB.ValueInt64(),
-		Host:       plan.Host.ValueString(), // "" when unknown: the control API chooses
-		PowerState: plan.PowerState.ValueString(),
-		Labels:     labels,
+		Constraints: constraints,
+		Name:        plan.Name.ValueString(),
+		Image:       plan.Image.ValueString(),
+		VCPUs:       plan.VCPUs.ValueInt64(),
+		MemoryMiB:   plan.MemoryMiB.ValueInt64(),
+		DiskMiB:     plan.DiskMiB.ValueInt64(),
+		Host:        plan.Host.ValueString(), // "" when unknown: the control API chooses
+		PowerState:  plan.PowerState.ValueString(),
+		Labels:      labels,
 	}
 	subject := fmt.Sprintf("creating VM %q", in.Name)
 
@@ -288,8 +324,13 @@ func (r *vmResource) Update(ctx context.Context, req resource.UpdateRequest, res
 	resp.Diagnostics.Append(diags...)
 	labels, diags := labelsFromValue(ctx, plan.Labels)
 	resp.Diagnostics.Append(diags...)
+	constraints, diags := constraintsFromObject(ctx, plan.Constraints)
+	resp.Diagnostics.Append(diags...)
 	if resp.Diagnostics.HasError() {
 		return
+	}
+	if constraints == nil {
+		constraints = &api.Constraints{} // clears them
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
@@ -299,7 +340,9 @@ func (r *vmResource) Update(ctx context.Context, req resource.UpdateRequest, res
 	// stored power_state may be the observed one, not what the API holds.
 	power := plan.PowerState.ValueString()
 	name, vcpus, memory := plan.Name.ValueString(), plan.VCPUs.ValueInt64(), plan.MemoryMiB.ValueInt64()
-	patch := api.VMPatch{PowerState: &power, Labels: &labels, Name: &name, VCPUs: &vcpus, MemoryMiB: &memory}
+	// Constraints are stored, never acted on: the VM stays on its host.
+	patch := api.VMPatch{PowerState: &power, Labels: &labels, Name: &name, VCPUs: &vcpus, MemoryMiB: &memory,
+		Constraints: constraints}
 	if vcpus != state.VCPUs.ValueInt64() || memory != state.MemoryMiB.ValueInt64() {
 		tflog.Info(ctx, "resizing VM in place; a running guest restarts", map[string]any{"id": id,
 			"vcpus": vcpus, "memory_mib": memory})

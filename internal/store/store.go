@@ -26,6 +26,9 @@ var (
 	ErrNotFound      = errors.New("not found")
 	ErrDuplicateName = errors.New("name already taken")
 	ErrNoRoom        = errors.New("host has no room for the request")
+	// ErrGroupCap: the VM's group already holds max_per_domain VMs in the
+	// host's domain.
+	ErrGroupCap      = errors.New("the group is at its cap in this domain")
 	ErrHostInUse     = errors.New("host still has VMs")
 	ErrAgentKeyTaken = errors.New("agent identity key already pinned to another host")
 )

@@ -27,6 +27,24 @@ resource "kvm_vm" "batch" {
   power_state = "stopped"
 }
 
+# Three replicas of one service, never two in one rack: hosts carry a
+# rack label (kvm_host labels), and the group is capped at one per rack.
+resource "kvm_vm" "db" {
+  count      = 3
+  name       = "db-${count.index}"
+  image      = "busybox"
+  vcpus      = 2
+  memory_mib = 1024
+  disk_mib   = 4096
+
+  constraints {
+    host_labels    = { disk = "ssd" }
+    group          = "db"
+    spread_by      = "label:rack"
+    max_per_domain = 1
+  }
+}
+
 output "web_placement" {
   value = kvm_vm.web.placement_summary
 }
