@@ -30,6 +30,10 @@ var (
 	ErrIdempotencyMismatch = errors.New("idempotency key reused with a different body")
 	ErrInFlight            = errors.New("request with this idempotency key is in flight")
 	ErrUnavailable         = errors.New("control API unavailable")
+	// ErrUnexpectedAnswer is a 404 that is not the control API's own
+	// not_found error (a route miss behind a wrong path prefix, a proxy's
+	// error page): the object may well exist, so it is never ErrNotFound.
+	ErrUnexpectedAnswer = errors.New("the endpoint answered 404 without the control API's not_found error")
 )
 
 // Error is an error answer of the control API.
@@ -58,8 +62,10 @@ func (e *Error) Unwrap() error {
 		return ErrInFlight
 	}
 	switch {
-	case e.Status == http.StatusNotFound:
+	case e.Status == http.StatusNotFound && e.Code == api.CodeNotFound:
 		return ErrNotFound
+	case e.Status == http.StatusNotFound:
+		return ErrUnexpectedAnswer
 	case e.Status == http.StatusConflict:
 		return ErrConflict
 	case e.Status == http.StatusUnauthorized || e.Status == http.StatusForbidden:

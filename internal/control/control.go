@@ -153,7 +153,7 @@ func New(ctx context.Context, st *store.Store, opts Options) (*Service, error) {
 	if opts.Hooks != nil {
 		s.hooks = *opts.Hooks
 	}
-	s.metrics = newMetrics(opts.Registry, st)
+	s.metrics = newMetrics(opts.Registry)
 	s.agents = newAgentPool(opts.AgentToken, opts.AgentHTTPClient, opts.AgentTimeout, syncTimeout(opts.SyncInterval), s.metrics)
 	if err := s.reloadView(ctx); err != nil {
 		return nil, err

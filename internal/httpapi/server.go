@@ -131,6 +131,8 @@ var statusOf = map[string]int{
 	api.CodeInvalid:             http.StatusBadRequest,
 	api.CodeUnauthorized:        http.StatusUnauthorized,
 	api.CodeNotFound:            http.StatusNotFound,
+	api.CodeNoRoute:             http.StatusNotFound,
+	api.CodeForbidden:           http.StatusForbidden,
 	api.CodeConflict:            http.StatusConflict,
 	api.CodeNoCapacity:          http.StatusConflict,
 	api.CodeIdempotencyMismatch: http.StatusUnprocessableEntity,
@@ -174,7 +176,7 @@ func toEnvelope(err error) api.ErrorBody {
 	if errors.As(err, &he) {
 		switch he.Code {
 		case http.StatusNotFound:
-			return envelope(api.CodeNotFound, "no such route")
+			return envelope(api.CodeNoRoute, "no such route: check the endpoint URL (a path prefix or a proxy in front of kvmd control)")
 		case http.StatusMethodNotAllowed:
 			return envelope(api.CodeInvalid, "method not allowed on this route")
 		case http.StatusRequestEntityTooLarge:

@@ -68,6 +68,9 @@ func nextStep(err error) string {
 			"is running and reachable at the provider's \"endpoint\", then run terraform apply again."
 	case errors.Is(err, client.ErrNotFound):
 		return "The object does not exist on the control API."
+	case errors.Is(err, client.ErrUnexpectedAnswer):
+		return "The endpoint answered 404 without the control API's own not_found error, so the object is kept in state: " +
+			"check the provider's \"endpoint\" (a path prefix, or a proxy in front of kvmd control that does not forward /v1)."
 	case errors.Is(err, client.ErrConflict):
 		return "It conflicts with the current state of the fleet; see the error below."
 	case errors.Is(err, client.ErrInvalid):
