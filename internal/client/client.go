@@ -22,11 +22,13 @@ import (
 
 // Errors a caller can test with errors.Is.
 var (
-	ErrNotFound            = errors.New("not found")
-	ErrConflict            = errors.New("conflict")
-	ErrNoCapacity          = errors.New("no capacity")
-	ErrInvalid             = errors.New("invalid request")
-	ErrUnauthorized        = errors.New("unauthorized")
+	ErrNotFound     = errors.New("not found")
+	ErrConflict     = errors.New("conflict")
+	ErrNoCapacity   = errors.New("no capacity")
+	ErrInvalid      = errors.New("invalid request")
+	ErrUnauthorized = errors.New("unauthorized")
+	// ErrForbidden: the token is valid but its scopes do not allow the call.
+	ErrForbidden           = errors.New("forbidden: the token's scopes do not allow this")
 	ErrIdempotencyMismatch = errors.New("idempotency key reused with a different body")
 	ErrInFlight            = errors.New("request with this idempotency key is in flight")
 	ErrUnavailable         = errors.New("control API unavailable")
@@ -68,8 +70,10 @@ func (e *Error) Unwrap() error {
 		return ErrUnexpectedAnswer
 	case e.Status == http.StatusConflict:
 		return ErrConflict
-	case e.Status == http.StatusUnauthorized || e.Status == http.StatusForbidden:
+	case e.Status == http.StatusUnauthorized:
 		return ErrUnauthorized
+	case e.Status == http.StatusForbidden:
+		return ErrForbidden
 	case e.Status == http.StatusUnprocessableEntity && e.Code == "":
 		return ErrIdempotencyMismatch
 	case e.Status >= 400 && e.Status < 500:
@@ -278,6 +282,27 @@ func (c *Client) UpdateFork(ctx context.Context, id string, in api.ForkPatch) (a
 // DeleteFork removes a fork, its children and its snapshot.
 func (c *Client) DeleteFork(ctx context.Context, id string) error {
 	return c.call(ctx, http.MethodDelete, "/v1/forks/"+url.PathEscape(id), nil, nil, "", true)
+}
+
+// CreateToken makes an API token; the answer's Secret is shown only here.
+func (c *Client) CreateToken(ctx context.Context, in api.TokenCreate) (api.Token, error) {
+	var out api.Token
+	// Not retried: a lost answer would make a second token, and the secret
+	// of the first would be lost anyway.
+	err := c.call(ctx, http.MethodPost, "/v1/tokens", in, &out, "", false)
+	return out, err
+}
+
+// ListTokens returns one page of tokens (without secrets).
+func (c *Client) ListTokens(ctx context.Context, opts ListOptions) (api.List[api.Token], error) {
+	var out api.List[api.Token]
+	err := c.call(ctx, http.MethodGet, "/v1/tokens"+opts.query(), nil, &out, "", true)
+	return out, err
+}
+
+// RevokeToken deletes a token; ErrNotFound when there is none with this id.
+func (c *Client) RevokeToken(ctx context.Context, id string) error {
+	return c.call(ctx, http.MethodDelete, "/v1/tokens/"+url.PathEscape(id), nil, nil, "", true)
 }
 
 func all[T any](ctx context.Context, page func(context.Context, string) (api.List[T], error)) ([]T, error) {

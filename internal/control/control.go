@@ -78,6 +78,8 @@ type Service struct {
 	agents  *agentPool
 	metrics *metrics
 	hooks   Hooks
+	// tokens caches API token digests (tokens.go).
+	tokens tokenCache
 	// forkLocks serialises the passes of each fork (zero value ready).
 	forkLocks keyedLocks
 

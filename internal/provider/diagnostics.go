@@ -55,7 +55,10 @@ func apiErrorDetail(subject string, err error) string {
 func nextStep(err error) string {
 	switch {
 	case errors.Is(err, client.ErrUnauthorized):
-		return "It rejected the token: check the provider's \"token\" (or KVM_TOKEN) against the control API's --token."
+		return "It rejected the token: check the provider's \"token\" (or KVM_TOKEN): it may be mistyped, revoked or expired."
+	case errors.Is(err, client.ErrForbidden):
+		return "The token is valid but its scopes do not allow this: VMs, forks and placements need scope \"user\"; " +
+			"hosts, networks, images and tokens need scope \"admin\" (kvmd token create --scopes ...)."
 	case errors.Is(err, client.ErrNoCapacity):
 		return "No host can take it: free capacity, register another host (kvm_host), or choose a smaller shape." +
 			rejectionLines(err)
