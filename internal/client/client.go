@@ -305,6 +305,13 @@ func (c *Client) RevokeToken(ctx context.Context, id string) error {
 	return c.call(ctx, http.MethodDelete, "/v1/tokens/"+url.PathEscape(id), nil, nil, "", true)
 }
 
+func excerpt(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
+}
+
 func all[T any](ctx context.Context, page func(context.Context, string) (api.List[T], error)) ([]T, error) {
 	var items []T
 	token := ""
@@ -385,7 +392,12 @@ func (c *Client) once(ctx context.Context, method, path string, body []byte, out
 		if json.Unmarshal(b, &env) == nil && env.Error.Code != "" {
 			e.Code, e.Message, e.Details = env.Error.Code, env.Error.Message, env.Error.Details
 		} else {
-			e.Message = strings.TrimSpace(string(b))
+			// Not the API's envelope (a proxy's page): a short excerpt is
+			// enough to recognise it.
+			e.Message = excerpt(strings.TrimSpace(string(b)), 200)
+			if e.Status == http.StatusNotFound {
+				e.Message = fmt.Sprintf("%s %s answered 404 without the control API's error envelope: %s", method, c.base+path, e.Message)
+			}
 		}
 		return e
 	}
