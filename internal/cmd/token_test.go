@@ -42,12 +42,13 @@ func TestTokenCommands(t *testing.T) {
 		t.Errorf("token create with the default scope: %v", err)
 	}
 
+	var logs controlLogSink
 	addr := make(chan string, 1)
 	done := make(chan error, 1)
 	go func() {
 		done <- serveControl(ctx, controlConfig{Listen: "127.0.0.1:0", DataDir: dataDir, Token: "bootstrap-token",
 			AgentToken: "agent-token", MetricsToken: "scrape-token", SyncInterval: time.Hour},
-			newLogger(&bytes.Buffer{}, "error"), func(a string) { addr <- a })
+			newLogger(&logs, "debug"), func(a string) { addr <- a })
 	}()
 	var base string
 	select {
@@ -111,5 +112,10 @@ func TestTokenCommands(t *testing.T) {
 	cancel()
 	if err := <-done; err != nil {
 		t.Errorf("kvmd control: %v", err)
+	}
+	// The request log names the token that acted, never its secret.
+	if l := logs.String(); !strings.Contains(l, `"token":"`+id+` (ci)"`) || strings.Contains(l, secret[len("kvmd_"):]) ||
+		strings.Contains(l, "scrape-token") || strings.Contains(l, "bootstrap-token") {
+		t.Errorf("control API log: want the token id and name, no secret:\n%s", l)
 	}
 }

@@ -105,6 +105,14 @@ func authenticate(svc *control.Service, bootstrap string) echo.MiddlewareFunc {
 	}
 }
 
+// principalName says who acted, for the request log (never the secret).
+func principalName(p control.Principal) string {
+	if p.TokenID == "" {
+		return p.Name
+	}
+	return p.TokenID + " (" + p.Name + ")"
+}
+
 // bearerToken is the token of an `Authorization: Bearer <token>` header
 // (the scheme exactly as RFC 6750 writes it).
 func bearerToken(r *http.Request) (string, bool) {

@@ -106,6 +106,9 @@ func requestLog(log *slog.Logger, requests *prometheus.CounterVec) echo.Middlewa
 				"status", res.Status, "duration_ms", float64(time.Since(start).Microseconds()) / 1000,
 				"remote", c.RealIP(),
 			}
+			if p, ok := c.Get(principalKey).(control.Principal); ok {
+				attrs = append(attrs, "token", principalName(p))
+			}
 			switch {
 			case res.Status >= 500:
 				log.Error("request failed", append(attrs, "err", err)...)
