@@ -124,16 +124,16 @@ func newTokenSecret() (string, error) {
 	return tokenSecretPrefix + base64.RawURLEncoding.EncodeToString(b[:]), nil
 }
 
-// ErrBadToken is the answer of Authenticate for a token that is unknown,
+// badToken is the answer of Authenticate for a token that is unknown,
 // revoked or expired. It says nothing more, on purpose.
-var ErrBadToken = &Error{Code: api.CodeUnauthorized, Message: "unauthorized"}
+func badToken() error { return &Error{Code: api.CodeUnauthorized, Message: "unauthorized"} }
 
 // Authenticate returns the principal of a token secret from the database
-// (through the cache). A secret that is unknown, revoked or expired is
-// ErrBadToken; a database failure is unavailable.
+// (through the cache). A secret that is unknown, revoked or expired is an
+// Error with code unauthorized; a database failure is unavailable.
 func (s *Service) Authenticate(ctx context.Context, secret string) (Principal, error) {
 	if !strings.HasPrefix(secret, tokenSecretPrefix) {
-		return Principal{}, ErrBadToken // not one of ours: no lookup
+		return Principal{}, badToken() // not one of ours: no lookup
 	}
 	t := time.Now()
 	hash := secretDigest(secret)
@@ -151,7 +151,7 @@ func (s *Service) Authenticate(ctx context.Context, secret string) (Principal, e
 		s.tokens.put(hash, e)
 	}
 	if !e.found || (e.token.ExpiresAt != nil && !t.Before(*e.token.ExpiresAt)) {
-		return Principal{}, ErrBadToken
+		return Principal{}, badToken()
 	}
 	if s.tokens.dueForTouch(e.token.ID, t) {
 		// One small conditional UPDATE per token per minute per replica; a

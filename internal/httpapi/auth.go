@@ -93,13 +93,13 @@ func authenticate(svc *control.Service, bootstrap string) echo.MiddlewareFunc {
 					return err
 				}
 			}
+			c.Set(principalKey, p) // the request log names it, refused or not
 			scopes, ok := RouteScopes(c.Request().Method, c.Path())
 			if !ok || !holdsAny(p, scopes) {
 				return &control.Error{Code: api.CodeForbidden,
 					Message: "this token's scopes (" + strings.Join(p.Scopes, ", ") + ") do not allow " +
 						c.Request().Method + " " + c.Path() + "; it needs " + describeScopes(scopes, ok)}
 			}
-			c.Set(principalKey, p)
 			return next(c)
 		}
 	}

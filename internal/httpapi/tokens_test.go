@@ -285,3 +285,31 @@ func TestTokenChecksUseTheCache(t *testing.T) {
 		t.Errorf("20 requests with one unknown token issued %d SQL statements; want at most 1", n)
 	}
 }
+
+// TestTokenCreateRefusals: bad token requests are 400 with a message that
+// names the problem, and create nothing.
+func TestTokenCreateRefusals(t *testing.T) {
+	c := testenv.StartControl(t, testenv.ControlOptions{NoMonitor: true})
+	bearer := "Bearer " + c.Token
+	for _, tt := range []struct{ body, want string }{
+		{`{"scopes":["user"]}`, "name is required"},
+		{`{"name":"bad name!","scopes":["user"]}`, `name "bad name!" is not valid`},
+		{`{"name":"x"}`, "scopes is required"},
+		{`{"name":"x","scopes":["root"]}`, `scope "root" is not known`},
+		{`{"name":"x","scopes":["user","user"]}`, `scope "user" is given twice`},
+		{`{"name":"x","scopes":["user","admin","user"]}`, "scopes has 3 entries"},
+		{`{"name":"x","scopes":["user"],"expires_at":"2001-01-01T00:00:00Z"}`, "is not in the future"},
+		{`{"name":"x","scopes":["user"],"expires_at":"tomorrow"}`, "invalid request body"},
+		{`{"name":"x","scopes":["user"],"token":"kvmd_mine"}`, `unknown field "token"`},
+		{`{"name":"x","scopes":"user"}`, `field "scopes" must be an array`},
+	} {
+		r := send(t, c, "POST", "/v1/tokens", bearer, strings.NewReader(tt.body), nil)
+		if r.status != http.StatusBadRequest || r.env.Error.Code != "invalid" || !strings.Contains(r.env.Error.Message, tt.want) {
+			t.Errorf("POST /v1/tokens %s: %d %s; want 400 invalid with %q", tt.body, r.status, r.body, tt.want)
+		}
+	}
+	list, err := c.Client.ListTokens(context.Background(), client.ListOptions{})
+	if err != nil || len(list.Items) != 0 {
+		t.Errorf("refused requests made tokens: %+v %v", list.Items, err)
+	}
+}
