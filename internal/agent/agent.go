@@ -1,4 +1,4 @@
-// Package agent is the host agent: its HTTP API (DESIGN.md section 4), the
+// Package agent is the host agent: its HTTP API, the
 // registry of the VMs on this host and their durable metadata. The VMM is a
 // Driver: internal/agent/qemu for real guests, internal/agent/sim for scale
 // tests.
@@ -6,6 +6,7 @@ package agent
 
 import (
 	"context"
+	"crypto/ed25519"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -18,6 +19,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/limits"
 )
 
 // Config configures an Agent.
@@ -43,6 +45,10 @@ type Config struct {
 	// PeerHTTPClient makes the calls to other agents (snapshot pulls), e.g.
 	// with the CA that signed their TLS certificates; default plain HTTP.
 	PeerHTTPClient *http.Client
+	// Addresses are the addresses (scheme://host:port) the agent signs
+	// identity challenges for beside the IP and port a challenge arrives
+	// on: its DNS names, or a proxy in front of it (identity.go).
+	Addresses []string
 }
 
 // Agent is one host agent. VM states are observed when they are asked for;
@@ -58,6 +64,12 @@ type Agent struct {
 	vms map[string]*vmEntry
 
 	snaps snapshotRegistry // snapshots by id (snapshot.go)
+
+	// identity is the agent's key (identity.go); addresses are the
+	// addresses it signs for beside the one a challenge arrives on.
+	identity  ed25519.PrivateKey
+	addrMu    sync.Mutex
+	addresses []string
 
 	pool *pool // the warm pool and its filler, the one goroutine Close stops
 	// syncs are the background syncs of snapshot files (snapshot_sync.go),
@@ -144,6 +156,14 @@ func New(ctx context.Context, cfg Config) (*Agent, error) {
 		closing: make(chan struct{})}
 	if err := os.MkdirAll(a.vmsDir(), 0o750); err != nil {
 		return nil, fmt.Errorf("agent: create state directory %s: %w", a.vmsDir(), err)
+	}
+	if err := a.loadIdentity(); err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+	for _, addr := range cfg.Addresses {
+		if err := a.AllowAddress(addr); err != nil {
+			return nil, fmt.Errorf("agent: advertised %w", err)
+		}
 	}
 	loaded, err := a.loadRecords()
 	if err != nil {
@@ -321,12 +341,12 @@ func (a *Agent) checkSpec(spec agentapi.VMSpec) (Image, error) {
 	switch {
 	case spec.Image == "":
 		return Image{}, errInvalid("image is required; this agent has %v", a.cfg.Driver.Images())
-	case spec.VCPUs < 1 || spec.VCPUs > 255:
-		return Image{}, errInvalid("vcpus must be between 1 and 255, got %d", spec.VCPUs)
-	case spec.MemoryMiB < 1 || spec.MemoryMiB > 16<<20:
-		return Image{}, errInvalid("memory_mib must be between 1 and %d, got %d", 16<<20, spec.MemoryMiB)
-	case spec.DiskMiB < 0 || spec.DiskMiB > 64<<20:
-		return Image{}, errInvalid("disk_mib must be between 0 and %d, got %d", 64<<20, spec.DiskMiB)
+	case spec.VCPUs < 1 || spec.VCPUs > limits.MaxVCPUs:
+		return Image{}, errInvalid("vcpus must be between 1 and %d, got %d", limits.MaxVCPUs, spec.VCPUs)
+	case spec.MemoryMiB < 1 || spec.MemoryMiB > limits.MaxMemoryMiB:
+		return Image{}, errInvalid("memory_mib must be between 1 and %d, got %d", limits.MaxMemoryMiB, spec.MemoryMiB)
+	case spec.DiskMiB < 0 || spec.DiskMiB > limits.MaxDiskMiB:
+		return Image{}, errInvalid("disk_mib must be between 0 and %d, got %d", limits.MaxDiskMiB, spec.DiskMiB)
 	case spec.Snapshot != nil:
 		if err := checkSnapshotSource(spec); err != nil {
 			return Image{}, err

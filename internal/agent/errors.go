@@ -9,6 +9,7 @@ import (
 const (
 	CodeInvalid      = "invalid"
 	CodeUnauthorized = "unauthorized"
+	CodeForbidden    = "forbidden"
 	CodeNotFound     = "not_found"
 	CodeConflict     = "conflict"
 	CodeTooLarge     = "too_large"

@@ -77,6 +77,10 @@ func (a *Agent) routes() http.Handler {
 	})
 	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(reg, promhttp.HandlerOpts{})))
 
+	// The one /v1 call without a token: how the control plane learns that
+	// this address is an agent before it sends the token here.
+	e.POST("/v1/identity", a.postIdentity)
+
 	v1 := e.Group("/v1", a.authenticate)
 	v1.GET("/info", a.getInfo)
 	v1.GET("/vms", a.listVMs)
@@ -147,6 +151,8 @@ func codeForStatus(status int) string {
 		return CodeNotFound
 	case http.StatusUnauthorized:
 		return CodeUnauthorized
+	case http.StatusForbidden:
+		return CodeForbidden
 	case http.StatusRequestEntityTooLarge:
 		return CodeTooLarge
 	case http.StatusConflict:

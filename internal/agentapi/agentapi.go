@@ -52,10 +52,14 @@ type Info struct {
 
 // SnapshotSource tells an agent where to find the snapshot a VM starts from.
 // Address is empty when the snapshot is local; otherwise the agent pulls it
-// from that agent (same agent token) before it starts the VM.
+// from that agent (same agent token) before it starts the VM. PublicKey is
+// then that agent's identity key as the control plane pinned it
+// (EncodeKey): the pulling agent challenges the address and sends its
+// token there only when the key signs.
 type SnapshotSource struct {
-	ID      string `json:"id"`
-	Address string `json:"address,omitempty"`
+	ID        string `json:"id"`
+	Address   string `json:"address,omitempty"`
+	PublicKey string `json:"public_key,omitempty"`
 }
 
 // VMSpec is the body of PUT /v1/vms/{id}: create a VM with that id. A second

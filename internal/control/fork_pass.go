@@ -33,7 +33,7 @@ var ErrSimulatedCrash = errors.New("simulated crash")
 // agent call that may pull a snapshot and restore a guest.
 const forkConcurrency = 4
 
-// forkPass brings a fork to its desired state (DESIGN.md section 7):
+// forkPass brings a fork to its desired state (docs/guides/architecture.md):
 // snapshot (idempotent on the fork id) -> snapshot_taken durable -> the
 // children slot by slot, each reserved like any VM and recorded right
 // after it starts. A child already there is kept and never started again.
@@ -287,7 +287,9 @@ func (s *Service) startChild(ctx context.Context, crash context.CancelCauseFunc,
 	})
 	src := &agentapi.SnapshotSource{ID: f.ID}
 	if vm.HostName != f.SourceHost {
-		src.Address = srcAddress
+		// The child's agent pulls from the source's, and sends its token
+		// there only once the key pinned for the source host signs.
+		src.Address, src.PublicKey = agentURL(srcAddress), s.view.agentKey(f.SourceHost)
 	}
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Snapshot: src}

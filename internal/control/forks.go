@@ -20,8 +20,8 @@ const MaxForkChildren = 64
 // idempotencyScopeForks scopes the Idempotency-Keys of fork creates.
 const idempotencyScopeForks = "POST /v1/forks"
 
-// CreateFork forks a running VM into in.Count children (DESIGN.md section
-// 7). With an idempotency key, a retry returns the same fork, and a retry
+// CreateFork forks a running VM into in.Count children (see "Forking" in
+// docs/guides/architecture.md). With an idempotency key, a retry returns the same fork, and a retry
 // after a failed or interrupted pass resumes that fork instead of making a
 // second one. When the pass fails, the fork is kept (GET shows how far it
 // got) and the error names it in details.fork_id.

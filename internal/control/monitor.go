@@ -94,7 +94,13 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool) {
 	}
 	s.metrics.vmStates.setHost(h.Name, readAt, rows)
 	c := s.agents.syncClient(h.Address)
-	info, err := s.agents.info(ctx, c)
+	// A host registered before agents joined proves itself first: nothing
+	// goes to it with the agent token until its key is pinned.
+	err = s.joinUnpinned(ctx, h)
+	var info agentapi.Info
+	if err == nil {
+		info, err = s.agents.info(ctx, c)
+	}
 	var vms []agentapi.VM
 	if err == nil {
 		vms, err = s.agents.listVMs(ctx, c)
@@ -104,7 +110,8 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool) {
 			return
 		}
 		deadAfter := s.opts.DeadAfter
-		if first {
+		if first || h.AgentKey == "" {
+			// An address that has not proved itself is no host to place on.
 			deadAfter = 1
 		}
 		alive, rerr := s.store.RecordHostMissed(ctx, h.Name, deadAfter)
@@ -134,6 +141,26 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool) {
 	s.syncWarmPool(ctx, h, info.Pool)
 	s.reconcileVMs(ctx, h.Name, rows, vms)
 	s.deleteOrphans(ctx, h, c, rows, vms)
+}
+
+// joinUnpinned challenges the agent of a host that has no pinned key
+// (registered before agents joined) and pins the key it proves with a join
+// proof. A host with a key has nothing to do here.
+func (s *Service) joinUnpinned(ctx context.Context, h store.Host) error {
+	if h.AgentKey != "" {
+		return nil
+	}
+	key, err := s.agents.verify(ctx, h.Name, h.Address, nil, s.agents.syncTimeout)
+	if err != nil {
+		s.log.Warn("host monitor: the host's address did not prove it is an agent; no calls with the agent token go there",
+			"host", h.Name, "address", h.Address, "err", err)
+		return err
+	}
+	if err := s.store.PinHostKey(ctx, h.Name, h.Address, agentapi.EncodeKey(key)); err != nil {
+		return err
+	}
+	s.log.Info("host agent joined: identity key pinned", "host", h.Name, "address", h.Address, "key", agentapi.KeyFingerprint(key))
+	return nil
 }
 
 // reconcileVMs records the agent's state of each VM and marks the VMs it

@@ -174,9 +174,9 @@ func TestListsPage(t *testing.T) {
 	eachDatabase(t, func(t *testing.T, dbURL string) {
 		ctx := ctxT(t)
 		c := testenv.StartControl(t, testenv.ControlOptions{DatabaseURL: dbURL})
-		agent := testenv.StartAgent(t, testenv.AgentOptions{})
+		// One agent per host: an agent's identity is pinned to one host.
 		for _, name := range []string{"h3", "h1", "h2"} {
-			c.RegisterHost(t, name, agent.Address)
+			c.RegisterHost(t, name, testenv.StartAgent(t, testenv.AgentOptions{}).Address)
 		}
 		page, err := c.Client.ListHosts(ctx, client.ListOptions{PageSize: 2})
 		if err != nil || len(page.Items) != 2 || page.Items[0].Name != "h1" || page.NextPageToken == "" {

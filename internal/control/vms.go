@@ -40,7 +40,7 @@ func (s *Service) CreateVM(ctx context.Context, in api.VMCreate, idempotencyKey 
 	})
 }
 
-// createVM runs DESIGN.md section 6: reserve (DB) -> agent PUT -> mark
+// createVM runs docs/guides/architecture.md: reserve (DB) -> agent PUT -> mark
 // created (DB). Every step that succeeds pushes its undo on a cleanup
 // chain; a failure runs the chain, so the agent deletes the VM before its
 // capacity is released.

@@ -21,10 +21,10 @@ import (
 // revoked or expired: 401. A token whose scopes do not allow the route: 403.
 //
 // Scopes by route (the route pattern Echo matched):
-//   - admin: hosts, networks, images and tokens;
+//   - admin: hosts, networks, images and tokens (tokens: reads too);
 //   - user:  VMs, forks and placements;
-//   - either: reads (GET, HEAD) of hosts, networks and images, and the
-//     answer to a path no route serves (404 no_route, after the token check).
+//   - either: reads (GET, HEAD) of everything but tokens, and the answer to
+//     a path no route serves (404 no_route, after the token check).
 //
 // A route under /v1 that none of these rules names is refused with 403 for
 // every token, so a new route cannot be served without a scope decision
@@ -52,14 +52,17 @@ func RouteScopes(method, route string) (scopes []string, ok bool) {
 	kind, _, _ := strings.Cut(rest, "/")
 	read := method == http.MethodGet || method == http.MethodHead
 	switch kind {
+	case "tokens":
+		return adminOnly, true
 	case "hosts", "networks", "images":
 		if read {
 			return adminOrUser, true
 		}
 		return adminOnly, true
-	case "tokens":
-		return adminOnly, true
 	case "vms", "forks", "placements":
+		if read {
+			return adminOrUser, true
+		}
 		return userOnly, true
 	}
 	return nil, false

@@ -52,7 +52,7 @@ func newFuzzControl(f testing.TB, opts ...func(*httpapi.Options)) *fuzzControl {
 	dialer := &net.Dialer{Timeout: time.Second}
 	agentHTTP := &http.Client{Transport: &http.Transport{
 		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-			if addr != ag.Address {
+			if "http://"+addr != ag.Address {
 				return nil, fmt.Errorf("fuzz: dial %s refused: only the sim agent %s is reachable", addr, ag.Address)
 			}
 			return dialer.DialContext(ctx, network, addr)

@@ -84,6 +84,7 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	v1.POST("/tokens", h.createToken)
 	v1.GET("/tokens", h.listTokens)
 	v1.DELETE("/tokens/:id", h.revokeToken)
+	h.uiRoutes(e, opts.Token)
 	return e, nil
 }
 

@@ -77,9 +77,14 @@ func (r *hostResource) Schema(_ context.Context, _ resource.SchemaRequest, resp 
 				PlanModifiers: []planmodifier.String{stringplanmodifier.RequiresReplace()},
 			},
 			"address": schema.StringAttribute{
-				MarkdownDescription: "Address of the host agent's API, `host:port` (for example `10.0.0.5:8471`).",
-				Required:            true,
-				Validators:          []validator.String{stringvalidator.LengthAtLeast(1)},
+				MarkdownDescription: "Address of the host agent's API, `scheme://host:port` and nothing else (for example " +
+					"`https://kvm-01.example.net:8471`; `http://` only on loopback or a network you trust). Before the control " +
+					"plane sends the agent token there, the agent at this address proves that it holds the agent token and " +
+					"the control plane pins its identity key. Changing the address moves the host in place only when the agent " +
+					"at the new address proves that same key (the same agent, moved); another agent is refused. An agent known " +
+					"by a DNS name or behind a proxy is started with `--advertise-url` naming this address.",
+				Required:   true,
+				Validators: []validator.String{stringvalidator.LengthAtLeast(1)},
 			},
 			"labels": schema.MapAttribute{
 				MarkdownDescription: "Labels of the host (string keys and values).",

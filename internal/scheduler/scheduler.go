@@ -1,5 +1,5 @@
 // Package scheduler is pure placement: the hard filters, the score of
-// DESIGN.md section 5 and the explanation of a choice. It has no I/O, no
+// docs/guides/architecture.md and the explanation of a choice. It has no I/O, no
 // clock and no randomness, so every decision is reproducible from its inputs.
 package scheduler
 

@@ -1,7 +1,7 @@
 package scheduler
 
 // Weights are the constants of the score. DefaultWeights are those of
-// DESIGN.md section 5.
+// docs/guides/architecture.md.
 type Weights struct {
 	Memory  float64
 	Disk    float64
@@ -11,7 +11,7 @@ type Weights struct {
 	Saturation float64
 }
 
-// DefaultWeights returns the weights of DESIGN.md section 5.
+// DefaultWeights returns the weights of docs/guides/architecture.md.
 func DefaultWeights() Weights {
 	return Weights{Memory: 0.6, Disk: 0.3, CPU: 0.1, Balance: 0.5, Saturation: 1.01}
 }

@@ -28,6 +28,7 @@ var (
 	ErrDuplicateName = errors.New("name already taken")
 	ErrNoRoom        = errors.New("host has no room for the request")
 	ErrHostInUse     = errors.New("host still has VMs")
+	ErrAgentKeyTaken = errors.New("agent identity key already pinned to another host")
 )
 
 // Dialects.

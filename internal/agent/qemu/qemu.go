@@ -188,11 +188,11 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, ramI
 		"-smp", strconv.FormatInt(m.VCPUs, 10), "-m", strconv.FormatInt(m.MemoryMiB, 10) + "M",
 		"-object", ramObject(m.MemoryMiB, ramImage),
 		"-nodefaults", "-no-user-config", "-display", "none",
-		"-chardev", "file,id=console,append=on,path=" + filepath.Join(m.Dir, consoleFileName),
+		"-chardev", "file,id=console,append=on,path=" + qemuOptQuote(filepath.Join(m.Dir, consoleFileName)),
 		"-serial", "chardev:console",
 		// Relative to QEMU's working directory (the VM's): a unix socket
 		// path is limited to 108 bytes, a state directory is not.
-		"-chardev", "socket,id=qmp,server=on,wait=off,path=" + qmpFileName,
+		"-chardev", "socket,id=qmp,server=on,wait=off,path=" + qemuOptQuote(qmpFileName),
 		"-mon", "chardev=qmp,mode=control",
 		"-pidfile", pidfileOf(m),
 		"-daemonize",
@@ -217,7 +217,7 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, ramI
 		}
 	}
 	if m.DiskMiB > 0 {
-		drive := "if=none,id=disk0,format=qcow2,discard=unmap,file=" + diskPath(m)
+		drive := "if=none,id=disk0,format=qcow2,discard=unmap,file=" + qemuOptQuote(diskPath(m))
 		dev := blk + ",drive=disk0"
 		if img.Kind == agent.ImageDisk {
 			dev += ",bootindex=0"
@@ -250,8 +250,10 @@ func ramObject(memMiB int64, ramImage string) string {
 	return "memory-backend-memfd,id=" + ramObjectID + ",size=" + size + ",share=on"
 }
 
-// qemuOptQuote escapes a value for a QEMU -object option list, where a
-// comma is written as two.
+// qemuOptQuote escapes a value for a QEMU option list (-object, -drive,
+// -chardev), where a comma is written as two: every option value built
+// from a path goes through it, or a comma in a state directory would start
+// a new option.
 func qemuOptQuote(v string) string { return strings.ReplaceAll(v, ",", ",,") }
 
 // Boot starts QEMU detached: -daemonize returns once QEMU is set up (its
