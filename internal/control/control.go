@@ -84,6 +84,8 @@ type Service struct {
 	agents  *agentPool
 	metrics *metrics
 	hooks   Hooks
+	// tokens caches API token digests (tokens.go).
+	tokens tokenCache
 	// forkLocks serialises the passes of each fork (zero value ready).
 	forkLocks keyedLocks
 
@@ -159,7 +161,7 @@ func New(ctx context.Context, st *store.Store, opts Options) (*Service, error) {
 	if opts.Hooks != nil {
 		s.hooks = *opts.Hooks
 	}
-	s.metrics = newMetrics(opts.Registry, st)
+	s.metrics = newMetrics(opts.Registry)
 	s.agents = newAgentPool(opts.AgentToken, opts.AgentHTTPClient, opts.AgentTimeout, syncTimeout(opts.SyncInterval), s.metrics)
 	if err := s.reloadView(ctx); err != nil {
 		return nil, err

@@ -76,6 +76,7 @@ func (s *Service) syncHosts(ctx context.Context, first bool) {
 		})
 	}
 	wg.Wait()
+	s.metrics.vmStates.keepHosts(hosts)
 	if err := s.reloadView(ctx); err != nil && ctx.Err() == nil {
 		s.log.Error("host monitor: reload hosts", "err", err)
 	}
@@ -85,11 +86,13 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool) {
 	log := s.log.With("host", h.Name, "address", h.Address)
 	// The rows are read before the agent is asked: a VM that was past
 	// "creating" here must be in the agent's list unless it is gone.
+	readAt := time.Now()
 	rows, err := s.store.ListVMs(ctx, store.VMFilter{Host: h.Name})
 	if err != nil {
 		log.Error("host monitor: read vms", "err", err)
 		return
 	}
+	s.metrics.vmStates.setHost(h.Name, readAt, rows)
 	c := s.agents.syncClient(h.Address)
 	// A host registered before agents joined proves itself first: nothing
 	// goes to it with the agent token until its key is pinned.

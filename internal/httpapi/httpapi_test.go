@@ -90,7 +90,7 @@ func TestBadInputIsRefusedAndWritesNothing(t *testing.T) {
 		{"page size too big", "GET", "/v1/vms?page_size=5000", bearer, nil, 400, "invalid", "page_size must be between 1 and 1000"},
 		{"bad page token", "GET", "/v1/vms?page_token=%21%21", bearer, nil, 400, "invalid", "page_token"},
 		{"bad label filter", "GET", "/v1/vms?label=team", bearer, nil, 400, "invalid", "must be key=value"},
-		{"unknown route", "GET", "/v1/nothing", bearer, nil, 404, "not_found", "no such route"},
+		{"unknown route", "GET", "/v1/nothing", bearer, nil, 404, "no_route", "no such route"},
 		{"unknown vm", "GET", "/v1/vms/nope", bearer, nil, 404, "not_found", "vm nope"},
 		{"bad patch", "PATCH", "/v1/vms/nope", bearer, strings.NewReader(`{"power_state":"paused"}`), 400, "invalid", "power_state must be"},
 	}
@@ -130,6 +130,8 @@ func TestProbesMetricsAndRequestIDs(t *testing.T) {
 	if _, err := c.Client.CreateVM(ctx, api.VMCreate{Name: "m", Image: "sim", VCPUs: 1, MemoryMiB: 64, DiskMiB: 64}, ""); err != nil {
 		t.Fatal(err)
 	}
+	// kvmd_vms counts what the host monitor's rounds read.
+	c.Service.SyncNow(ctx)
 	for _, path := range []string{"/healthz", "/readyz"} {
 		if r := send(t, c, "GET", path, "", nil, nil); r.status != 200 {
 			t.Errorf("%s: %d %s", path, r.status, r.body)

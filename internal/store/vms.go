@@ -481,23 +481,6 @@ func (s *Store) SetVMConstraints(ctx context.Context, id, constraints string) er
 		"UPDATE vms SET constraints = ?, updated_at = ? WHERE id = ?", constraints, now(), id)
 }
 
-// CountVMsByState counts VMs per observed state (for metrics).
-func (s *Store) CountVMsByState(ctx context.Context) (map[string]int64, error) {
-	var rows []struct {
-		ObservedState string
-		N             int64
-	}
-	err := s.db.WithContext(ctx).Raw("SELECT observed_state, COUNT(*) AS n FROM vms GROUP BY observed_state").Scan(&rows).Error
-	if err != nil {
-		return nil, fmt.Errorf("count vms by state: %w", err)
-	}
-	out := make(map[string]int64, len(rows))
-	for _, r := range rows {
-		out[r.ObservedState] = r.N
-	}
-	return out, nil
-}
-
 func jsonText(v any) (string, error) {
 	b, err := json.Marshal(v)
 	if err != nil {

@@ -34,7 +34,7 @@ func readISO(t *testing.T, path string) (string, map[string]string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.Close()
+	defer func() { _ = f.Close() }()
 	img, err := iso9660.OpenImage(f)
 	if err != nil {
 		t.Fatalf("open %s: %v", path, err)
