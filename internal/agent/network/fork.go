@@ -19,8 +19,8 @@ import (
 // there, the routes, proxy ARP and NAT between the child's own address and
 // its guest's, and the guest's lease on the tap.
 func (h *Host) attachChild(at Attachment, bridge string, cidr netip.Prefix, gw netip.Addr) (Attached, error) {
-	nsName := NetNSName(at.VMID)
-	tap := TapName(at.VMID, at.Index)
+	nsName := NetNSName(at.Key)
+	tap := TapName(at.Key, at.Index)
 	own, err := netip.ParseAddr(at.NIC.IPv4Address)
 	if err != nil {
 		return Attached{}, fmt.Errorf("child %s nic %d: address %q: %w", at.VMID, at.Index, at.NIC.IPv4Address, err)
@@ -41,7 +41,7 @@ func (h *Host) attachChild(at Attachment, bridge string, cidr netip.Prefix, gw n
 	fail := func(err error) (Attached, error) {
 		return Attached{}, fmt.Errorf("namespace %s of child %s nic %d: %w", nsName, at.VMID, at.Index, err)
 	}
-	veth, peer := vethName(at.VMID, at.Index), peerName(at.VMID, at.Index)
+	veth, peer := vethName(at.Key, at.Index), peerName(at.Key, at.Index)
 	if err := ensureVeth(veth, peer, bridge, ownMAC, ns); err != nil {
 		return fail(err)
 	}

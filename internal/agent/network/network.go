@@ -7,7 +7,7 @@
 // re-adopts it (never tears it down):
 //
 //	kvb-<hash of network>    the bridge of a nat network, with the gateway address
-//	kvt-<hash of vm, nic>    a VM's tap
+//	kvt-<hash of vm, nic>    a VM's tap (vm: its directory, unique on the host)
 //	kvv-<hash of vm, nic>    a forked child's veth on the bridge (its peer, kvp-..., is in the child's namespace)
 //	kvmd-<hash of vm>        a forked child's named network namespace (/run/netns)
 //
@@ -104,7 +104,10 @@ func New(log *slog.Logger) *Host {
 
 // Attachment is one NIC to attach.
 type Attachment struct {
-	VMID  string
+	VMID string
+	// Key names the VM on this host in the names of its taps, veths and
+	// namespace: its directory, unique even across agents on one host.
+	Key   string
 	Index int
 	// NIC is the VM's NIC as the control plane sees it (its own MAC and
 	// address). Guest is the NIC as the guest sees it: the same for a VM
@@ -146,7 +149,7 @@ func (h *Host) Attach(at Attachment) (Attached, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	n := at.NIC
-	tap := TapName(at.VMID, at.Index)
+	tap := TapName(at.Key, at.Index)
 	var master string
 	switch n.Mode {
 	case agentapi.NetworkNAT:
@@ -276,11 +279,11 @@ func (h *Host) Close() {
 // Detach removes the host side of one NIC: its lease, its tap (or its
 // namespace and veth), and the network's bridge and masquerade rule when
 // no other NIC is on it. Nothing there is not an error.
-func (h *Host) Detach(vmID string, index int, n agentapi.NIC) error {
+func (h *Host) Detach(key string, index int, n agentapi.NIC) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	tap := TapName(vmID, index)
-	ns := NetNSName(vmID)
+	tap := TapName(key, index)
+	ns := NetNSName(key)
 	var errs []error
 	for _, key := range []string{"/" + tap, ns + "/" + tap} {
 		if r, ok := h.responders[key]; ok {
@@ -288,7 +291,7 @@ func (h *Host) Detach(vmID string, index int, n agentapi.NIC) error {
 			delete(h.responders, key)
 		}
 	}
-	errs = append(errs, deleteLink(tap), deleteLink(vethName(vmID, index)))
+	errs = append(errs, deleteLink(tap), deleteLink(vethName(key, index)))
 	if _, err := os.Stat(filepath.Join(netnsDir, ns)); err == nil {
 		if err := netns.DeleteNamed(ns); err != nil {
 			errs = append(errs, fmt.Errorf("delete network namespace %s: %w", ns, err))

@@ -157,5 +157,5 @@ func natTo(offset uint32, from, to netip.Addr, typ expr.NATType) []expr.Any {
 	e := match(offset, netip.PrefixFrom(from, 32), expr.CmpOpEq)
 	return append(e,
 		&expr.Immediate{Register: 1, Data: to.AsSlice()},
-		&expr.NAT{Type: typ, Family: unix.NFPROTO_IPV4, RegAddrMin: 1, Specified: true})
+		&expr.NAT{Type: typ, Family: unix.NFPROTO_IPV4, RegAddrMin: 1})
 }

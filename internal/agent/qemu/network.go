@@ -138,7 +138,7 @@ func (d *Driver) attachNICs(m *agent.Machine, img *image) ([]string, string, err
 			}
 			args = append(args, "-netdev", nd)
 		case agentapi.NetworkNAT, agentapi.NetworkBridge:
-			at, err := d.net.Attach(network.Attachment{VMID: m.ID, Index: i, NIC: *n, Guest: guestNIC(m, i), Hostname: m.ID})
+			at, err := d.net.Attach(network.Attachment{VMID: m.ID, Key: m.Dir, Index: i, NIC: *n, Guest: guestNIC(m, i), Hostname: m.ID})
 			if err != nil {
 				return nil, "", fmt.Errorf("nic %d of vm %s on network %s: %w", i, m.ID, n.Network, err)
 			}
@@ -172,7 +172,7 @@ func (d *Driver) AdoptNetwork(_ context.Context, m *agent.Machine) error {
 				}
 			}
 		case agentapi.NetworkNAT, agentapi.NetworkBridge:
-			if _, err := d.net.Attach(network.Attachment{VMID: m.ID, Index: i, NIC: n, Guest: guestNIC(m, i), Hostname: m.ID}); err != nil {
+			if _, err := d.net.Attach(network.Attachment{VMID: m.ID, Key: m.Dir, Index: i, NIC: n, Guest: guestNIC(m, i), Hostname: m.ID}); err != nil {
 				errs = append(errs, fmt.Errorf("nic %d on network %s: %w", i, n.Network, err))
 			}
 		}
@@ -190,7 +190,7 @@ func (d *Driver) ReleaseNetwork(_ context.Context, m *agent.Machine) error {
 		if n.Mode == agentapi.NetworkUser {
 			continue
 		}
-		errs = append(errs, d.net.Detach(m.ID, i, n))
+		errs = append(errs, d.net.Detach(m.Dir, i, n))
 	}
 	return errors.Join(errs...)
 }

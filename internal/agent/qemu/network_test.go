@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/network"
@@ -58,6 +59,14 @@ func startNetAgent(t *testing.T, dir string) *netAgent {
 		n.stop()
 		for _, pid := range qemu.ProcessesUnder(dir) {
 			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+		// Named namespaces outlive the test's own: remove those of its
+		// children should the test have failed before deleting them.
+		vms, _ := filepath.Glob(filepath.Join(dir, "vms", "*"))
+		for _, vm := range vms {
+			if ns := network.NetNSName(vm); slices.Contains(agentNetNS(t), ns) {
+				_ = netns.DeleteNamed(ns)
+			}
 		}
 	})
 	return n
@@ -148,13 +157,12 @@ func TestUserModeForwardReachesGuest(t *testing.T) {
 	if got, _ := a.client.GetVM(ctx, "web"); got.NICs[0].PortForwards[0] != f {
 		t.Fatalf("GET reports forward %+v, create reported %+v", got.NICs[0].PortForwards[0], f)
 	}
-	a.waitGuestIP(t, "web")
+	if ip := a.waitGuestIP(t, "web"); ip != "10.0.2.15" {
+		t.Fatalf("guest printed address %s; QEMU's user-mode DHCP gives 10.0.2.15", ip)
+	}
 	body := get(t, fmt.Sprintf("http://127.0.0.1:%d/", f.HostPort), bootWait)
 	if !strings.Contains(body, "kvm-guest web") {
 		t.Fatalf("body = %q; want the guest's page naming its hostname web", body)
-	}
-	if con := a.console(t, "web"); !strings.Contains(con, "52:54:00:10:00:01") && !strings.Contains(con, "kvm-guest-ip 10.0.2.15") {
-		t.Fatalf("console shows no user-mode address:\n%s", con)
 	}
 
 	// Stop and start: the same port again (it was kept for the vm).
@@ -424,6 +432,11 @@ func TestForkOfNATGuestChildrenAnswerAtTheirOwnAddresses(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// A child reaches the gateway (its traffic leaves with its own address).
+	gw := gatewayServer(t)
+	if body := get(t, "http://"+addrs["c1"]+"/cgi-bin/get?"+gw, time.Minute); !strings.Contains(body, "kvm-test-gateway") {
+		t.Fatalf("child c1 fetching from the gateway got %q", body)
+	}
 	if ns := agentNetNS(t); len(ns) != 3 {
 		t.Fatalf("network namespaces = %v; want one per child", ns)
 	}
@@ -435,4 +448,59 @@ func TestForkOfNATGuestChildrenAnswerAtTheirOwnAddresses(t *testing.T) {
 	if l, ns := agentLinks(t), agentNetNS(t); len(l) != 0 || len(ns) != 0 || len(a.driver.Network().Leases()) != 0 {
 		t.Fatalf("after deleting every vm: links %v, namespaces %v, leases %+v; want none", l, ns, a.driver.Network().Leases())
 	}
+}
+
+func TestForkOfUserModeGuestChildrenGetTheirOwnForwards(t *testing.T) {
+	t.Parallel()
+	a := startNetAgent(t, t.TempDir())
+	ctx := context.Background()
+	nic := func(mac string) []agentapi.NIC {
+		return []agentapi.NIC{{Network: "default", Mode: agentapi.NetworkUser, MACAddress: mac,
+			PortForwards: []agentapi.PortForward{{GuestPort: 80}}}}
+	}
+	src := guest
+	src.NICs = nic("52:54:00:40:00:01")
+	vm, err := a.client.CreateVM(ctx, "src", src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.waitGuestIP(t, "src")
+	srcURL := fmt.Sprintf("http://127.0.0.1:%d/", vm.NICs[0].PortForwards[0].HostPort)
+	get(t, srcURL, bootWait)
+	if _, err := a.client.CreateSnapshot(ctx, "s", agentapi.SnapshotSpec{VMID: "src", PauseSource: true}); err != nil {
+		t.Fatal(err)
+	}
+	urls := map[string]string{"src": srcURL}
+	for i, id := range []string{"c0", "c1", "c2"} {
+		child := guest
+		child.Snapshot = &agentapi.SnapshotSource{ID: "s"}
+		child.NICs = nic(fmt.Sprintf("52:54:00:40:01:%02x", i))
+		c, err := a.client.CreateVM(ctx, id, child)
+		if err != nil {
+			t.Fatalf("child %s: %v", id, err)
+		}
+		u := fmt.Sprintf("http://127.0.0.1:%d/", c.NICs[0].PortForwards[0].HostPort)
+		for other, ou := range urls {
+			if ou == u {
+				t.Fatalf("child %s got the forward of %s: %s", id, other, u)
+			}
+		}
+		urls[id] = u
+	}
+	// Source still paused: only the children can answer at their ports.
+	for id, u := range urls {
+		if id == "src" {
+			continue
+		}
+		if body := get(t, u, time.Minute); !strings.Contains(body, "kvm-guest src") {
+			t.Fatalf("child %s at %s answered %q", id, u, body)
+		}
+	}
+	if !unreachable(srcURL) {
+		t.Fatal("the paused source answers")
+	}
+	if _, err := a.client.Action(ctx, "src", agentapi.ActionResume); err != nil {
+		t.Fatal(err)
+	}
+	get(t, srcURL, time.Minute)
 }
