@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 )
 
@@ -200,5 +201,29 @@ func TestSimChildrenOfANetworkedVMKeepTheGuestViewAndGetTheirOwnNICs(t *testing.
 	}
 	if _, err := s.client.GetVM(ctx, "bad"); statusOf(err) != http.StatusNotFound {
 		t.Fatalf("the bad child exists: %v", err)
+	}
+}
+
+// Warm VMs are booted without a NIC: a create with NICs boots cold (its
+// NICs on QEMU's command line from the start) and leaves the pool be.
+func TestWarmPoolServesOnlyCreatesWithoutNICs(t *testing.T) {
+	d := newPoolDriver()
+	h := startPoolAgent(t, t.TempDir(), d, agent.PoolOptions{})
+	ctx := context.Background()
+	if _, err := h.client.SetPool(ctx, "sim", poolShape(1)); err != nil {
+		t.Fatal(err)
+	}
+	waitReady(t, h, 1)
+	withNIC := poolSpec
+	withNIC.NICs = []agentapi.NIC{userNIC("52:54:00:00:02:01", 80)}
+	vm, err := h.client.CreateVM(ctx, "net", withNIC)
+	if err != nil || vm.StartedFrom != agentapi.StartedCold || len(hostPorts(t, vm)) != 1 {
+		t.Fatalf("create with a nic = %+v, %v; want a cold start with its forward", vm, err)
+	}
+	if r := poolRow(t, h.client, "sim"); r.Ready != 1 {
+		t.Fatalf("a create with nics took from the pool: %+v", r)
+	}
+	if vm, err := h.client.CreateVM(ctx, "plain", poolSpec); err != nil || vm.StartedFrom != agentapi.StartedWarm {
+		t.Fatalf("create without nics = %+v, %v; want warm", vm, err)
 	}
 }

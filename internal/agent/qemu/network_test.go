@@ -2,6 +2,7 @@ package qemu_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -503,4 +504,63 @@ func TestForkOfUserModeGuestChildrenGetTheirOwnForwards(t *testing.T) {
 		t.Fatal(err)
 	}
 	get(t, srcURL, time.Minute)
+}
+
+func TestBridgeNICOnAMissingBridgeIsInvalid(t *testing.T) {
+	t.Parallel()
+	a := startNetAgent(t, t.TempDir())
+	spec := guest
+	spec.NICs = []agentapi.NIC{{Network: "ops", Mode: agentapi.NetworkBridge, Bridge: "kvmnobr7", MACAddress: "52:54:00:60:00:01"}}
+	_, err := a.client.CreateVM(context.Background(), "x", spec)
+	host, _ := os.Hostname()
+	var e *agentapi.Error
+	if !errors.As(err, &e) || e.Status != http.StatusBadRequest || e.Code != "invalid" ||
+		!strings.Contains(e.Message, "bridge kvmnobr7 does not exist on host "+host) {
+		t.Fatalf("create on a missing bridge: %v; want 400 invalid naming the bridge and the host", err)
+	}
+	if vms, _ := a.client.ListVMs(context.Background()); len(vms) != 0 {
+		t.Fatalf("a rejected create left vms %+v", vms)
+	}
+}
+
+func TestBridgeModeGuestGetsItsLeaseOnTheOperatorsBridge(t *testing.T) {
+	if !inOwnNetNS(t) {
+		return
+	}
+	// The operator's bridge, with an address of the network for the test.
+	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: "opbr0"}}
+	if err := netlink.LinkAdd(br); err != nil {
+		t.Fatal(err)
+	}
+	addr, _ := netlink.ParseAddr("10.79.0.1/24")
+	if err := netlink.AddrAdd(br, addr); err != nil {
+		t.Fatal(err)
+	}
+	if err := netlink.LinkSetUp(br); err != nil {
+		t.Fatal(err)
+	}
+	a := startNetAgent(t, t.TempDir())
+	ctx := context.Background()
+	spec := guest
+	spec.NICs = []agentapi.NIC{{Network: "ops", Mode: agentapi.NetworkBridge, Bridge: "opbr0", MACAddress: "52:54:00:60:00:02",
+		CIDR: "10.79.0.0/24", Gateway: "10.79.0.1", DHCP: true, IPv4Address: "10.79.0.10"}}
+	if _, err := a.client.CreateVM(ctx, "b", spec); err != nil {
+		t.Fatal(err)
+	}
+	if ip := a.waitGuestIP(t, "b"); ip != "10.79.0.10" {
+		t.Fatalf("guest printed %s; its spec says 10.79.0.10", ip)
+	}
+	if body := get(t, "http://10.79.0.10/", time.Minute); !strings.Contains(body, "kvm-guest b 10.79.0.10") {
+		t.Fatalf("guest answered %q", body)
+	}
+	if l := a.driver.Network().Leases(); len(l) != 1 || l[0].MAC != "52:54:00:60:00:02" {
+		t.Fatalf("leases = %+v; want the guest's", l)
+	}
+	if err := a.client.DeleteVM(ctx, "b"); err != nil {
+		t.Fatal(err)
+	}
+	links := agentLinks(t)
+	if _, err := netlink.LinkByName("opbr0"); err != nil || len(links) != 0 || len(a.driver.Network().Leases()) != 0 {
+		t.Fatalf("after delete: operator bridge %v, agent links %v, leases %+v; want the bridge kept, nothing else", err, links, a.driver.Network().Leases())
+	}
 }
