@@ -15,7 +15,7 @@
 set -euo pipefail
 
 # Bump when the init, the module list or the manifest changes.
-SCRIPT_VERSION=7
+SCRIPT_VERSION=8
 NAME=busybox
 # Modules the guest loads, in dependency order after resolution: virtio-mmio
 # (microvm) and virtio-pci (q35) transports, the disk, and the ACPI power
@@ -208,7 +208,8 @@ deconfig)
 	ip link set "$interface" up
 	;;
 bound | renew)
-	[ -n "$hostname" ] && hostname "$hostname"
+	# The lease names the VM; a hostname set otherwise (not the default) wins.
+	[ -n "$hostname" ] && [ "$(hostname)" = busybox ] && hostname "$hostname"
 	echo "kvm-guest $(hostname) $ip" >/www/index.html
 	if ! ip addr show dev "$interface" | grep -q "inet $ip/"; then
 		ip addr flush dev "$interface"
