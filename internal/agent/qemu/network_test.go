@@ -441,6 +441,20 @@ func TestForkOfNATGuestChildrenAnswerAtTheirOwnAddresses(t *testing.T) {
 	if ns := agentNetNS(t); len(ns) != 3 {
 		t.Fatalf("network namespaces = %v; want one per child", ns)
 	}
+	// A new agent keeps the children's namespaces and serves their leases again.
+	leases, links := a.driver.Network().Leases(), agentLinks(t)
+	if len(leases) != 4 {
+		t.Fatalf("leases = %+v; want the source's and one per child", leases)
+	}
+	a.stop()
+	a = startNetAgent(t, a.dir)
+	if got := a.driver.Network().Leases(); !slices.Equal(got, leases) || !mapsEqual(agentLinks(t), links) || len(agentNetNS(t)) != 3 {
+		t.Fatalf("after restart: leases %+v (before %+v), links %v (before %v), namespaces %v",
+			got, leases, agentLinks(t), links, agentNetNS(t))
+	}
+	for _, id := range all {
+		get(t, "http://"+addrs[id]+"/", time.Minute)
+	}
 	for _, id := range all {
 		if err := a.client.DeleteVM(ctx, id); err != nil {
 			t.Fatal(err)
