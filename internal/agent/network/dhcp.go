@@ -101,7 +101,7 @@ func (r *responder) handle(log *slog.Logger, server net.IP) server4.Handler {
 	l := r.lease
 	mask := net.CIDRMask(l.Address.Bits(), 32)
 	addr := net.IP(l.Address.Addr().AsSlice())
-	return func(conn net.PacketConn, peer net.Addr, m *dhcpv4.DHCPv4) {
+	return func(conn net.PacketConn, _ net.Addr, m *dhcpv4.DHCPv4) {
 		if m.OpCode != dhcpv4.OpcodeBootRequest || m.ClientHWAddr.String() != l.MAC {
 			return
 		}
@@ -144,6 +144,5 @@ func (r *responder) handle(log *slog.Logger, server net.IP) server4.Handler {
 			return
 		}
 		log.Debug("dhcp: answered", "tap", l.Tap, "mac", l.MAC, "type", typ.String(), "address", l.Address)
-		_ = peer
 	}
 }
