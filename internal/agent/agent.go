@@ -204,6 +204,7 @@ func (a *Agent) adopt(ctx context.Context, loaded []loadedVM) {
 			return
 		}
 		defer e.unlock()
+		a.adoptNetwork(ctx, before)
 		after := a.refreshLocked(ctx, e)
 		switch {
 		case after.State == agentapi.StateRunning || after.State == agentapi.StatePaused:
@@ -251,7 +252,8 @@ func (a *Agent) Close() error {
 
 func machineOf(a *Agent, r vmRecord) *Machine {
 	return &Machine{ID: r.ID, Dir: a.vmDir(r.ID), Image: r.Image, VCPUs: r.VCPUs,
-		MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB, Disk: r.Disk, Process: r.Process}
+		MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB, Disk: r.Disk, Process: r.Process,
+		NICs: cloneNICs(r.NICs), GuestNICs: cloneNICs(r.GuestNICs)}
 }
 
 // refreshLocked asks the driver for the VM's state and records a change.
@@ -352,6 +354,9 @@ func (a *Agent) checkSpec(spec agentapi.VMSpec) (Image, error) {
 			return Image{}, err
 		}
 	}
+	if err := checkNICs(spec.NICs); err != nil {
+		return Image{}, err
+	}
 	img, err := a.cfg.Driver.Image(spec.Image)
 	if errors.Is(err, ErrUnknownImage) {
 		e := errInvalid("image %q does not exist on this agent; it has %v", spec.Image, a.cfg.Driver.Images())
@@ -413,9 +418,10 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 		if corrupt {
 			return agentapi.VM{}, false, errConflict("vm %s exists but its metadata is corrupt (%s); delete it and create it again", id, r.Reason)
 		}
-		if r.Image != spec.Image || r.VCPUs != spec.VCPUs || r.MemoryMiB != spec.MemoryMiB || r.DiskMiB != spec.DiskMiB {
-			err := errConflict("vm %s already exists with a different shape (image %s, %d vcpus, %d MiB memory, %d MiB disk)",
-				id, r.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB)
+		if r.Image != spec.Image || r.VCPUs != spec.VCPUs || r.MemoryMiB != spec.MemoryMiB || r.DiskMiB != spec.DiskMiB ||
+			!sameNICs(r.NICs, spec.NICs) {
+			err := errConflict("vm %s already exists with a different shape (image %s, %d vcpus, %d MiB memory, %d MiB disk, %d nics)",
+				id, r.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, len(r.NICs))
 			err.Details = map[string]any{"id": id}
 			return agentapi.VM{}, false, err
 		}
@@ -430,7 +436,7 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 	r := vmRecord{
 		Version: metaVersion, ID: e.id, Image: spec.Image, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB,
 		DiskMiB: spec.DiskMiB, State: agentapi.StateCreating, StartedFrom: agentapi.StartedCold,
-		CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
+		CreatedAt: time.Now().UTC().Truncate(time.Millisecond), NICs: requestedNICs(spec.NICs),
 	}
 	e.set(r)
 	// A matching warm VM first (pool_acquire.go); a miss boots cold below.
@@ -458,7 +464,7 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 		if err := a.cfg.Driver.Boot(ctx, m, BootOptions{}); err != nil {
 			return fail(err)
 		}
-		r.State, r.Process = agentapi.StateRunning, m.Process
+		r.State, r.Process, r.NICs = agentapi.StateRunning, m.Process, m.NICs
 	}
 	if err := a.saveRecord(&r); err != nil {
 		return fail(err)
@@ -473,6 +479,9 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 func (a *Agent) removeVM(ctx context.Context, e *vmEntry, m *Machine) error {
 	if err := a.cfg.Driver.Kill(ctx, m); err != nil {
 		return fmt.Errorf("end the process of vm %s: %w", e.id, err)
+	}
+	if err := a.releaseNetwork(ctx, m); err != nil {
+		return err
 	}
 	dir := a.vmDir(e.id)
 	// Unique, so that a leftover of an earlier failed removal never blocks this one.
@@ -560,7 +569,7 @@ func (a *Agent) Action(ctx context.Context, id, action string) (agentapi.VM, err
 			}
 		}
 		if err == nil {
-			r.State, r.Reason, r.Process = agentapi.StateRunning, "", m.Process
+			r.State, r.Reason, r.Process, r.NICs = agentapi.StateRunning, "", m.Process, m.NICs
 		}
 	case agentapi.ActionStop:
 		if r.State != agentapi.StateStopped {

@@ -129,12 +129,15 @@ type snapshotRecord struct {
 	// starts and finds it set checks every file against its digest.
 	Unsynced  bool      `json:"unsynced,omitempty"`
 	CreatedAt time.Time `json:"created_at"`
+	// NICs are the source's NICs as its guest sees them: a VM started
+	// from the snapshot keeps that view inside (Machine.GuestNICs).
+	NICs []agentapi.NIC `json:"nics,omitempty"`
 }
 
 func (r *snapshotRecord) wire() agentapi.Snapshot {
 	s := agentapi.Snapshot{
 		ID: r.ID, VMID: r.VMID, Image: r.Image, VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB,
-		CreatedAt: r.CreatedAt, Files: slices.Clone(r.Files), Parent: r.Parent,
+		CreatedAt: r.CreatedAt, Files: slices.Clone(r.Files), Parent: r.Parent, NICs: cloneNICs(r.NICs),
 	}
 	h := sha256.New()
 	for _, f := range r.Files {
@@ -555,6 +558,7 @@ func (a *Agent) takeSnapshot(ctx context.Context, sn Snapshotter, id string, spe
 	rec := &snapshotRecord{
 		Version: snapshotVersion, ID: id, VMID: r.ID, Image: r.Image, VCPUs: r.VCPUs,
 		MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB, CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
+		NICs: guestView(r),
 	}
 	if files.Disk != "" {
 		// The frozen disk sits on the disk of the snapshot the VM came from.
@@ -777,7 +781,7 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 	r := vmRecord{
 		Version: metaVersion, ID: e.id, Image: spec.Image, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB,
 		DiskMiB: spec.DiskMiB, State: agentapi.StateCreating, StartedFrom: agentapi.StartedSnapshot,
-		Snapshot: src.ID, CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
+		Snapshot: src.ID, CreatedAt: time.Now().UTC().Truncate(time.Millisecond), NICs: requestedNICs(spec.NICs),
 	}
 	// Set before the snapshot is looked at, so that from here on a delete
 	// of the snapshot sees this VM and refuses.
@@ -803,6 +807,11 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 		return fail(errInvalid("snapshot %s is of a vm with image %s, %d vcpus, %d MiB memory, %d MiB disk: a vm started from it must have that shape",
 			src.ID, rec.Image, rec.VCPUs, rec.MemoryMiB, rec.DiskMiB))
 	}
+	if err := checkChildNICs(src.ID, rec.NICs, spec.NICs); err != nil {
+		return fail(err)
+	}
+	r.GuestNICs = cloneNICs(rec.NICs)
+	e.set(r)
 	if err := os.MkdirAll(a.vmDir(e.id), 0o750); err != nil {
 		return fail(err)
 	}
@@ -813,7 +822,7 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 	if err := sn.Spawn(ctx, m, a.snapDir(src.ID), rec.files()); err != nil {
 		return fail(err)
 	}
-	r.State, r.Process, r.Disk = agentapi.StateRunning, m.Process, m.Disk
+	r.State, r.Process, r.Disk, r.NICs = agentapi.StateRunning, m.Process, m.Disk, m.NICs
 	if err := a.saveRecord(&r); err != nil {
 		return fail(err)
 	}
@@ -821,6 +830,36 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 	a.log.Info("vm started from snapshot", "vm", e.id, "snapshot", src.ID, "pid", r.Process.PID,
 		"snapshot_ready_ms", pulled.Milliseconds(), "total_ms", time.Since(start).Milliseconds())
 	return r.wire(), nil
+}
+
+// guestView is a VM's NICs as its guest sees them.
+func guestView(r vmRecord) []agentapi.NIC {
+	if len(r.GuestNICs) > 0 {
+		return cloneNICs(r.GuestNICs)
+	}
+	return requestedNICs(r.NICs)
+}
+
+// checkChildNICs checks that a VM started from snapshot id has a NIC of
+// the same network and mode for each NIC of the snapshot's guest: the
+// guest's devices come back from the memory state, only their host side is
+// the child's own.
+func checkChildNICs(id string, guest, child []agentapi.NIC) error {
+	if len(guest) != len(child) {
+		return errInvalid("snapshot %s is of a vm with %d nics: a vm started from it needs %d nics (on the same networks), got %d",
+			id, len(guest), len(guest), len(child))
+	}
+	for i := range guest {
+		if guest[i].Network != child[i].Network || guest[i].Mode != child[i].Mode {
+			return errInvalid("snapshot %s: nics[%d] of its vm is on network %s (mode %s): the child's nics[%d] must be too, got %s (mode %s)",
+				id, i, guest[i].Network, guest[i].Mode, i, child[i].Network, child[i].Mode)
+		}
+		if guest[i].Mode == agentapi.NetworkNAT && guest[i].CIDR != child[i].CIDR {
+			return errInvalid("snapshot %s: nics[%d] of its vm is on %s, the child's on %s: a child keeps its guest's network",
+				id, i, guest[i].CIDR, child[i].CIDR)
+		}
+	}
+	return nil
 }
 
 // ensureSnapshot returns snapshot id, pulling it (and the snapshots it builds
@@ -900,7 +939,7 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 	rec := &snapshotRecord{
 		Version: snapshotVersion, ID: meta.ID, VMID: meta.VMID, Image: meta.Image, VCPUs: meta.VCPUs,
 		MemoryMiB: meta.MemoryMiB, DiskMiB: meta.DiskMiB, Files: meta.Files, Parent: meta.Parent,
-		Origin: address, CreatedAt: meta.CreatedAt,
+		Origin: address, CreatedAt: meta.CreatedAt, NICs: meta.NICs,
 	}
 	if err := rec.validate(id); err != nil {
 		return nil, errPull(id, address, fmt.Errorf("its metadata is not usable: %w", err))

@@ -165,6 +165,10 @@ type Snapshot struct {
 	// Parent is the snapshot the source VM was itself started from: the
 	// frozen disk sits on that snapshot's disk, so an agent needs both.
 	Parent string `json:"parent,omitempty"`
+	// NICs are the source VM's NICs as its guest sees them (MACs,
+	// addresses): a VM started from the snapshot keeps that view inside
+	// and needs a NIC on the same network for each.
+	NICs []NIC `json:"nics,omitempty"`
 }
 
 // Kinds of snapshot files.

@@ -31,6 +31,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/network"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 )
 
@@ -63,6 +64,10 @@ type Driver struct {
 	log       *slog.Logger
 	// snapshotPauses counts the VM pauses of snapshots (snapshot.go).
 	snapshotPauses atomic.Int64
+	// net makes the host side of NICs (taps, bridges, leases, NAT rules);
+	// ports are the host ports of user-mode forwards (network.go).
+	net   *network.Host
+	ports hostPorts
 }
 
 var _ agent.Driver = (*Driver)(nil)
@@ -80,6 +85,7 @@ func New(ctx context.Context, opts Options) (*Driver, error) {
 	if d.log == nil {
 		d.log = slog.Default()
 	}
+	d.net = network.New(d.log)
 	var err error
 	if d.qemu, err = exec.LookPath(d.qemu); err != nil {
 		return nil, fmt.Errorf("qemu driver: %w: install qemu-system-x86", err)
@@ -124,7 +130,7 @@ func (d *Driver) CheckSpec(spec agentapi.VMSpec, img agent.Image) error {
 	if spec.MemoryMiB < min {
 		return agent.ErrInvalidSpec("memory_mib %d is too small for image %s: it needs at least %d", spec.MemoryMiB, img.Name, min)
 	}
-	return nil
+	return d.checkNICs(spec.NICs)
 }
 
 // pidfileOf is the pid file on the command line of m's QEMU: in the
@@ -176,7 +182,7 @@ func (d *Driver) Create(ctx context.Context, m *agent.Machine) error {
 // putting it through the migration stream (snapshot.go); or, for a child
 // started from a RAM image, that file mapped copy-on-write: the child
 // faults pages in as it touches them instead of loading them all first.
-func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, ramImage string) []string {
+func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, ramImage string, nics []string) []string {
 	cpu := "max"
 	if d.accel == "kvm" {
 		cpu = "host"
@@ -224,6 +230,7 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, ramI
 		}
 		args = append(args, "-drive", drive, "-device", dev)
 	}
+	args = append(args, nics...)
 	if opts.Paused || opts.Incoming != "" {
 		args = append(args, "-S")
 	}
@@ -281,11 +288,16 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	_ = os.Remove(qmpPathOf(m))
 	_ = os.Remove(pidfileOf(m))
 
+	nics, netns, err := d.attachNICs(m, img)
+	if err != nil {
+		return fmt.Errorf("boot vm %s: %w", m.ID, err)
+	}
+
 	// The start must finish even when the caller gives up: a half-started
 	// QEMU that nobody records is worse than a finished one.
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), startTimeout)
 	defer cancel()
-	cmd := exec.CommandContext(sctx, d.qemu, d.args(m, img, opts, ramImage)...)
+	cmd := exec.CommandContext(sctx, d.qemu, d.args(m, img, opts, ramImage, nics)...)
 	cmd.Dir = m.Dir
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	var out bytes.Buffer
@@ -293,7 +305,9 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	// QEMU's daemon child points its stdio at /dev/null; should it keep
 	// our pipe, Wait must not hang on it.
 	cmd.WaitDelay = 5 * time.Second
-	if err := cmd.Run(); err != nil {
+	// A forked child's QEMU runs in the child's network namespace (its
+	// taps are there); -daemonize keeps it there.
+	if err := network.RunIn(netns, cmd.Run); err != nil {
 		d.killLeftovers(m)
 		return fmt.Errorf("start qemu for vm %s: %v: %s", m.ID, err, strings.TrimSpace(out.String()))
 	}
