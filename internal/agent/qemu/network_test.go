@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -27,6 +26,7 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/qemu"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv/netnstest"
 )
 
 // netAgent is an agent whose driver the test keeps, to list its leases and
@@ -182,44 +182,6 @@ func TestUserModeForwardReachesGuest(t *testing.T) {
 	}
 }
 
-// inOwnNetNS runs the calling test again in a process of its own in a new
-// network namespace (unshare -n) and reports its result; it returns true in
-// that process, where the test goes on. Everything the test does to the
-// network (bridges, taps, NAT rules, traffic to guests) stays in there.
-func inOwnNetNS(t *testing.T) bool {
-	t.Helper()
-	if os.Getenv("KVM_TEST_NETNS") == t.Name() {
-		lo, err := netlink.LinkByName("lo")
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := netlink.LinkSetUp(lo); err != nil {
-			t.Fatal(err)
-		}
-		return true
-	}
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: the test makes a network namespace with bridges, taps and NAT rules (CI runs it as root)")
-	}
-	unshare, err := exec.LookPath("unshare")
-	if err != nil {
-		t.Skipf("needs unshare (util-linux) to make a network namespace: %v", err)
-	}
-	cmd := exec.Command(unshare, "-n", "--", os.Args[0], "-test.run=^"+t.Name()+"$", "-test.v", "-test.count=1", "-test.timeout=30m")
-	cmd.Env = append(os.Environ(), "KVM_TEST_NETNS="+t.Name())
-	out, err := cmd.CombinedOutput()
-	t.Logf("test process in its own network namespace:\n%s", out)
-	switch {
-	case err != nil:
-		t.Fatalf("the test failed in its network namespace: %v", err)
-	case strings.Contains(string(out), "--- SKIP: "+t.Name()):
-		t.Skip("skipped in its network namespace")
-	case !strings.Contains(string(out), "--- PASS: "+t.Name()):
-		t.Fatal("the test did not pass in its network namespace")
-	}
-	return false
-}
-
 const lanCIDR, lanGateway = "10.77.0.0/24", "10.77.0.1"
 
 func lanNIC(mac, addr string) agentapi.NIC {
@@ -276,7 +238,7 @@ func gatewayServer(t *testing.T) string {
 }
 
 func TestNATGuestsReachEachOtherAndSurviveAgentRestart(t *testing.T) {
-	if !inOwnNetNS(t) {
+	if !netnstest.InOwnNetNS(t) {
 		return
 	}
 	dir := t.TempDir()
@@ -370,7 +332,7 @@ func mapsEqual(a, b map[string]int) bool {
 }
 
 func TestForkOfNATGuestChildrenAnswerAtTheirOwnAddresses(t *testing.T) {
-	if !inOwnNetNS(t) {
+	if !netnstest.InOwnNetNS(t) {
 		return
 	}
 	a := startNetAgent(t, t.TempDir())
@@ -538,7 +500,7 @@ func TestBridgeNICOnAMissingBridgeIsInvalid(t *testing.T) {
 }
 
 func TestBridgeModeGuestGetsItsLeaseOnTheOperatorsBridge(t *testing.T) {
-	if !inOwnNetNS(t) {
+	if !netnstest.InOwnNetNS(t) {
 		return
 	}
 	// The operator's bridge, with an address of the network for the test.
