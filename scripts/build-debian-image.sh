@@ -21,7 +21,7 @@ SUITE=bookworm
 # Packages on top of minbase. ifupdown + isc-dhcp-client is what cloud-init's
 # ENI renderer drives on Debian; e2fsprogs lets cloud-init grow the root file
 # system when the VM's disk is larger than the image.
-PACKAGES="systemd-sysv,udev,dbus,cloud-init,openssh-server,linux-image-cloud-amd64,initramfs-tools,ifupdown,isc-dhcp-client,iproute2,iputils-ping,netbase,sudo,e2fsprogs,ca-certificates,procps,less"
+PACKAGES="systemd-sysv,udev,dbus,cloud-init,openssh-server,linux-image-cloud-amd64,initramfs-tools,ifupdown,isc-dhcp-client,iproute2,iputils-ping,netbase,sudo,e2fsprogs,ca-certificates,procps,less,locales"
 # Size of the root file system (the VM's disk may be larger; it grows).
 ROOT_MIB=2048
 
@@ -80,7 +80,9 @@ build() {
 	EOF
 	mkdir -p "$root/etc/network/interfaces.d"
 	echo '/dev/vda / ext4 defaults,errors=remount-ro 0 1' >"$root/etc/fstab"
-	echo 'datasource_list: [ NoCloud, None ]' >"$root/etc/cloud/cloud.cfg.d/90_kvmfleet.cfg"
+	# NoCloud only; C.UTF-8 needs no locale-gen, so cloud-init's locale
+	# module succeeds without generating locales at every first boot.
+	printf 'datasource_list: [ NoCloud, None ]\nlocale: C.UTF-8\n' >"$root/etc/cloud/cloud.cfg.d/90_kvmfleet.cfg"
 	echo debian >"$root/etc/hostname"
 	# Every VM gets its own identity: machine-id at first boot, SSH host
 	# keys from cloud-init.

@@ -33,7 +33,7 @@ var ErrSimulatedCrash = errors.New("simulated crash")
 // agent call that may pull a snapshot and restore a guest.
 const forkConcurrency = 4
 
-// forkPass brings a fork to its desired state (DESIGN.md section 7):
+// forkPass brings a fork to its desired state (docs/guides/architecture.md):
 // snapshot (idempotent on the fork id) -> snapshot_taken durable -> the
 // children slot by slot, each reserved like any VM and recorded right
 // after it starts. A child already there is kept and never started again.
@@ -200,9 +200,9 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 	vm := store.VM{
 		ID: newID(), Name: childName(f.ID, slot), Image: f.Image, Resources: f.Resources,
 		PowerState: api.PowerRunning, ObservedState: api.StateCreating, ForkID: &forkID, ForkSlot: &slotN,
-		Labels: map[string]string{},
+		Labels: map[string]string{}, Constraints: f.Constraints,
 	}
-	req := scheduler.Request{Image: f.Image, Resources: schedResources(f.Resources)}
+	req := scheduler.Request{Image: f.Image, Resources: schedResources(f.Resources), Constraints: childConstraints(f)}
 	if img, ierr := s.store.GetImage(ctx, f.Image); ierr == nil {
 		req.ImageSHA256 = img.SHA256 // a registered image: any host fetches it
 	}
@@ -240,6 +240,17 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 }
 
 var errNoPin = errors.New("no pinned placement")
+
+// childConstraints are the scheduler constraints of f's children: the
+// fork's, in the group they name or else in a group of the fork's own
+// (its id) when they spread or cap.
+func childConstraints(f store.Fork) scheduler.Constraints {
+	c := parseConstraints(f.Constraints)
+	if c != nil && c.Group == "" && (c.SpreadBy != "" || c.MaxPerDomain > 0) {
+		c.Group = "fork-" + f.ID
+	}
+	return schedConstraints(c)
+}
 
 func childName(forkID string, slot int) string { return fmt.Sprintf("%s-%d", forkID, slot) }
 
@@ -290,7 +301,9 @@ func (s *Service) startChild(ctx context.Context, crash context.CancelCauseFunc,
 	})
 	src := &agentapi.SnapshotSource{ID: f.ID}
 	if vm.HostName != f.SourceHost {
-		src.Address = srcAddress
+		// The child's agent pulls from the source's, and sends its token
+		// there only once the key pinned for the source host signs.
+		src.Address, src.PublicKey = agentURL(srcAddress), s.view.agentKey(f.SourceHost)
 	}
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Snapshot: src}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
@@ -39,6 +40,9 @@ func (s *Service) placeAndReserve(ctx context.Context, vm *store.VM, req schedul
 		s.metrics.placements.WithLabelValues(resultPlaced).Inc()
 	case errors.As(err, &e) && e.Code == api.CodeNoCapacity:
 		s.metrics.placements.WithLabelValues(resultNoCapacity).Inc()
+		if rs, ok := e.Details["rejected"].([]api.Rejection); ok {
+			s.metrics.countRejections(rs)
+		}
 	default:
 		s.metrics.placements.WithLabelValues(resultError).Inc()
 	}
@@ -46,12 +50,15 @@ func (s *Service) placeAndReserve(ctx context.Context, vm *store.VM, req schedul
 }
 
 func (s *Service) reserve(ctx context.Context, vm *store.VM, req scheduler.Request) error {
+	if err := s.groupFacts(ctx, &req); err != nil {
+		return err
+	}
 	for range fastAttempts {
 		res, a, ok := s.view.pick(req)
 		if !ok {
 			break
 		}
-		done, err := s.tryReserve(ctx, vm, req, res, a)
+		done, err := s.tryReserve(ctx, vm, &req, res, a)
 		if done || err != nil {
 			return err
 		}
@@ -60,6 +67,9 @@ func (s *Service) reserve(ctx context.Context, vm *store.VM, req scheduler.Reque
 		if err := s.reloadViewSince(ctx, time.Now()); err != nil {
 			return internal(err, "reload hosts for placement")
 		}
+		if err := s.groupFacts(ctx, &req); err != nil {
+			return err
+		}
 		res := s.view.rankAll(req)
 		if len(res.Ranked) == 0 {
 			return noCapacity(req, res)
@@ -67,7 +77,7 @@ func (s *Service) reserve(ctx context.Context, vm *store.VM, req scheduler.Reque
 		for i := range min(len(res.Ranked), slowCandidates) {
 			a := s.view.assume(res.Ranked[i].Host, req.Resources)
 			explained := scheduler.Result{Ranked: res.Ranked[i:], Rejected: res.Rejected}
-			done, err := s.tryReserve(ctx, vm, req, explained, a)
+			done, err := s.tryReserve(ctx, vm, &req, explained, a)
 			if done || err != nil {
 				return err
 			}
@@ -78,19 +88,39 @@ func (s *Service) reserve(ctx context.Context, vm *store.VM, req scheduler.Reque
 
 // tryReserve reserves on the best host of res (already assumed as a). It
 // reports done when the VM is placed; false with no error means the host
-// filled up meanwhile and the caller tries the next one.
-func (s *Service) tryReserve(ctx context.Context, vm *store.VM, req scheduler.Request, res scheduler.Result, a assumption) (bool, error) {
+// (or the group's slots in its domain) filled up meanwhile and the caller
+// tries the next one.
+func (s *Service) tryReserve(ctx context.Context, vm *store.VM, req *scheduler.Request, res scheduler.Result, a assumption) (bool, error) {
 	best := res.Ranked[0]
 	vm.HostName = best.Host
+	if req.Constraints.Group != "" {
+		host, _ := s.view.get(best.Host)
+		vm.Group = groupSlot(req.Constraints, host)
+	}
 	runnerUp := bestScored(res.Ranked)
-	vm.Placement = placementJSONNote(req, best, res.Rejected, joinNotes(
-		imageNote(req, best, runnerUp, s.view.localMargin), warmNote(best, runnerUp, s.view.warmMargin)))
+	vm.Placement = placementJSONNote(*req, best, res.Rejected, joinNotes(
+		imageNote(*req, best, runnerUp, s.view.localMargin), warmNote(best, runnerUp, s.view.warmMargin)))
 	err := s.store.ReserveAndInsertVM(ctx, *vm)
 	if err == nil {
+		for _, r := range res.Rejected {
+			s.metrics.rejections.WithLabelValues(r.Reason).Inc()
+		}
 		return true, nil
 	}
 	s.view.undo(a)
 	switch {
+	case errors.Is(err, store.ErrGroupCap):
+		// Another create of the group took the domain's last slot: this
+		// placement counts it full from now on (the next reload of the
+		// facts reads the database again).
+		s.metrics.conflicts.Inc()
+		counts := maps.Clone(req.Constraints.Counts)
+		if counts == nil {
+			counts = map[string]int{}
+		}
+		counts[vm.Group.Domain] = max(counts[vm.Group.Domain], vm.Group.Cap)
+		req.Constraints.Counts = counts
+		return false, nil
 	case errors.Is(err, store.ErrNoRoom):
 		s.metrics.conflicts.Inc()
 		s.refreshHost(ctx, best.Host)
@@ -130,7 +160,7 @@ func noCapacity(req scheduler.Request, res scheduler.Result) error {
 	if req.Host != "" {
 		msg = fmt.Sprintf("pinned host %s cannot take %s", req.Host, shape)
 		if len(res.Rejected) == 1 {
-			msg += ": " + res.Rejected[0].Reason
+			msg += ": " + res.Rejected[0].Detail
 		}
 	}
 	return &Error{Code: api.CodeNoCapacity, Message: msg, Details: details}
@@ -139,7 +169,7 @@ func noCapacity(req scheduler.Request, res scheduler.Result) error {
 func apiRejections(rs []scheduler.Rejection) []api.Rejection {
 	out := make([]api.Rejection, 0, len(rs))
 	for _, r := range rs {
-		out = append(out, api.Rejection{Host: r.Host, Reason: r.Reason})
+		out = append(out, api.Rejection{Host: r.Host, Reason: r.Reason, Detail: r.Detail})
 	}
 	return out
 }
@@ -155,14 +185,21 @@ func (s *Service) Place(ctx context.Context, in api.PlacementRequest) (api.Place
 	if err := validateShape(in.Image, in.VCPUs, in.MemoryMiB, in.DiskMiB); err != nil {
 		return api.PlacementResult{}, err
 	}
+	if err := validateConstraints(in.Constraints); err != nil {
+		return api.PlacementResult{}, err
+	}
 	req := scheduler.Request{Image: in.Image, Host: in.Host,
-		Resources: scheduler.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB}}
+		Resources:   scheduler.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB},
+		Constraints: schedConstraints(in.Constraints)}
 	img, err := s.registeredImage(ctx, in.Image, in.DiskMiB)
 	if err != nil {
 		return api.PlacementResult{}, err
 	}
 	if img != nil {
 		req.ImageSHA256 = img.SHA256
+	}
+	if err := s.groupFacts(ctx, &req); err != nil {
+		return api.PlacementResult{}, err
 	}
 	res := s.view.rankAll(req)
 	if in.Host != "" {
@@ -202,6 +239,8 @@ type ReserveRequest struct {
 	Image     string
 	Resources api.Resources
 	Labels    map[string]string
+	// Constraints steer the placement as in a create.
+	Constraints *api.Constraints
 }
 
 // Reserve places a VM and reserves its capacity (the VM row is inserted in
@@ -214,13 +253,16 @@ func (s *Service) Reserve(ctx context.Context, r ReserveRequest) (string, error)
 	if err := validateShape(r.Image, r.Resources.VCPUs, r.Resources.MemoryMiB, r.Resources.DiskMiB); err != nil {
 		return "", err
 	}
+	if err := validateConstraints(r.Constraints); err != nil {
+		return "", err
+	}
 	if r.ID == "" {
 		r.ID = newID()
 	}
 	vm := store.VM{ID: r.ID, Name: r.Name, Image: r.Image, Labels: r.Labels,
 		Resources:  store.Resources{VCPUs: r.Resources.VCPUs, MemoryMiB: r.Resources.MemoryMiB, DiskMiB: r.Resources.DiskMiB},
-		PowerState: api.PowerRunning, ObservedState: api.StateCreating}
-	req := scheduler.Request{Image: r.Image, Resources: schedResources(vm.Resources)}
+		PowerState: api.PowerRunning, ObservedState: api.StateCreating, Constraints: constraintsText(r.Constraints)}
+	req := scheduler.Request{Image: r.Image, Resources: schedResources(vm.Resources), Constraints: schedConstraints(r.Constraints)}
 	if err := s.placeAndReserve(ctx, &vm, req); err != nil {
 		return "", err
 	}

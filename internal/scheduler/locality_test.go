@@ -1,6 +1,9 @@
 package scheduler
 
-import "testing"
+import (
+	"strings"
+	"testing"
+)
 
 func TestPreferImageLocal(t *testing.T) {
 	base := Result{Ranked: []Ranked{{Host: "a", Score: 1.0}, {Host: "b", Score: 1.05}, {Host: "c", Score: 1.5}}}
@@ -39,10 +42,11 @@ func TestPreferImageLocal(t *testing.T) {
 
 func TestRegisteredImageSkipsImageFilter(t *testing.T) {
 	h := Host{Name: "h", Alive: true, Schedulable: true, Total: Resources{4, 4096, 10000}}
-	if r := Reject(h, Request{Image: "debian", Resources: Resources{1, 512, 1000}}); r == "" {
-		t.Fatal("a built-in image the host lacks must be rejected")
+	r := Reject(h, Request{Image: "debian", Resources: Resources{1, 512, 1000}})
+	if r.Reason != ReasonNoImage || !strings.Contains(r.Detail, `"debian"`) {
+		t.Fatalf("a built-in image the host lacks must be rejected as %s naming it, got %+v", ReasonNoImage, r)
 	}
-	if r := Reject(h, Request{Image: "debian", ImageSHA256: "ab", Resources: Resources{1, 512, 1000}}); r != "" {
-		t.Fatalf("a registered image is fetched, not filtered: %s", r)
+	if r := Reject(h, Request{Image: "debian", ImageSHA256: "ab", Resources: Resources{1, 512, 1000}}); r != (Rejection{}) {
+		t.Fatalf("a registered image is fetched, not filtered: %+v", r)
 	}
 }
