@@ -88,7 +88,7 @@ func BenchmarkImageFetch(b *testing.B) {
 		first, d := fetch(src)
 		b.ReportMetric(mibps(d), "source-MiB/s")
 		peered := src
-		peered.Peers = []string{first.Address}
+		peered.Peers = []agentapi.ImagePeer{{Address: first.Address, PublicKey: agentapi.EncodeKey(first.PublicKey)}}
 		_, d = fetch(peered)
 		b.ReportMetric(mibps(d), "peer-MiB/s")
 		local := src

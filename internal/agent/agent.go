@@ -186,6 +186,7 @@ func New(ctx context.Context, cfg Config) (*Agent, error) {
 	if cfg.ImageCacheDir != "" {
 		ic := cfg.ImageFetch
 		ic.ImageDir, ic.PeerHTTP, ic.PeerToken = cfg.ImageCacheDir, cfg.PeerHTTPClient, cfg.Token
+		ic.VerifyPeer = a.verifyImagePeer
 		if ic.Logger == nil {
 			ic.Logger = a.log
 		}

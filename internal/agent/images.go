@@ -55,6 +55,16 @@ func (a *Agent) ensureImage(ctx context.Context, src *agentapi.ImageSource) erro
 	return nil
 }
 
+// verifyImagePeer is the image cache's check of a peer before it sends the
+// agent token there: the peer's identity challenge, as for snapshot pulls.
+func (a *Agent) verifyImagePeer(ctx context.Context, p agentapi.ImagePeer) error {
+	key, err := agentapi.DecodeKey(p.PublicKey)
+	if err != nil {
+		return fmt.Errorf("peer %s: public_key: %w", p.Address, err)
+	}
+	return a.verifyPeer(ctx, &peer{address: p.Address, key: key})
+}
+
 // CodeImageFailed is the code of a create whose image could not be fetched.
 const CodeImageFailed = "image_failed"
 

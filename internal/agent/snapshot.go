@@ -346,27 +346,42 @@ func peerOf(src *agentapi.SnapshotSource) (*peer, error) {
 // peerClient is a client of the agent p after it proved its pinned
 // identity at its address: only then does the agent token go there.
 func (a *Agent) peerClient(ctx context.Context, p *peer) (*agentapi.Client, error) {
+	if err := a.verifyPeer(ctx, p); err != nil {
+		return nil, err
+	}
+	return agentapi.NewClient(p.address, a.cfg.Token, a.peerOptions()...), nil
+}
+
+// peerOptions are the client options of calls to other agents: the
+// configured peer client, which never follows a redirect (the token goes
+// only to the address that proved itself).
+func (a *Agent) peerOptions() []agentapi.Option {
 	hc := &http.Client{}
 	if a.cfg.PeerHTTPClient != nil {
 		c := *a.cfg.PeerHTTPClient
 		hc = &c
 	}
 	hc.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
-	opts := []agentapi.Option{agentapi.WithTimeout(30 * time.Second), agentapi.WithHTTPClient(hc)}
+	return []agentapi.Option{agentapi.WithTimeout(30 * time.Second), agentapi.WithHTTPClient(hc)}
+}
+
+// verifyPeer challenges the agent p at its address (no token sent) and
+// fails unless it signs with the key the control plane pinned for it.
+func (a *Agent) verifyPeer(ctx context.Context, p *peer) error {
 	nonce := make([]byte, 32)
 	if _, err := rand.Read(nonce); err != nil {
-		return nil, err
+		return err
 	}
 	ch := agentapi.IdentityChallenge{Nonce: agentapi.NewNonce(nonce), Address: p.address}
-	proof, err := agentapi.NewClient(p.address, "", opts...).Identity(ctx, ch)
+	proof, err := agentapi.NewClient(p.address, "", a.peerOptions()...).Identity(ctx, ch)
 	if err == nil {
 		_, err = agentapi.VerifyIdentity(ch, proof, p.key, "")
 	}
 	if err != nil {
-		return nil, fmt.Errorf("the agent at %s did not prove the identity the control plane pinned for it (%s): %w",
+		return fmt.Errorf("the agent at %s did not prove the identity the control plane pinned for it (%s): %w",
 			p.address, agentapi.KeyFingerprint(p.key), err)
 	}
-	return agentapi.NewClient(p.address, a.cfg.Token, opts...), nil
+	return nil
 }
 
 func errSnapshotNotFound(id string) *Error {

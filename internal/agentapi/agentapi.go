@@ -260,9 +260,19 @@ type ImageSource struct {
 	SHA256    string `json:"sha256"`
 	SourceURL string `json:"source_url"`
 	Format    string `json:"format"`
-	// Peers are agents (addresses) that hold the image ready: the agent
-	// asks them, in order, before the source URL.
-	Peers []string `json:"peers,omitempty"`
+	// Peers are agents that hold the image ready: the agent asks them, in
+	// order, before the source URL, each only after it proved the identity
+	// key the control plane pinned for it (as for a snapshot pull).
+	Peers []ImagePeer `json:"peers,omitempty"`
+}
+
+// ImagePeer is an agent an image can be pulled from: its address
+// (http(s)://host:port) and its identity key as the control plane pinned
+// it (EncodeKey). The pulling agent sends its token only to an agent that
+// signs a challenge with that key.
+type ImagePeer struct {
+	Address   string `json:"address"`
+	PublicKey string `json:"public_key"`
 }
 
 // ImageStatus is one image of an agent's cache.

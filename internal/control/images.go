@@ -282,8 +282,12 @@ func (s *Service) imageSource(img store.Image, host string) agentapi.ImageSource
 		if h == host || holders[h].Status != agentapi.ImageReady {
 			continue
 		}
+		// A peer must prove the key the control plane pinned for it before
+		// the agent sends it its token: a host without one is no peer.
 		if address, alive, ok := s.view.agent(h); ok && alive {
-			src.Peers = append(src.Peers, address)
+			if key := s.view.agentKey(h); key != "" {
+				src.Peers = append(src.Peers, agentapi.ImagePeer{Address: agentURL(address), PublicKey: key})
+			}
 		}
 		if len(src.Peers) == maxPeers {
 			break

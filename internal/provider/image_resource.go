@@ -103,7 +103,8 @@ func (r *imageResource) Schema(_ context.Context, _ resource.SchemaRequest, resp
 			},
 			"source_url": schema.StringAttribute{
 				MarkdownDescription: "Where the hosts fetch the image: an `http://` or `https://` URL, or `file:///path` " +
-					"on the hosts. Changing it replaces the image.",
+					"on the hosts (read there with the agent's privileges, which is one reason images take an admin " +
+					"token to register). Changing it replaces the image.",
 				Required: true,
 				Validators: []validator.String{stringvalidator.RegexMatches(regexp.MustCompile(`^(https?|file)://`),
 					"must be an http://, https:// or file:// URL")},

@@ -72,9 +72,16 @@ type Config struct {
 	// timeout (a large image takes long; a stalled read is cut by
 	// StallTimeout).
 	HTTP *http.Client
-	// PeerHTTP and PeerToken fetch from other agents.
+	// PeerHTTP and PeerToken fetch from other agents. PeerHTTP never
+	// follows a redirect: the token goes only to the peer that proved
+	// itself.
 	PeerHTTP  *http.Client
 	PeerToken string
+	// VerifyPeer proves that a peer is the agent the control plane pinned
+	// (its identity challenge, which carries no token) before the cache
+	// sends it PeerToken; a peer that fails it is skipped. Nil: every peer
+	// is skipped and images come from their sources.
+	VerifyPeer func(ctx context.Context, p agentapi.ImagePeer) error
 	// Attempts is how many times a source is tried (default 5); the wait
 	// between attempts doubles from Backoff (default 200 ms) up to 5 s.
 	Attempts int
@@ -113,9 +120,13 @@ func New(cfg Config) (*Cache, error) {
 	if cfg.HTTP == nil {
 		cfg.HTTP = &http.Client{}
 	}
-	if cfg.PeerHTTP == nil {
-		cfg.PeerHTTP = &http.Client{}
+	peerHTTP := &http.Client{}
+	if cfg.PeerHTTP != nil {
+		c := *cfg.PeerHTTP
+		peerHTTP = &c
 	}
+	peerHTTP.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	cfg.PeerHTTP = peerHTTP
 	if cfg.Attempts <= 0 {
 		cfg.Attempts = 5
 	}
@@ -204,8 +215,22 @@ func CheckSource(src agentapi.ImageSource) error {
 	if !ok || (scheme != "http" && scheme != "https" && scheme != "file") {
 		return fmt.Errorf("source_url %q: want an http, https or file:// URL", src.SourceURL)
 	}
+	if len(src.Peers) > MaxPeers {
+		return fmt.Errorf("%d peers: at most %d", len(src.Peers), MaxPeers)
+	}
+	for i, p := range src.Peers {
+		if _, err := agentapi.CheckAddress(p.Address); err != nil {
+			return fmt.Errorf("peers[%d]: %w", i, err)
+		}
+		if _, err := agentapi.DecodeKey(p.PublicKey); err != nil {
+			return fmt.Errorf("peers[%d] %s: public_key, the identity key the control plane pinned for that agent: %w", i, p.Address, err)
+		}
+	}
 	return nil
 }
+
+// MaxPeers bounds the peers of one image source.
+const MaxPeers = 8
 
 // Start makes sure a fetch of the image runs or has run and returns its
 // status at once: ready, fetching, or (a failed image is fetched again)

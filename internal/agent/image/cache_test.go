@@ -55,6 +55,12 @@ func cacheEntries(t *testing.T, cacheDir string) []string {
 	return names
 }
 
+// peerOf is agent a as the control plane names it to another agent: its
+// address and pinned identity key.
+func peerOf(a *testenv.Agent) agentapi.ImagePeer {
+	return agentapi.ImagePeer{Address: a.Address, PublicKey: agentapi.EncodeKey(a.PublicKey)}
+}
+
 func imageStatus(t *testing.T, a *testenv.Agent, sha string) agentapi.ImageStatus {
 	t.Helper()
 	items, err := a.Client.Images(context.Background())
@@ -99,7 +105,7 @@ func TestFetchOnceThenPeer(t *testing.T) {
 	}
 
 	peered := src
-	peered.Peers = []string{a.Address}
+	peered.Peers = []agentapi.ImagePeer{peerOf(a)}
 	if _, err := b.Client.CreateVM(ctx, "vm-3", vmSpec(peered)); err != nil {
 		t.Fatalf("create on host b: %v", err)
 	}
@@ -350,8 +356,9 @@ func TestBadPeerFallsBackToSource(t *testing.T) {
 	}))
 	t.Cleanup(liar.Close)
 	a := testenv.StartAgent(t, testenv.AgentOptions{ImageFetch: fastFetch})
+	key := agentapi.EncodeKey(a.PublicKey) // keys no peer here holds
 	src := agentapi.ImageSource{Name: "tiny", SHA256: qcowSHA, SourceURL: srv.FileURL("tiny.qcow2"), Format: "qcow2",
-		Peers: []string{"127.0.0.1:1", liar.URL}}
+		Peers: []agentapi.ImagePeer{{Address: "http://127.0.0.1:1", PublicKey: key}, {Address: liar.URL, PublicKey: key}}}
 	if _, err := a.Client.CreateVM(context.Background(), "vm-1", vmSpec(src)); err != nil {
 		t.Fatal(err)
 	}
@@ -401,5 +408,81 @@ func TestFetchResumesAfterRestart(t *testing.T) {
 	}
 	if _, err := os.Stat(partial); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("partial file left: %v", err)
+	}
+}
+
+// A peer that does not prove the identity key the control plane pinned for
+// it never sees the agent's token, and its bytes are not used: an impostor
+// at the address (any server answering there), and a real agent named with
+// another agent's key, are skipped for the source. A peer with no key or a
+// bad address is refused up front (400), nothing fetched.
+func TestPeerMustProveItsPinnedKey(t *testing.T) {
+	dir, qcowSHA, _ := imageFiles(t)
+	srv := testenv.StartImageServer(t, dir)
+	blob, err := os.ReadFile(filepath.Join(dir, "tiny.qcow2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var seen []string // Authorization headers the impostor got
+	impostor := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		seen = append(seen, r.Method+" "+r.URL.Path+" auth="+r.Header.Get("Authorization"))
+		mu.Unlock()
+		if strings.HasSuffix(r.URL.Path, "/blob") {
+			_, _ = w.Write(blob) // the right bytes: only the key can tell
+			return
+		}
+		http.Error(w, "no identity here", http.StatusNotFound)
+	}))
+	t.Cleanup(impostor.Close)
+	holder := testenv.StartAgent(t, testenv.AgentOptions{ImageFetch: fastFetch})
+	other := testenv.StartAgent(t, testenv.AgentOptions{ImageFetch: fastFetch})
+	a := testenv.StartAgent(t, testenv.AgentOptions{ImageFetch: fastFetch})
+	ctx := context.Background()
+	src := agentapi.ImageSource{Name: "tiny", SHA256: qcowSHA, SourceURL: srv.FileURL("tiny.qcow2"), Format: "qcow2"}
+	if _, err := holder.Client.CreateVM(ctx, "vm-0", vmSpec(src)); err != nil {
+		t.Fatal(err)
+	}
+	if srv.Downloads() != 1 {
+		t.Fatalf("downloads = %d, want 1", srv.Downloads())
+	}
+
+	peered := src
+	peered.Peers = []agentapi.ImagePeer{
+		{Address: impostor.URL, PublicKey: agentapi.EncodeKey(holder.PublicKey)},
+		{Address: holder.Address, PublicKey: agentapi.EncodeKey(other.PublicKey)},
+	}
+	if _, err := a.Client.CreateVM(ctx, "vm-1", vmSpec(peered)); err != nil {
+		t.Fatal(err)
+	}
+	st := imageStatus(t, a, qcowSHA)
+	if st.Status != agentapi.ImageReady || st.From != srv.FileURL("tiny.qcow2") || srv.Downloads() != 2 {
+		t.Fatalf("status %+v, downloads %d: want the source, not an unproven peer", st, srv.Downloads())
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(seen) == 0 {
+		t.Fatal("the impostor was never challenged: the test proves nothing")
+	}
+	for _, r := range seen {
+		if strings.Contains(r, "/blob") || !strings.HasSuffix(r, "auth=") {
+			t.Fatalf("the impostor got %q: only a token-less identity challenge may go to an unproven peer", r)
+		}
+	}
+
+	for _, bad := range []agentapi.ImagePeer{
+		{Address: holder.Address},
+		{Address: strings.TrimPrefix(holder.Address, "http://"), PublicKey: agentapi.EncodeKey(holder.PublicKey)},
+	} {
+		spec := src
+		spec.SHA256, spec.Peers = strings.Repeat("cd", 32), []agentapi.ImagePeer{bad}
+		_, err := a.Client.PrefetchImage(ctx, spec)
+		if !errors.Is(err, agentapi.ErrInvalid) || !strings.Contains(err.Error(), "peers[0]") {
+			t.Fatalf("prefetch with peer %+v: %v; want a 400 naming peers[0]", bad, err)
+		}
+	}
+	if srv.Downloads() != 2 {
+		t.Fatalf("downloads = %d after refused prefetches, want 2", srv.Downloads())
 	}
 }

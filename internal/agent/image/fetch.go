@@ -25,6 +25,15 @@ type errPermanent struct{ error }
 
 func (e errPermanent) Unwrap() error { return e.error }
 
+// verifyPeer has the peer prove its pinned identity before the token goes
+// there.
+func (c *Cache) verifyPeer(ctx context.Context, p agentapi.ImagePeer) error {
+	if c.cfg.VerifyPeer == nil {
+		return errors.New("this cache cannot authenticate peers")
+	}
+	return c.cfg.VerifyPeer(ctx, p)
+}
+
 // fetch brings the image into the cache: from each peer once, then from the
 // source URL with retries. The retries are hand-written rather than
 // go-retryablehttp's because what fails in practice is a body cut mid-stream,
@@ -33,13 +42,20 @@ func (e errPermanent) Unwrap() error { return e.error }
 func (c *Cache) fetch(ctx context.Context, src agentapi.ImageSource) (agentapi.ImageStatus, error) {
 	partial := filepath.Join(c.dir, partialPrefix+src.SHA256)
 	var errs []string
-	for _, peer := range src.Peers {
-		u := strings.TrimRight(peer, "/")
-		if !strings.Contains(u, "://") {
-			u = "http://" + u
+	for _, p := range src.Peers {
+		peer, err := agentapi.CheckAddress(p.Address)
+		if err == nil {
+			err = c.verifyPeer(ctx, p)
 		}
-		u += "/v1/images/" + src.SHA256 + "/blob"
-		err := c.download(ctx, src, u, partial, true)
+		if err != nil {
+			if ctx.Err() != nil {
+				return agentapi.ImageStatus{}, ctx.Err()
+			}
+			c.log.Warn("image peer not used: it did not prove its identity; trying the next source", "image", src.Name, "peer", p.Address, "err", err)
+			errs = append(errs, err.Error())
+			continue
+		}
+		err = c.download(ctx, src, peer+"/v1/images/"+src.SHA256+"/blob", partial, true)
 		if err == nil {
 			return c.install(src, partial, "peer "+peer)
 		}
