@@ -47,7 +47,6 @@ resource "kvm_vm" "test" {
 func TestAccVM_basic(t *testing.T) {
 	f := newFleet(t, "h1")
 	sameID := statecheck.CompareValue(compare.ValuesSame())
-	newID := statecheck.CompareValue(compare.ValuesDiffer())
 
 	resource.Test(t, resource.TestCase{
 		ProtoV6ProviderFactories: factories(),
@@ -81,7 +80,6 @@ func TestAccVM_basic(t *testing.T) {
 					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("labels"),
 						knownvalue.MapExact(map[string]knownvalue.Check{"role": knownvalue.StringExact("web")})),
 					sameID.AddStateValue(vmAddr, tfjsonpath.New("id")),
-					newID.AddStateValue(vmAddr, tfjsonpath.New("id")),
 				},
 				Check: f.checkHostAllocated("h1", api.Resources{VCPUs: 2, MemoryMiB: 512, DiskMiB: 2048}),
 			},
@@ -127,20 +125,21 @@ func TestAccVM_basic(t *testing.T) {
 				Check: f.checkHostAllocated("h1", api.Resources{VCPUs: 4, MemoryMiB: 512, DiskMiB: 2048}),
 			},
 			{
-				// The disk cannot change in place: a new VM replaces the old one.
+				// A larger disk grows in place too (a new image would replace the
+				// VM: TestAccVM_nameAndShapeInPlaceImageReplaces).
 				Config: strings.Replace(vmConfig(f, "web-1", "sim", 4, `
   power_state = "stopped"
   labels      = { role = "web", tier = "front" }
 `), "disk_mib   = 2048", "disk_mib   = 4096", 1),
 				ConfigPlanChecks: resource.ConfigPlanChecks{
-					PreApply:             []plancheck.PlanCheck{plancheck.ExpectResourceAction(vmAddr, plancheck.ResourceActionDestroyBeforeCreate)},
+					PreApply:             []plancheck.PlanCheck{plancheck.ExpectResourceAction(vmAddr, plancheck.ResourceActionUpdate)},
 					PostApplyPostRefresh: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
 				},
 				ConfigStateChecks: []statecheck.StateCheck{
 					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("disk_mib"), knownvalue.Int64Exact(4096)),
-					newID.AddStateValue(vmAddr, tfjsonpath.New("id")),
+					sameID.AddStateValue(vmAddr, tfjsonpath.New("id")),
 				},
-				// The old VM's reservation is gone: only the new one counts.
+				// The host holds the growth.
 				Check: f.checkHostAllocated("h1", api.Resources{VCPUs: 4, MemoryMiB: 512, DiskMiB: 4096}),
 			},
 		},
