@@ -257,6 +257,13 @@ type NetworkCreate struct {
 	Hosts []string `json:"hosts,omitempty"`
 }
 
+// NetworkPatch is the body of PATCH /v1/networks/{name}: what changes in
+// place. Hosts, when set, replaces the list (empty: every host); it steers
+// future placements only, VMs already placed keep their NICs.
+type NetworkPatch struct {
+	Hosts *[]string `json:"hosts,omitempty"`
+}
+
 // Network is a named network VMs attach NICs to.
 type Network struct {
 	Name    string   `json:"name"`

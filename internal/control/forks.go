@@ -82,6 +82,7 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 	f := store.Fork{
 		ID: newID(), SourceVMID: src.ID, SourceHost: src.HostName, Image: src.Image, Resources: src.Resources,
 		Count: in.Count, PauseSource: in.PauseSource, Placement: in.Placement, Phase: api.ForkPending,
+		NICs: src.NICs,
 	}
 	if key != "" {
 		f.IdempotencyKey = &key

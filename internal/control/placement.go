@@ -29,9 +29,15 @@ const (
 // (possibly stale) host view first; each lost race refreshes that host and
 // moves on to the next best. Only when that fails does it reload every
 // host and rank them all, which also yields the explanation of a 409.
-func (s *Service) placeAndReserve(ctx context.Context, vm *store.VM, req scheduler.Request) error {
+func (s *Service) placeAndReserve(ctx context.Context, vm *store.VM, p vmNICs, req scheduler.Request) error {
 	start := time.Now()
-	err := s.reserve(ctx, vm, req)
+	vm.NICs = p.nics // the same array: address changes below show in the row
+	req.NetworkHosts = networkHosts(p)
+	req.ColdOnly = !warmCapable(p)
+	err := s.assignAddresses(ctx, p, 0)
+	if err == nil {
+		err = s.reserve(ctx, vm, p, req)
+	}
 	s.metrics.placementSeconds.Observe(time.Since(start).Seconds())
 	var e *Error
 	switch {
@@ -45,13 +51,13 @@ func (s *Service) placeAndReserve(ctx context.Context, vm *store.VM, req schedul
 	return err
 }
 
-func (s *Service) reserve(ctx context.Context, vm *store.VM, req scheduler.Request) error {
+func (s *Service) reserve(ctx context.Context, vm *store.VM, p vmNICs, req scheduler.Request) error {
 	for range fastAttempts {
 		res, a, ok := s.view.pick(req)
 		if !ok {
 			break
 		}
-		done, err := s.tryReserve(ctx, vm, res, a)
+		done, err := s.tryReserve(ctx, vm, p, res, a)
 		if done || err != nil {
 			return err
 		}
@@ -67,7 +73,7 @@ func (s *Service) reserve(ctx context.Context, vm *store.VM, req scheduler.Reque
 		for i := range min(len(res.Ranked), slowCandidates) {
 			a := s.view.assume(res.Ranked[i].Host, req.Resources)
 			explained := scheduler.Result{Ranked: res.Ranked[i:], Rejected: res.Rejected}
-			done, err := s.tryReserve(ctx, vm, explained, a)
+			done, err := s.tryReserve(ctx, vm, p, explained, a)
 			if done || err != nil {
 				return err
 			}
@@ -79,7 +85,7 @@ func (s *Service) reserve(ctx context.Context, vm *store.VM, req scheduler.Reque
 // tryReserve reserves on the best host of res (already assumed as a). It
 // reports done when the VM is placed; false with no error means the host
 // filled up meanwhile and the caller tries the next one.
-func (s *Service) tryReserve(ctx context.Context, vm *store.VM, res scheduler.Result, a assumption) (bool, error) {
+func (s *Service) tryReserve(ctx context.Context, vm *store.VM, p vmNICs, res scheduler.Result, a assumption) (bool, error) {
 	best := res.Ranked[0]
 	vm.HostName = best.Host
 	vm.Placement = placementJSON(best, res.Rejected)
@@ -87,11 +93,26 @@ func (s *Service) tryReserve(ctx context.Context, vm *store.VM, res scheduler.Re
 		vm.Placement = placementJSONNote(best, res.Rejected, note)
 	}
 	err := s.store.ReserveAndInsertVM(ctx, *vm)
+	// An address or MAC taken meanwhile: the host still fits, so try it
+	// again with new ones (the unique indexes of vm_nics decided).
+	for attempt := 0; errors.Is(err, store.ErrAddressTaken) || errors.Is(err, store.ErrMACTaken); attempt++ {
+		s.metrics.conflicts.Inc()
+		if rerr := s.retryAfterNICConflict(ctx, vm, p, err, attempt); rerr != nil {
+			s.view.undo(a)
+			return false, rerr
+		}
+		err = s.store.ReserveAndInsertVM(ctx, *vm)
+	}
 	if err == nil {
 		return true, nil
 	}
 	s.view.undo(a)
 	switch {
+	case errors.Is(err, store.ErrNetworkGone):
+		for _, n := range p.nets {
+			s.networks.drop(n.Name)
+		}
+		return false, invalidf("a network of VM %q was deleted during placement (%v); check network_interfaces", vm.Name, err)
 	case errors.Is(err, store.ErrNoRoom):
 		s.metrics.conflicts.Inc()
 		s.refreshHost(ctx, best.Host)
@@ -199,6 +220,9 @@ type ReserveRequest struct {
 	Image     string
 	Resources api.Resources
 	Labels    map[string]string
+	// NetworkInterfaces as in a create (nil: one NIC on "default"); their
+	// addresses are allocated with the reservation.
+	NetworkInterfaces []api.NetworkInterface
 }
 
 // Reserve places a VM and reserves its capacity (the VM row is inserted in
@@ -217,8 +241,12 @@ func (s *Service) Reserve(ctx context.Context, r ReserveRequest) (string, error)
 	vm := store.VM{ID: r.ID, Name: r.Name, Image: r.Image, Labels: r.Labels,
 		Resources:  store.Resources{VCPUs: r.Resources.VCPUs, MemoryMiB: r.Resources.MemoryMiB, DiskMiB: r.Resources.DiskMiB},
 		PowerState: api.PowerRunning, ObservedState: api.StateCreating}
+	nics, err := s.resolveNICs(ctx, vm.ID, r.NetworkInterfaces)
+	if err != nil {
+		return "", err
+	}
 	req := scheduler.Request{Image: r.Image, Resources: schedResources(vm.Resources)}
-	if err := s.placeAndReserve(ctx, &vm, req); err != nil {
+	if err := s.placeAndReserve(ctx, &vm, nics, req); err != nil {
 		return "", err
 	}
 	return vm.HostName, nil

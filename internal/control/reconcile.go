@@ -76,6 +76,14 @@ func (s *Service) reclaimReappeared(ctx context.Context, host string, row store.
 			}
 			s.log.Error("vm missing but running on its host, which has no room left for it", "vm", row.ID, "host", host)
 		}
+	case errors.Is(err, store.ErrAddressTaken), errors.Is(err, store.ErrMACTaken):
+		reason := fmt.Sprintf("the agent of host %s runs this VM again, but its address or MAC went to another VM meanwhile (%v); delete it", host, err)
+		if row.Reason != reason {
+			if err := s.store.SetMissingReason(ctx, row.ID, reason); err != nil {
+				s.log.Error("host monitor: record reason", "vm", row.ID, "err", err)
+			}
+			s.log.Error("vm missing but running on its host, and its address is taken", "vm", row.ID, "host", host)
+		}
 	case err != nil:
 		if !errors.Is(err, store.ErrNotFound) {
 			s.log.Error("host monitor: reclaim vm", "vm", row.ID, "host", host, "err", err)

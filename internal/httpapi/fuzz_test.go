@@ -164,6 +164,7 @@ var statusOfCode = map[string][]int{
 	api.CodeNotFound:            {404},
 	api.CodeConflict:            {409},
 	api.CodeNoCapacity:          {409},
+	api.CodeNoAddress:           {409},
 	api.CodeIdempotencyMismatch: {422},
 	api.CodeInFlight:            {409},
 	api.CodeTooLarge:            {413},

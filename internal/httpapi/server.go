@@ -74,6 +74,11 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	v1.PATCH("/vms/:id", h.updateVM)
 	v1.DELETE("/vms/:id", h.deleteVM)
 	v1.POST("/placements", h.place)
+	v1.POST("/networks", h.createNetwork)
+	v1.GET("/networks", h.listNetworks)
+	v1.GET("/networks/:name", h.getNetwork)
+	v1.PATCH("/networks/:name", h.updateNetwork)
+	v1.DELETE("/networks/:name", h.deleteNetwork)
 	h.forkRoutes(v1)
 	return e, nil
 }
@@ -133,6 +138,7 @@ var statusOf = map[string]int{
 	api.CodeNotFound:            http.StatusNotFound,
 	api.CodeConflict:            http.StatusConflict,
 	api.CodeNoCapacity:          http.StatusConflict,
+	api.CodeNoAddress:           http.StatusConflict,
 	api.CodeIdempotencyMismatch: http.StatusUnprocessableEntity,
 	api.CodeInFlight:            http.StatusConflict,
 	api.CodeTooLarge:            http.StatusRequestEntityTooLarge,

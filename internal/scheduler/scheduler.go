@@ -75,6 +75,17 @@ type Request struct {
 	Image     string
 	Resources Resources
 	Host      string
+	// NetworkHosts are the VM's networks that exist on some hosts only.
+	NetworkHosts []NetworkHosts
+	// ColdOnly says that no warm pool VM can serve the request (its NICs
+	// differ from what pool VMs boot with), so warm VMs give no preference.
+	ColdOnly bool
+}
+
+// NetworkHosts limits a request to the hosts a network is on.
+type NetworkHosts struct {
+	Network string
+	Hosts   []string
 }
 
 // Rejection says why one host cannot take a request.
@@ -124,6 +135,11 @@ func Reject(h Host, req Request) string {
 	}
 	if req.Image != "" && !h.HasImage(req.Image) {
 		return fmt.Sprintf("image: does not offer %q", req.Image)
+	}
+	for _, n := range req.NetworkHosts {
+		if !slices.Contains(n.Hosts, h.Name) {
+			return fmt.Sprintf("network: %q is not on this host (its hosts: %s)", n.Network, strings.Join(n.Hosts, ", "))
+		}
 	}
 	free := h.Free()
 	var short []string

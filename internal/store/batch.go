@@ -111,6 +111,12 @@ func (b *reservationBatcher) commit(batch []pendingReservation) {
 			return err
 		}
 		defer func() { _ = insert.Close() }()
+		var insertNIC *sql.Stmt // prepared on the first VM with NICs
+		defer func() {
+			if insertNIC != nil {
+				_ = insertNIC.Close()
+			}
+		}()
 		for i, p := range batch {
 			// A refused UPDATE changed nothing. A failed insert after a
 			// granted UPDATE is undone by hand, not with a savepoint: two
@@ -134,6 +140,17 @@ func (b *reservationBatcher) commit(batch []pendingReservation) {
 			} else {
 				err = insertLabels(tx, p.vm.ID, p.vm.Labels)
 			}
+			if err == nil && len(p.vm.NICs) > 0 {
+				if insertNIC == nil {
+					if insertNIC, err = sqlTx.PrepareContext(ctx, insertNICSQL); err != nil {
+						return err
+					}
+				}
+				err = insertNICRows(func(args ...any) error {
+					_, err := insertNIC.ExecContext(ctx, args...)
+					return err
+				}, p.vm.ID, p.vm.NICs)
+			}
 			if err != nil {
 				results[i] = err
 				if uerr := undoReservation(tx, p.vm); uerr != nil {
@@ -155,6 +172,9 @@ func (b *reservationBatcher) commit(batch []pendingReservation) {
 // undoReservation takes back one granted reservation of a batch whose VM
 // row or labels could not be written: its rows go, its resources return.
 func undoReservation(tx *gorm.DB, vm VM) error {
+	if err := tx.Exec("DELETE FROM vm_nics WHERE vm_id = ?", vm.ID).Error; err != nil {
+		return err
+	}
 	if err := tx.Exec("DELETE FROM vm_labels WHERE vm_id = ?", vm.ID).Error; err != nil {
 		return err
 	}
@@ -167,8 +187,8 @@ func undoReservation(tx *gorm.DB, vm VM) error {
 }
 
 const insertVMSQL = `INSERT INTO vms (id, name, host_name, image, vcpus, memory_mib, disk_mib, power_state,
-	observed_state, reason, started_from, holds_capacity, fork_id, fork_slot, labels, placement, created_at, updated_at)
-	VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`
+	observed_state, reason, started_from, holds_capacity, fork_id, fork_slot, labels, nics, placement, created_at, updated_at)
+	VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`
 
 // insertVMPrepared writes the VM row the way gorm's Create would (labels as
 // JSON text), with a statement prepared once per batch.
@@ -177,9 +197,13 @@ func insertVMPrepared(ctx context.Context, insert *sql.Stmt, vm VM) error {
 	if err != nil {
 		return err
 	}
+	nics, err := jsonText(vm.NICs)
+	if err != nil {
+		return err
+	}
 	r := vm.Resources
 	_, err = insert.ExecContext(ctx, vm.ID, vm.Name, vm.HostName, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB,
 		vm.PowerState, vm.ObservedState, vm.Reason, vm.StartedFrom, vm.HoldsCapacity, vm.ForkID, vm.ForkSlot,
-		labels, vm.Placement, vm.CreatedAt, vm.UpdatedAt)
+		labels, nics, vm.Placement, vm.CreatedAt, vm.UpdatedAt)
 	return err
 }

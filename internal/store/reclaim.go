@@ -45,6 +45,11 @@ func (s *Store) ReclaimVM(ctx context.Context, id, observedState, reason, starte
 		if res.RowsAffected == 0 {
 			return fmt.Errorf("reclaim vm %s on host %s: %w", id, vm.HostName, ErrNoRoom)
 		}
+		// Its addresses and MACs come back too, unless another VM took one
+		// meanwhile (ErrAddressTaken, ErrMACTaken: nothing changes).
+		if err := insertNICRows(func(args ...any) error { return tx.Exec(insertNICSQL, args...).Error }, id, vm.NICs); err != nil {
+			return err
+		}
 		reclaimed = true
 		return nil
 	})

@@ -3,6 +3,7 @@ package testenv
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net"
 	"net/http"
 	"slices"
@@ -29,6 +30,8 @@ type AgentDouble struct {
 	calls    []string
 	failPut  bool
 	onDelete func(id string)
+	bridges  []string
+	nextPort int
 	srv      *http.Server
 }
 
@@ -39,6 +42,9 @@ type AgentDoubleOptions struct {
 	MemoryMiB int64  // default 65536
 	DiskMiB   int64  // default 1 TiB
 	Images    []string
+	// Bridges are the bridges that exist on this host: a NIC of mode
+	// bridge on another one is refused with the agent's "invalid" error.
+	Bridges []string
 }
 
 // StartAgentDouble starts the double on 127.0.0.1; it stops at cleanup.
@@ -66,7 +72,7 @@ func StartAgentDouble(t testing.TB, opts AgentDoubleOptions) *AgentDouble {
 	d := &AgentDouble{
 		Address: ln.Addr().String(), URL: "http://" + ln.Addr().String(), Token: opts.Token,
 		capacity: agentapi.Resources{VCPUs: opts.VCPUs, MemoryMiB: opts.MemoryMiB, DiskMiB: opts.DiskMiB},
-		images:   opts.Images, vms: map[string]agentapi.VM{},
+		images:   opts.Images, vms: map[string]agentapi.VM{}, bridges: opts.Bridges, nextPort: 20000,
 	}
 	d.srv = &http.Server{Handler: d.routes(), ReadHeaderTimeout: 5 * time.Second}
 	go func() { _ = d.srv.Serve(ln) }()
@@ -184,14 +190,47 @@ func (d *AgentDouble) put(w http.ResponseWriter, r *http.Request) {
 		writeAgentError(w, http.StatusBadRequest, "invalid", "unknown image "+spec.Image)
 		return
 	}
+	nics, err := d.attachNICs(spec.NICs)
+	if err != nil {
+		writeAgentError(w, http.StatusBadRequest, "invalid", err.Error())
+		return
+	}
 	state := agentapi.StateRunning
 	if spec.Stopped {
 		state = agentapi.StateStopped
 	}
 	vm := agentapi.VM{ID: id, Image: spec.Image, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB, DiskMiB: spec.DiskMiB,
-		State: state, StartedFrom: agentapi.StartedCold, CreatedAt: time.Now().UTC()}
+		State: state, StartedFrom: agentapi.StartedCold, CreatedAt: time.Now().UTC(), NICs: nics}
 	d.vms[id] = vm
 	writeAgentJSON(w, http.StatusCreated, vm)
+}
+
+// attachNICs answers NICs the way the agent contract says: bridges must
+// exist on the host (else the agent's "invalid" naming bridge and host),
+// and each forward gets 127.0.0.1 and a host port of the double's choice.
+// d.mu is held.
+func (d *AgentDouble) attachNICs(in []agentapi.NIC) ([]agentapi.NIC, error) {
+	out := make([]agentapi.NIC, 0, len(in))
+	for _, n := range in {
+		if n.Mode == agentapi.NetworkBridge && !slices.Contains(d.bridges, n.Bridge) {
+			return nil, fmt.Errorf("network %q: bridge %q does not exist on host %s; create it there or limit the network's hosts", n.Network, n.Bridge, d.Address)
+		}
+		n.PortForwards = slices.Clone(n.PortForwards)
+		for i := range n.PortForwards {
+			n.PortForwards[i].HostAddress = "127.0.0.1"
+			n.PortForwards[i].HostPort = d.nextPort
+			d.nextPort++
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
+// NICs returns the NICs the double was asked to attach to a VM.
+func (d *AgentDouble) NICs(id string) []agentapi.NIC {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return slices.Clone(d.vms[id].NICs)
 }
 
 func (d *AgentDouble) get(w http.ResponseWriter, r *http.Request) {
