@@ -39,6 +39,10 @@ const (
 	summaryImportFork         = "Unable to Import Fork"
 	summaryForkFailed         = "Fork Failed to Become Ready"
 	summaryForkPointTaken     = "Fork Point Already Taken"
+	summaryCreateNetwork      = "Unable to Create Network"
+	summaryReadNetwork        = "Unable to Read Network"
+	summaryUpdateNetwork      = "Unable to Update Network"
+	summaryDeleteNetwork      = "Unable to Delete Network"
 )
 
 // addAPIError adds an error diagnostic for a failed control API call:
@@ -59,6 +63,8 @@ func nextStep(err error) string {
 	case errors.Is(err, client.ErrNoCapacity):
 		return "No host can take it: free capacity, register another host (kvm_host), or choose a smaller shape." +
 			rejectionLines(err)
+	case errors.Is(err, client.ErrNoAddress):
+		return "The network has no free address left: delete VMs on it, or put the VM on a larger network."
 	case errors.Is(err, client.ErrIdempotencyMismatch):
 		return "A retry carried a different body under the same Idempotency-Key; run terraform apply again."
 	case errors.Is(err, client.ErrInFlight):

@@ -191,6 +191,7 @@ func (p *kvmProvider) Resources(_ context.Context) []func() resource.Resource {
 		NewHostResource,
 		NewVMResource,
 		NewForkResource,
+		NewNetworkResource,
 	}
 }
 
@@ -201,6 +202,7 @@ func (p *kvmProvider) DataSources(_ context.Context) []func() datasource.DataSou
 		NewVMDataSource,
 		NewPlacementDataSource,
 		NewForkDataSource,
+		NewNetworkDataSource,
 	}
 }
 

@@ -48,8 +48,17 @@ type vmResource struct {
 
 type vmModel struct {
 	vmAttributes
-	Timeouts timeouts.Value `tfsdk:"timeouts"`
+	NetworkInterfaces types.List     `tfsdk:"network_interface"`
+	Timeouts          timeouts.Value `tfsdk:"timeouts"`
 }
+
+// setNICs records the VM's NICs: blocks as configured (withBlocks), or
+// none for a VM that only has the implied default NIC.
+func (m *vmModel) setNICs(vm api.VM, withBlocks bool) {
+	m.NetworkInterfaces = nicsValue(vm.NetworkInterfaces, withBlocks)
+}
+
+func hasBlocks(v types.List) bool { return !v.IsNull() && !v.IsUnknown() && len(v.Elements()) > 0 }
 
 func (r *vmResource) Metadata(_ context.Context, req resource.MetadataRequest, resp *resource.MetadataResponse) {
 	resp.TypeName = req.ProviderTypeName + "_vm"
@@ -152,9 +161,17 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 				Computed:            true,
 				PlanModifiers:       fixedAtCreate,
 			},
+			"ipv4_address": schema.StringAttribute{
+				MarkdownDescription: "Address of the first NIC, known right after apply: assigned by the control plane " +
+					"on `nat` networks (and `bridge` networks with a `cidr`); `10.0.2.15` on a user-mode network, where " +
+					"the VM is reached through `port_forward`s; null while unknown.",
+				Computed:      true,
+				PlanModifiers: fixedAtCreate,
+			},
 		},
 		Blocks: map[string]schema.Block{
-			"timeouts": timeouts.Block(ctx, timeouts.Opts{Create: true, Update: true, Delete: true}),
+			"network_interface": networkInterfaceBlock(),
+			"timeouts":          timeouts.Block(ctx, timeouts.Opts{Create: true, Update: true, Delete: true}),
 		},
 	}
 }
@@ -173,6 +190,8 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 	resp.Diagnostics.Append(diags...)
 	labels, diags := labelsFromValue(ctx, plan.Labels)
 	resp.Diagnostics.Append(diags...)
+	nics, diags := nicsOf(ctx, plan.NetworkInterfaces)
+	resp.Diagnostics.Append(diags...)
 	if resp.Diagnostics.HasError() {
 		return
 	}
@@ -180,14 +199,15 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 	defer cancel()
 
 	in := api.VMCreate{
-		Name:       plan.Name.ValueString(),
-		Image:      plan.Image.ValueString(),
-		VCPUs:      plan.VCPUs.ValueInt64(),
-		MemoryMiB:  plan.MemoryMiB.ValueInt64(),
-		DiskMiB:    plan.DiskMiB.ValueInt64(),
-		Host:       plan.Host.ValueString(), // "" when unknown: the control API chooses
-		PowerState: plan.PowerState.ValueString(),
-		Labels:     labels,
+		NetworkInterfaces: nicsToAPI(nics),
+		Name:              plan.Name.ValueString(),
+		Image:             plan.Image.ValueString(),
+		VCPUs:             plan.VCPUs.ValueInt64(),
+		MemoryMiB:         plan.MemoryMiB.ValueInt64(),
+		DiskMiB:           plan.DiskMiB.ValueInt64(),
+		Host:              plan.Host.ValueString(), // "" when unknown: the control API chooses
+		PowerState:        plan.PowerState.ValueString(),
+		Labels:            labels,
 	}
 	subject := fmt.Sprintf("creating VM %q", in.Name)
 
@@ -204,6 +224,7 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 
 	vm, waitErr := waitForPower(ctx, r.data.client, vm, in.PowerState)
 	plan.fromAPI(vm, desiredPowerState(vm))
+	plan.setNICs(vm, len(nics) > 0)
 	// The VM exists: keep it in state even if it did not come up, so that
 	// Terraform marks it tainted and replaces it rather than leaking it.
 	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
@@ -267,6 +288,7 @@ func (r *vmResource) Read(ctx context.Context, req resource.ReadRequest, resp *r
 		return
 	}
 	state.fromAPI(vm, observedPowerState(vm))
+	state.setNICs(vm, hasBlocks(state.NetworkInterfaces))
 	resp.Diagnostics.Append(resp.State.Set(ctx, &state)...)
 }
 
@@ -305,6 +327,7 @@ func (r *vmResource) Update(ctx context.Context, req resource.UpdateRequest, res
 		return
 	}
 	plan.fromAPI(vm, desiredPowerState(vm))
+	plan.setNICs(vm, hasBlocks(plan.NetworkInterfaces))
 	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
 }
 
