@@ -280,8 +280,9 @@ func numAddr(n int64) netip.Addr {
 
 // networkCache keeps recently read networks: a create reads each of its
 // networks from here instead of the database. Only hosts change in place
-// (networkCacheTTL bounds how long another replica's change takes to show);
-// a deleted network is caught by the foreign key of vm_nics.
+// (networkCacheTTL bounds how long another replica's change takes to show,
+// and how long a replica may still place NICs on a network deleted on
+// another one).
 type networkCache struct {
 	mu   sync.Mutex
 	byID map[string]cachedNetwork

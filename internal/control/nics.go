@@ -164,36 +164,39 @@ func warmCapable(p vmNICs) bool {
 	return len(p.nics) == 1 && p.nets[0].Mode == api.NetworkUser && len(p.nics[0].PortForwards) == 0
 }
 
-// ipamHints is each network's next address to probe on this replica. It
-// starts at a random place so that replicas do not probe in step.
+// ipamHints is each network's next address to probe on this replica.
+// Addresses are handed out from the low end of the range, so fixed
+// addresses asked for at the high end rarely meet an automatic one; a hint
+// starts at the lowest free address the database knows of.
 type ipamHints struct {
 	mu   sync.Mutex
 	next map[string]int64
 }
 
-// take returns the next candidate of n after the hint and moves the hint on.
-func (h *ipamHints) take(n store.Network) int64 {
+// take returns the next candidate of n and moves the hint on; ok is false
+// when the replica has no hint for n yet. jump skips a random few
+// addresses after a lost race, so that replicas probing in step part ways.
+func (h *ipamHints) take(n store.Network, jump bool) (int64, bool) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.next == nil {
-		h.next = map[string]int64{}
-	}
-	size := n.RangeLast - n.RangeFirst + 1
 	c, ok := h.next[n.Name]
-	if !ok || c < n.RangeFirst || c > n.RangeLast {
-		c = n.RangeFirst + rand.Int64N(size) //nolint:gosec // a spread, not a secret
+	if !ok {
+		return 0, false
+	}
+	if jump {
+		c += rand.Int64N(8) //nolint:gosec // a spread, not a secret
 	}
 	if c == n.GatewayNum {
 		c++
 	}
-	if c > n.RangeLast {
+	if c < n.RangeFirst || c > n.RangeLast {
 		c = n.RangeFirst
 		if c == n.GatewayNum {
 			c++
 		}
 	}
 	h.next[n.Name] = c + 1
-	return c
+	return c, true
 }
 
 // restart points the hint at an address known to be free.
@@ -218,9 +221,11 @@ func (s *Service) assignAddresses(ctx context.Context, p vmNICs, attempt int) er
 			continue
 		}
 		var c int64
+		probed := false
 		if attempt < probeAttempts {
-			c = s.ipam.take(n)
-		} else {
+			c, probed = s.ipam.take(n, attempt > 0)
+		}
+		if !probed {
 			free, err := s.store.FreeAddresses(ctx, n, len(taken[n.Name])+1)
 			if err != nil {
 				return fromStore(err, "find a free address on network "+n.Name)

@@ -108,11 +108,6 @@ func (s *Service) tryReserve(ctx context.Context, vm *store.VM, p vmNICs, res sc
 	}
 	s.view.undo(a)
 	switch {
-	case errors.Is(err, store.ErrNetworkGone):
-		for _, n := range p.nets {
-			s.networks.drop(n.Name)
-		}
-		return false, invalidf("a network of VM %q was deleted during placement (%v); check network_interfaces", vm.Name, err)
 	case errors.Is(err, store.ErrNoRoom):
 		s.metrics.conflicts.Inc()
 		s.refreshHost(ctx, best.Host)

@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 
 	"gorm.io/gorm"
@@ -47,7 +48,7 @@ func (s *Store) ReclaimVM(ctx context.Context, id, observedState, reason, starte
 		}
 		// Its addresses and MACs come back too, unless another VM took one
 		// meanwhile (ErrAddressTaken, ErrMACTaken: nothing changes).
-		if err := insertNICRows(func(args ...any) error { return tx.Exec(insertNICSQL, args...).Error }, id, vm.NICs); err != nil {
+		if err := insertNICRows(s.rawExec(ctx, tx, insertNICSQL), id, vm.NICs); err != nil {
 			return err
 		}
 		reclaimed = true
@@ -57,6 +58,19 @@ func (s *Store) ReclaimVM(ctx context.Context, id, observedState, reason, starte
 		return false, err
 	}
 	return reclaimed, nil
+}
+
+// rawExec runs query in tx without gorm's error translation, so that a
+// refusal still names the index that refused (SQLite's message; gorm keeps
+// PostgreSQL's error as it is).
+func (s *Store) rawExec(ctx context.Context, tx *gorm.DB, query string) func(args ...any) error {
+	if sqlTx, ok := tx.Statement.ConnPool.(*sql.Tx); ok && s.dialect == DialectSQLite {
+		return func(args ...any) error {
+			_, err := sqlTx.ExecContext(ctx, query, args...)
+			return err
+		}
+	}
+	return func(args ...any) error { return tx.Exec(query, args...).Error }
 }
 
 // SetMissingReason rewrites the reason of a VM that is still missing.

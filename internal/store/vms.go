@@ -72,8 +72,7 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 		err = s.batcher.reserve(ctx, vm)
 	}
 	switch {
-	case err == nil || errors.Is(err, ErrNoRoom) || errors.Is(err, ErrAddressTaken) ||
-		errors.Is(err, ErrMACTaken) || errors.Is(err, ErrNetworkGone):
+	case err == nil || errors.Is(err, ErrNoRoom) || errors.Is(err, ErrAddressTaken) || errors.Is(err, ErrMACTaken):
 		return err
 	case isDuplicate(err):
 		return fmt.Errorf("vm name %q: %w", vm.Name, ErrDuplicateName)
@@ -161,7 +160,7 @@ func (s *Store) reserveInOneStatement(ctx context.Context, vm VM) error {
 		}
 	}
 	if err != nil {
-		if pgCode(err) == "23505" || pgCode(err) == "23503" {
+		if pgCode(err) == "23505" {
 			if c := pgConstraint(err); strings.HasPrefix(c, "vm_nics") {
 				return classifyNICError(err, vm.ID, nicOfConstraint(err, vm.NICs))
 			}

@@ -27,11 +27,15 @@ INSERT INTO networks (name, mode, created_at, updated_at) VALUES ('default', 'us
 -- same statement or transaction as the VM's reservation and deleted with
 -- its release. The unique indexes are the arbiters: no address is handed
 -- out twice on a network (address is NULL where IPAM does not assign one,
--- and NULLs never collide) and no MAC is used by two live VMs.
+-- and NULLs never collide) and no MAC is used by two live VMs. network has
+-- no foreign key on purpose: on PostgreSQL every reservation would take a
+-- KEY SHARE lock on the same networks row ("default" for most VMs), and
+-- concurrent share locks on one row cost a MultiXact each; a network's
+-- delete checks vm_nics instead.
 CREATE TABLE vm_nics (
     vm_id       TEXT NOT NULL REFERENCES vms (id) ON DELETE CASCADE,
     nic_index   INTEGER NOT NULL,
-    network     TEXT NOT NULL REFERENCES networks (name),
+    network     TEXT NOT NULL,
     mac_address TEXT NOT NULL,
     address     BIGINT NULL,
     PRIMARY KEY (vm_id, nic_index)
