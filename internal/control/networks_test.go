@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
@@ -198,6 +199,13 @@ func TestVMNetworkInterfaces(t *testing.T) {
 			!asked[0].DHCP || asked[0].IPv4Address != lan.IPv4Address || asked[0].MACAddress != lan.MACAddress ||
 			asked[1].Mode != api.NetworkUser || len(asked[1].PortForwards) != 2 {
 			t.Errorf("agent was asked for %+v", asked)
+		}
+
+		// Only a VM with exactly one user NIC without forwards may take a
+		// warm pool VM (pool VMs boot with that); any other boots cold.
+		if d.Spec(plain.ID).NoWarm || !d.Spec(vm.ID).NoWarm {
+			t.Errorf("no_warm: %v for one default NIC, %v for a nat and a forwarding NIC; want false and true",
+				d.Spec(plain.ID).NoWarm, d.Spec(vm.ID).NoWarm)
 		}
 
 		fixed, err := c.Client.CreateVM(ctx, vmOn("fixed", api.NetworkInterface{Network: "lan", IPv4Address: "10.20.0.200"}), "")
@@ -479,5 +487,71 @@ func checkNICLedger(t *testing.T, st *store.Store) {
 		if !want[k] {
 			t.Errorf("allocation row %s belongs to no live VM NIC", k)
 		}
+	}
+}
+
+// A create that fails at the agent gives its address and MAC back with its
+// capacity, and a bridge the host lacks is the agent's 400 naming both.
+func TestFailedCreateReleasesItsAddress(t *testing.T) {
+	eachDatabase(t, func(t *testing.T, dbURL string) {
+		ctx := ctxT(t)
+		c := testenv.StartControl(t, testenv.ControlOptions{DatabaseURL: dbURL})
+		agent := testenv.StartAgentDouble(t, testenv.AgentDoubleOptions{})
+		c.RegisterHost(t, "h1", agent.Address)
+		if _, err := c.Client.CreateNetwork(ctx, natNet("lan", "10.20.0.0/24")); err != nil {
+			t.Fatal(err)
+		}
+		agent.FailCreates(true)
+		_, err := noRetry(c).CreateVM(ctx, vmOn("doomed", api.NetworkInterface{Network: "lan", IPv4Address: "10.20.0.9"}), "")
+		if !errors.Is(err, client.ErrUnavailable) {
+			t.Fatalf("create with a failing agent: %v, want unavailable", err)
+		}
+		if n, _ := c.Client.GetNetwork(ctx, "lan"); n.AddressesUsed != 0 {
+			t.Errorf("a failed create left %d addresses used", n.AddressesUsed)
+		}
+		checkNICLedger(t, c.Store)
+		agent.FailCreates(false)
+		vm, err := noRetry(c).CreateVM(ctx, vmOn("doomed", api.NetworkInterface{Network: "lan", IPv4Address: "10.20.0.9"}), "")
+		if err != nil || vm.IPv4Address != "10.20.0.9" {
+			t.Errorf("the same fixed address after the agent recovered: %+v, %v", vm.NetworkInterfaces, err)
+		}
+	})
+}
+
+// The host monitor settles a create whose replica died after the agent
+// answered, and takes the forwarded ports from the agent's report.
+func TestMonitorRecordsForwardsOfAStuckCreate(t *testing.T) {
+	ctx := ctxT(t)
+	c := testenv.StartControl(t, testenv.ControlOptions{NoMonitor: true, CreateGrace: time.Millisecond})
+	agent := testenv.StartAgentDouble(t, testenv.AgentDoubleOptions{})
+	c.RegisterHost(t, "h1", agent.Address)
+	c.Service.SyncNow(ctx)
+	vm, err := c.Client.CreateVM(ctx, vmOn("web", api.NetworkInterface{Network: "default",
+		PortForwards: []api.PortForward{{GuestPort: 80}}}), "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// What a kill -9 between the agent's answer and its recording leaves.
+	row, err := c.Store.GetVM(ctx, vm.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	row.NICs[0].PortForwards[0].HostAddress, row.NICs[0].PortForwards[0].HostPort = "", 0
+	if err := c.Store.SetVMNICs(ctx, vm.ID, row.NICs); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Store.SetVMState(ctx, vm.ID, api.StateCreating, "", ""); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(5 * time.Millisecond) // let the millisecond grace pass; no timing is asserted
+	c.Service.SyncNow(ctx)
+	got, err := c.Client.GetVM(ctx, vm.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := vm.NetworkInterfaces[0].PortForwards[0]
+	if got.ObservedState != api.StateRunning || len(got.NetworkInterfaces) != 1 || len(got.NetworkInterfaces[0].PortForwards) != 1 ||
+		got.NetworkInterfaces[0].PortForwards[0] != want {
+		t.Errorf("settled VM: %s with %+v; want running with forward %+v", got.ObservedState, got.NetworkInterfaces, want)
 	}
 }

@@ -20,6 +20,11 @@ func (s *Service) settleStuckCreate(ctx context.Context, host string, row store.
 	if time.Since(row.CreatedAt) < s.opts.CreateGrace || row.ForkID != nil {
 		return // its create (or its fork's pass) may still run and record the outcome
 	}
+	// The forwarded host ports the agent chose were in the answer the dead
+	// create never recorded: take them from the agent's report.
+	if err := s.recordAgentNICs(ctx, &row, a); err != nil && !errors.Is(err, store.ErrNotFound) {
+		s.log.Error("host monitor: record NICs of a stuck create", "vm", row.ID, "host", host, "err", err)
+	}
 	if err := s.store.MarkVMCreated(ctx, row.ID, a.State, a.Reason, a.StartedFrom); err != nil {
 		if !errors.Is(err, store.ErrNotFound) {
 			s.log.Error("host monitor: settle stuck create", "vm", row.ID, "host", host, "err", err)

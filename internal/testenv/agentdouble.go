@@ -27,6 +27,7 @@ type AgentDouble struct {
 	capacity agentapi.Resources
 	images   []string
 	vms      map[string]agentapi.VM
+	specs    map[string]agentapi.VMSpec
 	calls    []string
 	failPut  bool
 	onDelete func(id string)
@@ -72,7 +73,7 @@ func StartAgentDouble(t testing.TB, opts AgentDoubleOptions) *AgentDouble {
 	d := &AgentDouble{
 		Address: ln.Addr().String(), URL: "http://" + ln.Addr().String(), Token: opts.Token,
 		capacity: agentapi.Resources{VCPUs: opts.VCPUs, MemoryMiB: opts.MemoryMiB, DiskMiB: opts.DiskMiB},
-		images:   opts.Images, vms: map[string]agentapi.VM{}, bridges: opts.Bridges, nextPort: 20000,
+		images:   opts.Images, vms: map[string]agentapi.VM{}, specs: map[string]agentapi.VMSpec{}, bridges: opts.Bridges, nextPort: 20000,
 	}
 	d.srv = &http.Server{Handler: d.routes(), ReadHeaderTimeout: 5 * time.Second}
 	go func() { _ = d.srv.Serve(ln) }()
@@ -178,6 +179,7 @@ func (d *AgentDouble) put(w http.ResponseWriter, r *http.Request) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.calls = append(d.calls, "PUT "+id)
+	d.specs[id] = spec
 	if d.failPut {
 		writeAgentError(w, http.StatusInternalServerError, "internal", "injected create failure")
 		return
@@ -226,11 +228,18 @@ func (d *AgentDouble) attachNICs(in []agentapi.NIC) ([]agentapi.NIC, error) {
 	return out, nil
 }
 
-// NICs returns the NICs the double was asked to attach to a VM.
+// NICs returns the NICs the double attached to a VM, as it answered them.
 func (d *AgentDouble) NICs(id string) []agentapi.NIC {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return slices.Clone(d.vms[id].NICs)
+}
+
+// Spec returns the last create spec the double received for a VM.
+func (d *AgentDouble) Spec(id string) agentapi.VMSpec {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.specs[id]
 }
 
 func (d *AgentDouble) get(w http.ResponseWriter, r *http.Request) {
