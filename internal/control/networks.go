@@ -38,12 +38,15 @@ func (s *Service) CreateNetwork(ctx context.Context, in api.NetworkCreate) (api.
 	if err != nil {
 		return api.Network{}, err
 	}
+	var check func([]store.Network) error
 	if n.HasIPAM() {
-		if err := s.checkOverlap(ctx, n); err != nil {
-			return api.Network{}, err
-		}
+		check = func(all []store.Network) error { return checkOverlap(n, all) }
 	}
-	created, err := s.store.InsertNetwork(ctx, n)
+	created, err := s.store.InsertNetworkChecked(ctx, n, check)
+	var e *Error
+	if errors.As(err, &e) {
+		return api.Network{}, e
+	}
 	if errors.Is(err, store.ErrDuplicateName) {
 		return api.Network{}, conflictf("a network named %q already exists; choose another name or import it", in.Name)
 	}
@@ -164,11 +167,7 @@ func validateNetworkHosts(hosts []string) ([]string, error) {
 }
 
 // checkOverlap refuses a CIDR that overlaps another network's.
-func (s *Service) checkOverlap(ctx context.Context, n store.Network) error {
-	all, err := s.store.ListNetworks(ctx)
-	if err != nil {
-		return fromStore(err, "list networks")
-	}
+func checkOverlap(n store.Network, all []store.Network) error {
 	p := netip.MustParsePrefix(n.CIDR)
 	for _, o := range all {
 		if o.CIDR == "" || o.Name == n.Name {

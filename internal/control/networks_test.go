@@ -555,3 +555,43 @@ func TestMonitorRecordsForwardsOfAStuckCreate(t *testing.T) {
 		t.Errorf("settled VM: %s with %+v; want running with forward %+v", got.ObservedState, got.NetworkInterfaces, want)
 	}
 }
+
+// Overlapping networks created at once on two replicas: exactly one wins,
+// the others get 409 naming it.
+func TestConcurrentOverlappingNetworksOneWins(t *testing.T) {
+	url := testenv.PostgresURL(t)
+	replicas := []*testenv.Control{
+		testenv.StartControl(t, testenv.ControlOptions{DatabaseURL: url}),
+		testenv.StartControl(t, testenv.ControlOptions{DatabaseURL: url}),
+	}
+	ctx := ctxT(t)
+	const n = 12
+	var (
+		wg       sync.WaitGroup
+		mu       sync.Mutex
+		won      []string
+		conflict int
+	)
+	for i := range n {
+		c := replicas[i%2]
+		wg.Go(func() {
+			// 10.20.0.0/24, /25, /26 ... all overlap each other.
+			name := fmt.Sprintf("net-%d", i)
+			_, err := c.Client.CreateNetwork(ctx, natNet(name, fmt.Sprintf("10.20.0.0/%d", 24+i%6)))
+			mu.Lock()
+			defer mu.Unlock()
+			switch {
+			case err == nil:
+				won = append(won, name)
+			case errors.Is(err, client.ErrConflict) && strings.Contains(err.Error(), "overlaps"):
+				conflict++
+			default:
+				t.Errorf("create %s: %v", name, err)
+			}
+		})
+	}
+	wg.Wait()
+	if len(won) != 1 || conflict != n-1 {
+		t.Errorf("%d created (%v) and %d refused as overlapping; want 1 and %d", len(won), won, conflict, n-1)
+	}
+}

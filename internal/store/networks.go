@@ -78,14 +78,43 @@ type PortForward struct {
 	HostPort    int    `json:"host_port,omitempty"`
 }
 
+// networksLock is the PostgreSQL advisory lock that serialises network
+// creates, so that two replicas never both pass the overlap check.
+const networksLock = 72540105
+
 // InsertNetwork inserts a network. ErrDuplicateName when the name is taken.
 func (s *Store) InsertNetwork(ctx context.Context, n Network) (Network, error) {
+	return s.InsertNetworkChecked(ctx, n, nil)
+}
+
+// InsertNetworkChecked inserts a network after check accepted the networks
+// that exist, with network creates serialised (an advisory lock on
+// PostgreSQL, SQLite's single writer): check sees every network committed
+// before and none can commit between its look and the insert.
+func (s *Store) InsertNetworkChecked(ctx context.Context, n Network, check func([]Network) error) (Network, error) {
 	t := now()
 	n.CreatedAt, n.UpdatedAt = t, t
 	if n.Hosts == nil {
 		n.Hosts = []string{}
 	}
-	err := s.db.WithContext(ctx).Create(&n).Error
+	err := s.inTx(ctx, func(tx *gorm.DB) error {
+		if check == nil {
+			return tx.Create(&n).Error
+		}
+		if s.dialect == DialectPostgres {
+			if err := tx.Exec("SELECT pg_advisory_xact_lock(?)", networksLock).Error; err != nil {
+				return fmt.Errorf("lock networks: %w", err)
+			}
+		}
+		var all []Network
+		if err := tx.Order("name").Find(&all).Error; err != nil {
+			return fmt.Errorf("list networks: %w", err)
+		}
+		if err := check(all); err != nil {
+			return err
+		}
+		return tx.Create(&n).Error
+	})
 	if isDuplicate(err) {
 		return Network{}, fmt.Errorf("network %q: %w", n.Name, ErrDuplicateName)
 	}
