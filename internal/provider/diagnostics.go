@@ -43,6 +43,7 @@ const (
 	summaryReadNetwork        = "Unable to Read Network"
 	summaryUpdateNetwork      = "Unable to Update Network"
 	summaryDeleteNetwork      = "Unable to Delete Network"
+	summaryAddressTaken       = "IPv4 Address Already Taken"
 )
 
 // addAPIError adds an error diagnostic for a failed control API call:
@@ -111,6 +112,17 @@ func conflictingVMID(err error) string {
 		}
 	}
 	return ""
+}
+
+// addressHolder is the VM that holds a fixed address a create asked for
+// ("" when the conflict is not about an address).
+func addressHolder(err error) string {
+	var ae *client.Error
+	if !errors.As(err, &ae) {
+		return ""
+	}
+	id, _ := ae.Details["holder_id"].(string)
+	return id
 }
 
 // providerDataFrom is the Configure of every resource and data source: the

@@ -366,3 +366,47 @@ resource "kvm_vm" "test" {
 		}},
 	})
 }
+
+// A fixed address another VM holds is refused at apply, naming the holder,
+// not mistaken for a taken VM name.
+func TestAccVM_fixedAddressTaken(t *testing.T) {
+	f := newFleet(t, "node-a")
+	resource.Test(t, resource.TestCase{
+		ProtoV6ProviderFactories: factories(),
+		CheckDestroy:             f.checkNetworksGone("lan"),
+		Steps: []resource.TestStep{{
+			Config: f.providerBlock() + `
+resource "kvm_network" "lan" {
+  name = "lan"
+  mode = "nat"
+  cidr = "10.20.0.0/24"
+}
+
+resource "kvm_vm" "first" {
+  name       = "first"
+  image      = "sim"
+  vcpus      = 1
+  memory_mib = 512
+  disk_mib   = 1024
+  network_interface {
+    network      = kvm_network.lan.name
+    ipv4_address = "10.20.0.50"
+  }
+}
+
+resource "kvm_vm" "second" {
+  name       = "second"
+  image      = "sim"
+  vcpus      = 1
+  memory_mib = 512
+  disk_mib   = 1024
+  network_interface {
+    network      = kvm_network.lan.name
+    ipv4_address = kvm_vm.first.ipv4_address
+  }
+}
+`,
+			ExpectError: regexp.MustCompile(`(?s)IPv4 Address Already Taken.*held\s+by\s+VM\s+first`),
+		}},
+	})
+}

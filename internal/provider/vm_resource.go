@@ -213,6 +213,12 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 
 	vm, err := r.create(ctx, in)
 	if err != nil {
+		if holder := addressHolder(err); holder != "" {
+			resp.Diagnostics.AddAttributeError(path.Root("network_interface"), summaryAddressTaken, fmt.Sprintf(
+				"VM %q asks for a fixed address that VM %s holds. Choose another ipv4_address, leave it out to get a "+
+					"free one, or delete that VM.\n\nError: %s", in.Name, holder, err))
+			return
+		}
 		if errors.Is(err, client.ErrConflict) {
 			resp.Diagnostics.AddAttributeError(path.Root("name"), summaryVMNameAlreadyTaken, nameTakenDetail(in.Name, err))
 			return
