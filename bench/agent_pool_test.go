@@ -1,6 +1,6 @@
 package bench
 
-// Warm pool measurements at the agent (DESIGN.md section 8), in one run:
+// Warm pool measurements at the agent (docs/guides/architecture.md), in one run:
 //
 //	go test ./bench -run '^$' -bench 'AgentPool' -benchtime 1x -timeout 30m
 //

@@ -5,6 +5,10 @@
 //
 //	KVM_TEST_DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
 //	  go test ./bench -run '^$' -bench 'Placement' -benchtime 3s
+//
+// With and without a group constraint at 10,000 hosts:
+//
+//	go test ./bench -run '^$' -bench 'PlacementGroup' -benchtime 3s
 package bench
 
 import (
@@ -51,12 +55,16 @@ func openStore(b *testing.B, dialect string) *store.Store {
 	return st
 }
 
+// benchRacks is how many racks the hosts are spread over (label rack).
+const benchRacks = 100
+
 func addHosts(b *testing.B, st *store.Store, n int) {
 	b.Helper()
 	hosts := make([]store.Host, n)
 	for i := range hosts {
 		hosts[i] = store.Host{Name: fmt.Sprintf("host-%05d", i), Address: "127.0.0.1:1", Schedulable: true,
-			CPUAllocationRatio: 1, Images: []string{"sim"}, Total: benchHostTotal, Capacity: benchHostTotal}
+			CPUAllocationRatio: 1, Images: []string{"sim"}, Total: benchHostTotal, Capacity: benchHostTotal,
+			Labels: map[string]string{"rack": fmt.Sprintf("r%02d", i%benchRacks)}}
 	}
 	if err := st.UpsertHosts(context.Background(), hosts); err != nil {
 		b.Fatal(err)
@@ -87,6 +95,62 @@ func BenchmarkPlacement(b *testing.B) {
 						i := vmSeq.Add(1)
 						_, err := svc.Reserve(ctx, control.ReserveRequest{ID: uuid.Must(uuid.NewV7()).String(),
 							Name: fmt.Sprintf("bench-%d", i), Image: "sim",
+							Resources: api.Resources{VCPUs: 1, MemoryMiB: 1024, DiskMiB: 10240}})
+						if err != nil {
+							b.Error(err)
+							return
+						}
+					}
+				})
+				b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "placements/s")
+			})
+		}
+	}
+}
+
+// BenchmarkPlacementGroup compares placement at 10,000 hosts (100 racks)
+// without constraints against placement with a group constraint: every
+// grouped placement reads its group's counts per domain and takes a slot
+// (a conditional upsert) in the reservation's transaction.
+//
+//   - none: no constraints (the same as BenchmarkPlacement/hosts=10000).
+//   - rack-spread: every VM in one group spread by label:rack, no cap: the
+//     worst case for the group rows, which all placements update.
+//   - anti-affinity: services of 10 replicas (a group per 10 VMs), spread by
+//     host with max_per_domain = 1.
+func BenchmarkPlacementGroup(b *testing.B) {
+	const n = 10000
+	variants := []struct {
+		name        string
+		constraints func(i int64) *api.Constraints
+	}{
+		{"none", func(int64) *api.Constraints { return nil }},
+		{"rack-spread", func(int64) *api.Constraints {
+			return &api.Constraints{Group: "web", SpreadBy: "label:rack"}
+		}},
+		{"anti-affinity", func(i int64) *api.Constraints {
+			return &api.Constraints{Group: fmt.Sprintf("svc-%d", i/10), SpreadBy: "host", MaxPerDomain: 1}
+		}},
+	}
+	for _, dialect := range []string{store.DialectSQLite, store.DialectPostgres} {
+		for _, v := range variants {
+			b.Run(fmt.Sprintf("%s/hosts=%d/%s", dialect, n, v.name), func(b *testing.B) {
+				ctx := context.Background()
+				st := openStore(b, dialect)
+				addHosts(b, st, n)
+				svc, err := control.New(ctx, st, control.Options{AgentToken: "unused"})
+				if err != nil {
+					b.Fatal(err)
+				}
+				var seq atomic.Int64
+				b.SetParallelism(parallelism)
+				b.ReportAllocs()
+				b.ResetTimer()
+				b.RunParallel(func(pb *testing.PB) {
+					for pb.Next() {
+						i := seq.Add(1)
+						_, err := svc.Reserve(ctx, control.ReserveRequest{ID: uuid.Must(uuid.NewV7()).String(),
+							Name: fmt.Sprintf("group-%d", vmSeq.Add(1)), Image: "sim", Constraints: v.constraints(i),
 							Resources: api.Resources{VCPUs: 1, MemoryMiB: 1024, DiskMiB: 10240}})
 						if err != nil {
 							b.Error(err)

@@ -3,20 +3,27 @@
 # IMAGE_DIR/busybox from Debian packages only: the kernel of linux-image-amd64
 # (direct boot) and an initramfs with busybox-static, the virtio modules the
 # guest needs and an /init that prints "kvm-guest-ready", whether it sees a
-# vmgenid device, the disk it sees ("disk vda <bytes>"), then "tick N" every
-# second on the serial console.
+# vmgenid device, the disk it sees ("disk vda <bytes>"), the marker at the
+# start of that disk if there is one, its memory and vCPUs, then "tick N"
+# every second on the serial console. With a NIC (virtio-net) it brings eth0
+# up by DHCP (udhcpc), prints "kvm-guest-ip <address>" once it has a lease,
+# and serves HTTP on port 80 (busybox httpd) with a page that names its
+# hostname, and /cgi-bin/get?<host[:port]>, which fetches
+# http://<host[:port]>/ from inside the guest (tests prove guest-to-guest and
+# guest-to-gateway traffic).
 #
 # Idempotent: an image built by this script version from the same packages
 # is left alone. Run as root or as a user who may run apt-get download.
 set -euo pipefail
 
 # Bump when the init, the module list or the manifest changes.
-SCRIPT_VERSION=5
+SCRIPT_VERSION=9
 NAME=busybox
 # Modules the guest loads, in dependency order after resolution: virtio-mmio
 # (microvm) and virtio-pci (q35) transports, the disk, and the ACPI power
-# button with evdev so that a stop's ACPI power-down reaches the init.
-MODULES="virtio_mmio virtio_pci virtio_blk button evdev"
+# button with evdev so that a stop's ACPI power-down reaches the init, and
+# the NIC (virtio_net, which needs net_failover and failover).
+MODULES="virtio_mmio virtio_pci virtio_blk virtio_net button evdev"
 
 out=${1:?usage: build-image.sh IMAGE_DIR}
 mkdir -p "$out"
@@ -77,6 +84,9 @@ mkdir kpkg
 dpkg-deb --fsys-tarfile "$kdeb" | tar -x -C kpkg --wildcards \
 	"./boot/vmlinuz-$kver" "./lib/modules/$kver/kernel/drivers/virtio/*" \
 	"./lib/modules/$kver/kernel/drivers/block/virtio_blk.ko" \
+	"./lib/modules/$kver/kernel/drivers/net/virtio_net.ko" \
+	"./lib/modules/$kver/kernel/drivers/net/net_failover.ko" \
+	"./lib/modules/$kver/kernel/net/core/failover.ko" \
 	"./lib/modules/$kver/kernel/drivers/acpi/button.ko" \
 	"./lib/modules/$kver/kernel/drivers/input/evdev.ko"
 moddir="kpkg/lib/modules/$kver/kernel"
@@ -160,9 +170,34 @@ found=0
 for d in /sys/block/vd*; do
 	[ -e "$d" ] || continue
 	echo "disk ${d##*/} $(($(cat "$d/size") * 512))"
+	# A marker a test wrote at the start of the disk (resizes keep the disk).
+	m=$(head -c 64 "/dev/${d##*/}" 2>/dev/null | tr -dc 'A-Za-z0-9:._-')
+	case $m in kvm-marker:*) echo "kvm-guest-disk-marker ${d##*/} $m" ;; esac
 	found=1
 done
 [ $found = 1 ] || echo "disk none"
+# The shape the guest sees (resizes change it).
+echo "kvm-guest-memory $(sed -n 's/^MemTotal: *\([0-9]*\) kB$/\1/p' /proc/meminfo) kB"
+echo "kvm-guest-cpus $(grep -c ^processor /proc/cpuinfo)"
+# A NIC: DHCP in the background (udhcpc keeps renewing; /etc/udhcpc.sh
+# configures eth0 and prints the address), HTTP on port 80 at once.
+i=0
+while [ $i -lt 20 ] && [ ! -e /sys/class/net/eth0 ] && grep -qx 0x0001 /sys/bus/virtio/devices/*/device 2>/dev/null; do
+	sleep 0.1
+	i=$((i + 1))
+done
+if [ -e /sys/class/net/eth0 ]; then
+	[ "$(hostname)" = "(none)" ] && hostname busybox
+	ip link set lo up
+	ip link set eth0 up
+	mkdir -p /www/cgi-bin
+	cp /etc/cgi-get /www/cgi-bin/get
+	echo "kvm-guest $(hostname)" >/www/index.html
+	httpd -p 80 -h /www
+	udhcpc -f -i eth0 -s /etc/udhcpc.sh -t 3 -T 1 -A 1 >/dev/null 2>&1 &
+else
+	echo "nic none"
+fi
 n=0
 while :; do
 	echo "tick $n"
@@ -171,6 +206,54 @@ while :; do
 done
 EOF
 chmod 755 "$root/init"
+
+# udhcpc's hook: $ip, $subnet, $router, $hostname come from the lease.
+cat >"$root/etc/udhcpc.sh" <<'EOF'
+#!/bin/busybox sh
+case "$1" in
+deconfig)
+	ip addr flush dev "$interface"
+	ip link set "$interface" up
+	;;
+bound | renew)
+	# The lease names the VM; a hostname set otherwise (not the default) wins.
+	[ -n "$hostname" ] && [ "$(hostname)" = busybox ] && hostname "$hostname"
+	echo "kvm-guest $(hostname) $ip" >/www/index.html
+	if ! ip addr show dev "$interface" | grep -q "inet $ip/"; then
+		ip addr flush dev "$interface"
+		ifconfig "$interface" "$ip" netmask "${subnet:-255.255.255.0}" up
+		for r in $router; do
+			route add default gw "$r" dev "$interface" && break
+		done
+		echo "kvm-guest-ip $ip" >/dev/console
+	fi
+	;;
+esac
+exit 0
+EOF
+chmod 755 "$root/etc/udhcpc.sh"
+
+# GET /cgi-bin/get?<host[:port]>: what the guest fetches from there.
+cat >"$root/etc/cgi-get" <<'EOF'
+#!/bin/busybox sh
+printf 'Content-Type: text/plain\r\n\r\n'
+case "$QUERY_STRING" in
+"" | *[!0-9A-Za-z.:-]*)
+	echo "kvm-guest-fetch bad target"
+	exit 0
+	;;
+esac
+host=${QUERY_STRING%%:*}
+port=80
+case "$QUERY_STRING" in *:*) port=${QUERY_STRING##*:} ;; esac
+# (busybox-static's wget crashes in static glibc; nc does not.)
+out=$(printf 'GET / HTTP/1.0\r\nHost: %s\r\n\r\n' "$host" | nc -w 5 "$host" "$port" 2>&1)
+case "$out" in
+HTTP/*) printf '%s\n' "$out" | sed '1,/^\r*$/d' ;;
+*) echo "kvm-guest-fetch failed $QUERY_STRING: $out" ;;
+esac
+EOF
+chmod 755 "$root/etc/cgi-get"
 
 new="$out/.$NAME.new"
 rm -rf "$new"

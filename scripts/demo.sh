@@ -2,10 +2,15 @@
 # The quickstart, end to end on the embedded default: kvmd dev (control API on
 # SQLite + one local agent), terraform apply of examples/quickstart with the
 # locally built provider (dev_overrides), a look at what it made, then destroy.
+#
+# First scripts/deps.sh installs the Debian packages (as root with apt) and
+# scripts/build-image.sh builds the busybox guest image. When either cannot
+# be done, the demo says so in one line starting with "demo: FALLBACK" and
+# runs the same quickstart on the sim driver (simulated VMs, image "sim").
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 bin="${BIN:-$root/bin}"
-image_dir="${IMAGE_DIR:-$root/.cache/images}"
+image_dir="${IMAGE_DIR:-${KVM_IMAGE_DIR:-$root/.cache/images}}"
 listen="${KVM_DEMO_LISTEN:-127.0.0.1:8470}"
 work="$(mktemp -d)"
 token="demo-$(head -c 8 /dev/urandom | od -An -tx1 | tr -d ' \n')"
@@ -25,8 +30,21 @@ for tool in terraform curl; do
   command -v "$tool" >/dev/null || { echo "demo: $tool is not on PATH; install it first" >&2; exit 1; }
 done
 
-step "kvmd dev on $listen (log: $work/kvmd.log)"
-KVMD_TOKEN="$token" "$bin/kvmd" dev --listen "$listen" --data-dir "$work/data" --image-dir "$image_dir" \
+step "Debian packages and the guest image"
+driver=qemu
+fallback=""
+if ! "$root/scripts/deps.sh" demo; then
+	fallback="Debian packages are missing (the command to install them is above)"
+elif ! "$root/scripts/build-image.sh" "$image_dir"; then
+	fallback="the busybox guest image could not be built into $image_dir (scripts/build-image.sh failed above)"
+fi
+if [[ -n "$fallback" ]]; then
+	driver=sim
+	printf '\n\033[1mdemo: FALLBACK to the sim driver: %s. The quickstart below runs on simulated VMs (image "sim"), not QEMU guests; install the packages and run make demo again for real guests.\033[0m\n' "$fallback"
+fi
+
+step "kvmd dev on $listen with the $driver driver (log: $work/kvmd.log)"
+KVMD_TOKEN="$token" "$bin/kvmd" dev --listen "$listen" --driver "$driver" --data-dir "$work/data" --image-dir "$image_dir" \
   >"$work/kvmd.out" 2>"$work/kvmd.log" &
 kvmd_pid=$!
 for _ in $(seq 60); do
@@ -37,7 +55,7 @@ done
 grep -v "^{" "$work/kvmd.log" || true
 
 image="busybox"
-if grep -q '"driver":"sim"' "$work/kvmd.log"; then image="sim"; fi
+if [[ "$driver" == sim ]]; then image="sim"; fi
 
 step "terraform apply examples/quickstart (provider from $bin via dev_overrides)"
 cat >"$work/terraformrc" <<RC
@@ -67,4 +85,8 @@ terraform plan -input=false -detailed-exitcode -var "image=$image"
 
 step "terraform destroy"
 terraform destroy -auto-approve -input=false -var "image=$image"
-echo "demo: done"
+if [[ -n "$fallback" ]]; then
+	echo "demo: done on the sim driver (FALLBACK: $fallback)"
+else
+	echo "demo: done with real QEMU guests"
+fi

@@ -15,7 +15,7 @@ import (
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := cmd.Run(ctx, os.Args[1:], os.Getenv, os.Stderr); err != nil {
+	if err := cmd.Run(ctx, os.Args[1:], os.Getenv, os.Stdout, os.Stderr); err != nil {
 		fmt.Fprintln(os.Stderr, "kvmd:", err)
 		os.Exit(1)
 	}

@@ -13,6 +13,8 @@ provider "kvm" {
   token           = var.kvm_token
   request_timeout = "2m"
   max_retries     = 4
+  # For an https:// endpoint whose certificate a private CA signed:
+  # ca_file = "/etc/kvmd/ca.pem"
 }
 
 variable "kvm_token" {

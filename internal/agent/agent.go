@@ -1,4 +1,4 @@
-// Package agent is the host agent: its HTTP API (DESIGN.md section 4), the
+// Package agent is the host agent: its HTTP API, the
 // registry of the VMs on this host and their durable metadata. The VMM is a
 // Driver: internal/agent/qemu for real guests, internal/agent/sim for scale
 // tests.
@@ -6,6 +6,7 @@ package agent
 
 import (
 	"context"
+	"crypto/ed25519"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -18,6 +19,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/limits"
 )
 
 // Config configures an Agent.
@@ -43,6 +45,10 @@ type Config struct {
 	// PeerHTTPClient makes the calls to other agents (snapshot pulls), e.g.
 	// with the CA that signed their TLS certificates; default plain HTTP.
 	PeerHTTPClient *http.Client
+	// Addresses are the addresses (scheme://host:port) the agent signs
+	// identity challenges for beside the IP and port a challenge arrives
+	// on: its DNS names, or a proxy in front of it (identity.go).
+	Addresses []string
 }
 
 // Agent is one host agent. VM states are observed when they are asked for;
@@ -58,6 +64,12 @@ type Agent struct {
 	vms map[string]*vmEntry
 
 	snaps snapshotRegistry // snapshots by id (snapshot.go)
+
+	// identity is the agent's key (identity.go); addresses are the
+	// addresses it signs for beside the one a challenge arrives on.
+	identity  ed25519.PrivateKey
+	addrMu    sync.Mutex
+	addresses []string
 
 	pool *pool // the warm pool and its filler, the one goroutine Close stops
 	// syncs are the background syncs of snapshot files (snapshot_sync.go),
@@ -145,6 +157,14 @@ func New(ctx context.Context, cfg Config) (*Agent, error) {
 	if err := os.MkdirAll(a.vmsDir(), 0o750); err != nil {
 		return nil, fmt.Errorf("agent: create state directory %s: %w", a.vmsDir(), err)
 	}
+	if err := a.loadIdentity(); err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+	for _, addr := range cfg.Addresses {
+		if err := a.AllowAddress(addr); err != nil {
+			return nil, fmt.Errorf("agent: advertised %w", err)
+		}
+	}
 	loaded, err := a.loadRecords()
 	if err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
@@ -184,6 +204,7 @@ func (a *Agent) adopt(ctx context.Context, loaded []loadedVM) {
 			return
 		}
 		defer e.unlock()
+		a.adoptNetwork(ctx, before)
 		after := a.refreshLocked(ctx, e)
 		switch {
 		case after.State == agentapi.StateRunning || after.State == agentapi.StatePaused:
@@ -231,7 +252,8 @@ func (a *Agent) Close() error {
 
 func machineOf(a *Agent, r vmRecord) *Machine {
 	return &Machine{ID: r.ID, Dir: a.vmDir(r.ID), Image: r.Image, VCPUs: r.VCPUs,
-		MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB, Disk: r.Disk, Process: r.Process}
+		MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB, Disk: r.Disk, Process: r.Process,
+		NICs: cloneNICs(r.NICs), GuestNICs: cloneNICs(r.GuestNICs)}
 }
 
 // refreshLocked asks the driver for the VM's state and records a change.
@@ -321,16 +343,19 @@ func (a *Agent) checkSpec(spec agentapi.VMSpec) (Image, error) {
 	switch {
 	case spec.Image == "":
 		return Image{}, errInvalid("image is required; this agent has %v", a.cfg.Driver.Images())
-	case spec.VCPUs < 1 || spec.VCPUs > 255:
-		return Image{}, errInvalid("vcpus must be between 1 and 255, got %d", spec.VCPUs)
-	case spec.MemoryMiB < 1 || spec.MemoryMiB > 16<<20:
-		return Image{}, errInvalid("memory_mib must be between 1 and %d, got %d", 16<<20, spec.MemoryMiB)
-	case spec.DiskMiB < 0 || spec.DiskMiB > 64<<20:
-		return Image{}, errInvalid("disk_mib must be between 0 and %d, got %d", 64<<20, spec.DiskMiB)
+	case spec.VCPUs < 1 || spec.VCPUs > limits.MaxVCPUs:
+		return Image{}, errInvalid("vcpus must be between 1 and %d, got %d", limits.MaxVCPUs, spec.VCPUs)
+	case spec.MemoryMiB < 1 || spec.MemoryMiB > limits.MaxMemoryMiB:
+		return Image{}, errInvalid("memory_mib must be between 1 and %d, got %d", limits.MaxMemoryMiB, spec.MemoryMiB)
+	case spec.DiskMiB < 0 || spec.DiskMiB > limits.MaxDiskMiB:
+		return Image{}, errInvalid("disk_mib must be between 0 and %d, got %d", limits.MaxDiskMiB, spec.DiskMiB)
 	case spec.Snapshot != nil:
 		if err := checkSnapshotSource(spec); err != nil {
 			return Image{}, err
 		}
+	}
+	if err := checkNICs(spec.NICs); err != nil {
+		return Image{}, err
 	}
 	img, err := a.cfg.Driver.Image(spec.Image)
 	if errors.Is(err, ErrUnknownImage) {
@@ -393,9 +418,10 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 		if corrupt {
 			return agentapi.VM{}, false, errConflict("vm %s exists but its metadata is corrupt (%s); delete it and create it again", id, r.Reason)
 		}
-		if r.Image != spec.Image || r.VCPUs != spec.VCPUs || r.MemoryMiB != spec.MemoryMiB || r.DiskMiB != spec.DiskMiB {
-			err := errConflict("vm %s already exists with a different shape (image %s, %d vcpus, %d MiB memory, %d MiB disk)",
-				id, r.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB)
+		if r.Image != spec.Image || r.VCPUs != spec.VCPUs || r.MemoryMiB != spec.MemoryMiB || r.DiskMiB != spec.DiskMiB ||
+			!sameNICs(r.NICs, spec.NICs) {
+			err := errConflict("vm %s already exists with a different shape (image %s, %d vcpus, %d MiB memory, %d MiB disk, %d nics)",
+				id, r.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, len(r.NICs))
 			err.Details = map[string]any{"id": id}
 			return agentapi.VM{}, false, err
 		}
@@ -410,7 +436,7 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 	r := vmRecord{
 		Version: metaVersion, ID: e.id, Image: spec.Image, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB,
 		DiskMiB: spec.DiskMiB, State: agentapi.StateCreating, StartedFrom: agentapi.StartedCold,
-		CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
+		CreatedAt: time.Now().UTC().Truncate(time.Millisecond), NICs: requestedNICs(spec.NICs),
 	}
 	e.set(r)
 	// A matching warm VM first (pool_acquire.go); a miss boots cold below.
@@ -438,7 +464,7 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 		if err := a.cfg.Driver.Boot(ctx, m, BootOptions{}); err != nil {
 			return fail(err)
 		}
-		r.State, r.Process = agentapi.StateRunning, m.Process
+		r.State, r.Process, r.NICs = agentapi.StateRunning, m.Process, m.NICs
 	}
 	if err := a.saveRecord(&r); err != nil {
 		return fail(err)
@@ -453,6 +479,9 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 func (a *Agent) removeVM(ctx context.Context, e *vmEntry, m *Machine) error {
 	if err := a.cfg.Driver.Kill(ctx, m); err != nil {
 		return fmt.Errorf("end the process of vm %s: %w", e.id, err)
+	}
+	if err := a.releaseNetwork(ctx, m); err != nil {
+		return err
 	}
 	dir := a.vmDir(e.id)
 	// Unique, so that a leftover of an earlier failed removal never blocks this one.
@@ -540,7 +569,7 @@ func (a *Agent) Action(ctx context.Context, id, action string) (agentapi.VM, err
 			}
 		}
 		if err == nil {
-			r.State, r.Reason, r.Process = agentapi.StateRunning, "", m.Process
+			r.State, r.Reason, r.Process, r.NICs = agentapi.StateRunning, "", m.Process, m.NICs
 		}
 	case agentapi.ActionStop:
 		if r.State != agentapi.StateStopped {

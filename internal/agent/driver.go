@@ -67,6 +67,13 @@ type Machine struct {
 	// Process is the driver's durable handle of the running VM. The agent
 	// saves it in the VM's metadata, so that a new agent re-adopts the VM.
 	Process Process
+	// NICs are the VM's network interfaces (see NetworkDriver). Boot and
+	// Spawn fill the host ports of port forwards; the agent saves them.
+	NICs []agentapi.NIC
+	// GuestNICs are the NICs as the guest sees them when they differ from
+	// NICs: a VM started from a snapshot keeps its source's MACs and
+	// addresses inside, and is reached at its own NICs' from outside.
+	GuestNICs []agentapi.NIC
 }
 
 // Process identifies a VMM process. StartTime (field 22 of /proc/<pid>/stat)

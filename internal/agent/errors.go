@@ -9,6 +9,7 @@ import (
 const (
 	CodeInvalid      = "invalid"
 	CodeUnauthorized = "unauthorized"
+	CodeForbidden    = "forbidden"
 	CodeNotFound     = "not_found"
 	CodeConflict     = "conflict"
 	CodeTooLarge     = "too_large"
@@ -51,3 +52,11 @@ func errConflict(format string, args ...any) *Error {
 
 // ErrInvalidSpec is what a driver's CheckSpec returns for a shape it cannot run.
 func ErrInvalidSpec(format string, args ...any) error { return errInvalid(format, args...) }
+
+// ErrNoBridge is what a driver's CheckSpec returns for a bridge-mode NIC
+// whose bridge does not exist on this host.
+func ErrNoBridge(bridge, host string) error {
+	e := errInvalid("bridge %s does not exist on host %s: create it there first, or place the vm on a host that has it", bridge, host)
+	e.Details = map[string]any{"bridge": bridge, "host": host}
+	return e
+}

@@ -209,3 +209,55 @@ func FuzzAgentConsole(f *testing.F) {
 		}
 	})
 }
+
+// FuzzAgentIdentity: POST /v1/identity (no token) answers 200, 400 or 403
+// and changes nothing; a 200 answers the challenge that was sent, with the
+// agent's own key and a join proof made with its token.
+func FuzzAgentIdentity(f *testing.F) {
+	fa := newFuzzAgent(f)
+	const advertised = "https://kvm-01.example.net:8471"
+	if err := fa.agent.AllowAddress(advertised); err != nil {
+		f.Fatal(err)
+	}
+	nonce := agentapi.NewNonce(bytes.Repeat([]byte{7}, 32))
+	for _, s := range agentBodySeeds {
+		f.Add([]byte(s))
+	}
+	f.Add([]byte(`{"nonce":"` + nonce + `","host":"h1","address":"` + advertised + `"}`))
+	f.Add([]byte(`{"nonce":"` + nonce + `","host":"","address":"` + advertised + `"}`))
+	f.Add([]byte(`{"nonce":"` + nonce + `","host":"h1","address":"http://127.0.0.1:8471"}`))
+	f.Add([]byte(`{"nonce":"` + nonce + `","host":"h1","address":"` + advertised + `/x?y="}`))
+	f.Add([]byte(`{"nonce":"` + nonce + `","host":"h1\n","address":"` + advertised + `"}`))
+	f.Add([]byte(`{"nonce":"short","host":"h1","address":"` + advertised + `"}`))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		req := httptest.NewRequest(http.MethodPost, "/v1/identity", bytes.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		rec := httptest.NewRecorder()
+		before := fa.state()
+		fa.agent.Handler().ServeHTTP(rec, req)
+		switch rec.Code {
+		case http.StatusOK:
+			var ch agentapi.IdentityChallenge
+			var proof agentapi.IdentityProof
+			if err := json.Unmarshal(body, &ch); err != nil {
+				t.Fatalf("200 for a body that is not a challenge %q: %v", body, err)
+			}
+			if err := json.Unmarshal(rec.Body.Bytes(), &proof); err != nil {
+				t.Fatalf("200 answer is not a proof: %s", rec.Body.Bytes())
+			}
+			key, err := agentapi.VerifyIdentity(ch, proof, nil, token)
+			if err != nil || !key.Equal(fa.agent.PublicKey()) {
+				t.Fatalf("proof for %q does not verify with the agent's key and token: %v", body, err)
+			}
+			if ch.Address != advertised {
+				t.Fatalf("signed for %q, which this agent was not told it is reachable at", ch.Address)
+			}
+		case http.StatusBadRequest, http.StatusForbidden, http.StatusRequestEntityTooLarge:
+		default:
+			t.Fatalf("identity %q: %d %s", body, rec.Code, rec.Body.Bytes())
+		}
+		if after := fa.state(); !reflect.DeepEqual(before, after) {
+			t.Fatalf("identity %q changed the agent", body)
+		}
+	})
+}

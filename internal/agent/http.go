@@ -77,12 +77,17 @@ func (a *Agent) routes() http.Handler {
 	})
 	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(reg, promhttp.HandlerOpts{})))
 
+	// The one /v1 call without a token: how the control plane learns that
+	// this address is an agent before it sends the token here.
+	e.POST("/v1/identity", a.postIdentity)
+
 	v1 := e.Group("/v1", a.authenticate)
 	v1.GET("/info", a.getInfo)
 	v1.GET("/vms", a.listVMs)
 	v1.PUT("/vms/:id", a.putVM)
 	v1.GET("/vms/:id", a.getVM)
 	v1.DELETE("/vms/:id", a.deleteVM)
+	v1.PUT("/vms/:id/shape", a.putShape)
 	v1.GET("/vms/:id/console", a.getConsole)
 	v1.POST("/vms/:id/:action", a.postAction)
 	a.snapshotRoutes(v1)
@@ -147,6 +152,8 @@ func codeForStatus(status int) string {
 		return CodeNotFound
 	case http.StatusUnauthorized:
 		return CodeUnauthorized
+	case http.StatusForbidden:
+		return CodeForbidden
 	case http.StatusRequestEntityTooLarge:
 		return CodeTooLarge
 	case http.StatusConflict:
@@ -202,6 +209,18 @@ func (a *Agent) putVM(c echo.Context) error {
 	}
 	if created {
 		return c.JSON(http.StatusCreated, vm)
+	}
+	return c.JSON(http.StatusOK, vm)
+}
+
+func (a *Agent) putShape(c echo.Context) error {
+	var shape agentapi.VMShape
+	if err := bindJSON(c, &shape); err != nil {
+		return err
+	}
+	vm, err := a.ResizeVM(c.Request().Context(), c.Param("id"), shape)
+	if err != nil {
+		return err
 	}
 	return c.JSON(http.StatusOK, vm)
 }

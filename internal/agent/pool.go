@@ -1,6 +1,6 @@
 package agent
 
-// The warm pool (DESIGN.md section 8): paused, pre-booted VMs per image and
+// The warm pool (docs/guides/architecture.md): paused, pre-booted VMs per image and
 // shape, so that a create that matches starts in milliseconds. Under the
 // state directory:
 //

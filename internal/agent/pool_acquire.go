@@ -14,13 +14,15 @@ import (
 // the caller gives up, so that a resumed VM is always recorded or destroyed.
 const handoverTimeout = 30 * time.Second
 
-// createWarm starts VM e.id from a warm VM matching spec. false means no
+// createWarm starts VM e.id from a warm VM matching spec. Warm VMs are
+// booted without a NIC, so they serve only creates without NICs: a VM with
+// NICs boots cold (its NICs are on QEMU's command line from the start). false means no
 // warm VM could be used: nothing of e exists yet and the caller boots cold.
 // A warm VM that fails to resume is destroyed and the next one tried. The
 // caller holds e's operation lock; r is e's record in state creating.
 func (a *Agent) createWarm(ctx context.Context, e *vmEntry, r vmRecord, spec agentapi.VMSpec) (agentapi.VM, bool) {
 	p := a.pool
-	if p.wd == nil || spec.NoWarm || spec.Stopped || spec.Snapshot != nil {
+	if p.wd == nil || spec.NoWarm || spec.Stopped || spec.Snapshot != nil || len(spec.NICs) > 0 {
 		return agentapi.VM{}, false
 	}
 	key := poolKey{spec.Image, spec.VCPUs, spec.MemoryMiB, spec.DiskMiB}

@@ -1,6 +1,6 @@
 package agent_test
 
-// Warm pool bookkeeping with the sim driver (DESIGN.md section 8). The rules
+// Warm pool bookkeeping with the sim driver (docs/guides/architecture.md). The rules
 // about real processes (orphans killed, user VMs untouched, a killed warm VM
 // falling back to a cold boot) are proved with QEMU in
 // internal/agent/qemu/pool_test.go.

@@ -20,7 +20,7 @@ func TestEveryAgentRouteRefusesMissingAndWrongTokens(t *testing.T) {
 	if !ok {
 		t.Fatalf("Agent.Handler is %T; this test walks the routes of an *echo.Echo", fa.agent.Handler())
 	}
-	openRoutes := map[string]bool{"GET /healthz": true, "GET /metrics": true}
+	openRoutes := map[string]bool{"GET /healthz": true, "GET /metrics": true, "POST /v1/identity": true}
 	refusals := map[string]string{
 		"missing":              "",
 		"wrong":                "Bearer wrong-token",

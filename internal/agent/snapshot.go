@@ -1,6 +1,6 @@
 package agent
 
-// Snapshots (DESIGN.md section 7): the memory and disk of a running VM taken
+// Snapshots (docs/guides/architecture.md): the memory and disk of a running VM taken
 // in one paused window, children started from them, and pulls of a snapshot
 // from another agent so that a child can start on another host.
 //
@@ -14,6 +14,8 @@ package agent
 
 import (
 	"context"
+	"crypto/ed25519"
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -65,6 +67,23 @@ type Snapshotter interface {
 	// dir, and starts m running from the memory state, with a new identity
 	// (vmgenid). m.Process is set as by Boot.
 	Spawn(ctx context.Context, m *Machine, dir string, files SnapshotFiles) error
+	// AdoptPulled checks the disk chain of a snapshot pulled from another
+	// agent into dir before anything opens it: each disk file may name as
+	// its backing file only another file of the snapshot, a file of its
+	// parent snapshot (from.ParentDir) or the base disk of its image on
+	// this agent, and the driver rewrites every name to this agent's own
+	// file. Anything else is refused: a peer must not make this host's
+	// VMs read files of its choosing. It returns the files it rewrote.
+	AdoptPulled(ctx context.Context, dir string, files SnapshotFiles, from PulledFrom) ([]string, error)
+}
+
+// PulledFrom is what AdoptPulled may let a pulled snapshot's disks sit on.
+type PulledFrom struct {
+	Image string // the snapshot's image, on this agent
+	// ParentDir and ParentFiles are the parent snapshot, already here
+	// (ParentDir "" without one).
+	ParentDir   string
+	ParentFiles SnapshotFiles
 }
 
 // SnapshotOptions tunes Snapshotter.Snapshot.
@@ -110,12 +129,15 @@ type snapshotRecord struct {
 	// starts and finds it set checks every file against its digest.
 	Unsynced  bool      `json:"unsynced,omitempty"`
 	CreatedAt time.Time `json:"created_at"`
+	// NICs are the source's NICs as its guest sees them: a VM started
+	// from the snapshot keeps that view inside (Machine.GuestNICs).
+	NICs []agentapi.NIC `json:"nics,omitempty"`
 }
 
 func (r *snapshotRecord) wire() agentapi.Snapshot {
 	s := agentapi.Snapshot{
 		ID: r.ID, VMID: r.VMID, Image: r.Image, VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB,
-		CreatedAt: r.CreatedAt, Files: slices.Clone(r.Files), Parent: r.Parent,
+		CreatedAt: r.CreatedAt, Files: slices.Clone(r.Files), Parent: r.Parent, NICs: cloneNICs(r.NICs),
 	}
 	h := sha256.New()
 	for _, f := range r.Files {
@@ -285,7 +307,66 @@ func checkSnapshotSource(spec agentapi.VMSpec) error {
 	if spec.Stopped {
 		return errInvalid("a vm started from a snapshot cannot be created stopped: it continues the snapshot's running guest")
 	}
+	if _, err := peerOf(spec.Snapshot); err != nil {
+		return err
+	}
 	return nil
+}
+
+// peer is another agent a snapshot is pulled from: its address and the
+// identity key the control plane pinned for it.
+type peer struct {
+	address string
+	key     ed25519.PublicKey
+}
+
+// peerOf is the agent src names; nil when the snapshot is to be here.
+func peerOf(src *agentapi.SnapshotSource) (*peer, error) {
+	if src.Address == "" {
+		if src.PublicKey != "" {
+			return nil, errInvalid("snapshot.public_key without snapshot.address")
+		}
+		return nil, nil
+	}
+	addr, err := agentapi.CheckAddress(src.Address)
+	if err != nil {
+		return nil, errInvalid("snapshot.address: %v", err)
+	}
+	if src.PublicKey == "" {
+		return nil, errInvalid("snapshot.address %s needs snapshot.public_key, the identity key the control plane pinned for that agent: "+
+			"this agent sends its token only to an agent that proves it", src.Address)
+	}
+	key, err := agentapi.DecodeKey(src.PublicKey)
+	if err != nil {
+		return nil, errInvalid("snapshot.public_key: %v", err)
+	}
+	return &peer{address: addr, key: key}, nil
+}
+
+// peerClient is a client of the agent p after it proved its pinned
+// identity at its address: only then does the agent token go there.
+func (a *Agent) peerClient(ctx context.Context, p *peer) (*agentapi.Client, error) {
+	hc := &http.Client{}
+	if a.cfg.PeerHTTPClient != nil {
+		c := *a.cfg.PeerHTTPClient
+		hc = &c
+	}
+	hc.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	opts := []agentapi.Option{agentapi.WithTimeout(30 * time.Second), agentapi.WithHTTPClient(hc)}
+	nonce := make([]byte, 32)
+	if _, err := rand.Read(nonce); err != nil {
+		return nil, err
+	}
+	ch := agentapi.IdentityChallenge{Nonce: agentapi.NewNonce(nonce), Address: p.address}
+	proof, err := agentapi.NewClient(p.address, "", opts...).Identity(ctx, ch)
+	if err == nil {
+		_, err = agentapi.VerifyIdentity(ch, proof, p.key, "")
+	}
+	if err != nil {
+		return nil, fmt.Errorf("the agent at %s did not prove the identity the control plane pinned for it (%s): %w",
+			p.address, agentapi.KeyFingerprint(p.key), err)
+	}
+	return agentapi.NewClient(p.address, a.cfg.Token, opts...), nil
 }
 
 func errSnapshotNotFound(id string) *Error {
@@ -477,6 +558,7 @@ func (a *Agent) takeSnapshot(ctx context.Context, sn Snapshotter, id string, spe
 	rec := &snapshotRecord{
 		Version: snapshotVersion, ID: id, VMID: r.ID, Image: r.Image, VCPUs: r.VCPUs,
 		MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB, CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
+		NICs: guestView(r),
 	}
 	if files.Disk != "" {
 		// The frozen disk sits on the disk of the snapshot the VM came from.
@@ -699,7 +781,7 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 	r := vmRecord{
 		Version: metaVersion, ID: e.id, Image: spec.Image, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB,
 		DiskMiB: spec.DiskMiB, State: agentapi.StateCreating, StartedFrom: agentapi.StartedSnapshot,
-		Snapshot: src.ID, CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
+		Snapshot: src.ID, CreatedAt: time.Now().UTC().Truncate(time.Millisecond), NICs: requestedNICs(spec.NICs),
 	}
 	// Set before the snapshot is looked at, so that from here on a delete
 	// of the snapshot sees this VM and refuses.
@@ -712,7 +794,11 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 		return fail(err)
 	}
 	start := time.Now()
-	rec, err := a.ensureSnapshot(ctx, src.ID, src.Address, nil)
+	from, err := peerOf(&src)
+	if err != nil {
+		return fail(err)
+	}
+	rec, err := a.ensureSnapshot(ctx, src.ID, from, nil)
 	if err != nil {
 		return fail(err)
 	}
@@ -721,6 +807,11 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 		return fail(errInvalid("snapshot %s is of a vm with image %s, %d vcpus, %d MiB memory, %d MiB disk: a vm started from it must have that shape",
 			src.ID, rec.Image, rec.VCPUs, rec.MemoryMiB, rec.DiskMiB))
 	}
+	if err := checkChildNICs(src.ID, rec.NICs, spec.NICs); err != nil {
+		return fail(err)
+	}
+	r.GuestNICs = cloneNICs(rec.NICs)
+	e.set(r)
 	if err := os.MkdirAll(a.vmDir(e.id), 0o750); err != nil {
 		return fail(err)
 	}
@@ -731,7 +822,7 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 	if err := sn.Spawn(ctx, m, a.snapDir(src.ID), rec.files()); err != nil {
 		return fail(err)
 	}
-	r.State, r.Process, r.Disk = agentapi.StateRunning, m.Process, m.Disk
+	r.State, r.Process, r.Disk, r.NICs = agentapi.StateRunning, m.Process, m.Disk, m.NICs
 	if err := a.saveRecord(&r); err != nil {
 		return fail(err)
 	}
@@ -741,11 +832,41 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 	return r.wire(), nil
 }
 
+// guestView is a VM's NICs as its guest sees them.
+func guestView(r vmRecord) []agentapi.NIC {
+	if len(r.GuestNICs) > 0 {
+		return cloneNICs(r.GuestNICs)
+	}
+	return requestedNICs(r.NICs)
+}
+
+// checkChildNICs checks that a VM started from snapshot id has a NIC of
+// the same network and mode for each NIC of the snapshot's guest: the
+// guest's devices come back from the memory state, only their host side is
+// the child's own.
+func checkChildNICs(id string, guest, child []agentapi.NIC) error {
+	if len(guest) != len(child) {
+		return errInvalid("snapshot %s is of a vm with %d nics: a vm started from it needs %d nics (on the same networks), got %d",
+			id, len(guest), len(guest), len(child))
+	}
+	for i := range guest {
+		if guest[i].Network != child[i].Network || guest[i].Mode != child[i].Mode {
+			return errInvalid("snapshot %s: nics[%d] of its vm is on network %s (mode %s): the child's nics[%d] must be too, got %s (mode %s)",
+				id, i, guest[i].Network, guest[i].Mode, i, child[i].Network, child[i].Mode)
+		}
+		if guest[i].Mode == agentapi.NetworkNAT && guest[i].CIDR != child[i].CIDR {
+			return errInvalid("snapshot %s: nics[%d] of its vm is on %s, the child's on %s: a child keeps its guest's network",
+				id, i, guest[i].CIDR, child[i].CIDR)
+		}
+	}
+	return nil
+}
+
 // ensureSnapshot returns snapshot id, pulling it (and the snapshots it builds
 // on) from the agent at address when it is not here. Concurrent callers
 // needing the same pull wait for one. chain holds the ids being pulled
 // further up, against cycles in metadata sent by another agent.
-func (a *Agent) ensureSnapshot(ctx context.Context, id, address string, chain []string) (*snapshotRecord, error) {
+func (a *Agent) ensureSnapshot(ctx context.Context, id string, from *peer, chain []string) (*snapshotRecord, error) {
 	if slices.Contains(chain, id) || len(chain) >= maxSnapshotDepth {
 		return nil, errConflict("snapshot %s: its parents %v form a cycle or are more than %d deep", id, chain, maxSnapshotDepth)
 	}
@@ -765,14 +886,14 @@ func (a *Agent) ensureSnapshot(ctx context.Context, id, address string, chain []
 		case corrupt != "":
 			s.unlock()
 			return nil, errConflict("snapshot %s exists but %s", id, corrupt)
-		case address == "":
+		case from == nil:
 			a.snaps.drop(s)
 			s.unlock()
 			e := errConflict("snapshot %s does not exist on this agent; give snapshot.address to pull it from the agent that has it", id)
 			e.Details = map[string]any{"snapshot": id}
 			return nil, e
 		}
-		rec, err := a.pullSnapshot(ctx, id, address, append(slices.Clone(chain), id))
+		rec, err := a.pullSnapshot(ctx, id, from, append(slices.Clone(chain), id))
 		if err != nil {
 			a.snaps.drop(s)
 			s.unlock()
@@ -797,15 +918,15 @@ func errPull(id, address string, err error) *Error {
 // directory, checks every file's size and sha256 against the metadata, and
 // renames the directory into place only when all match. The caller holds
 // the snapshot's lock.
-func (a *Agent) pullSnapshot(ctx context.Context, id, address string, chain []string) (*snapshotRecord, error) {
+func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain []string) (*snapshotRecord, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), pullTimeout)
 	defer cancel()
 	start := time.Now()
-	opts := []agentapi.Option{agentapi.WithTimeout(30 * time.Second)}
-	if a.cfg.PeerHTTPClient != nil {
-		opts = append(opts, agentapi.WithHTTPClient(a.cfg.PeerHTTPClient))
+	address := from.address
+	c, err := a.peerClient(ctx, from)
+	if err != nil {
+		return nil, errPull(id, address, err)
 	}
-	c := agentapi.NewClient(address, a.cfg.Token, opts...)
 	meta, err := c.GetSnapshot(ctx, id)
 	if errors.Is(err, agentapi.ErrNotFound) {
 		e := errConflict("snapshot %s does not exist on agent %s either", id, address)
@@ -818,7 +939,7 @@ func (a *Agent) pullSnapshot(ctx context.Context, id, address string, chain []st
 	rec := &snapshotRecord{
 		Version: snapshotVersion, ID: meta.ID, VMID: meta.VMID, Image: meta.Image, VCPUs: meta.VCPUs,
 		MemoryMiB: meta.MemoryMiB, DiskMiB: meta.DiskMiB, Files: meta.Files, Parent: meta.Parent,
-		Origin: address, CreatedAt: meta.CreatedAt,
+		Origin: address, CreatedAt: meta.CreatedAt, NICs: meta.NICs,
 	}
 	if err := rec.validate(id); err != nil {
 		return nil, errPull(id, address, fmt.Errorf("its metadata is not usable: %w", err))
@@ -827,7 +948,7 @@ func (a *Agent) pullSnapshot(ctx context.Context, id, address string, chain []st
 		return nil, errConflict("snapshot %s is of image %s, which this agent does not have: %v", id, rec.Image, err)
 	}
 	if rec.Parent != "" {
-		if _, err := a.ensureSnapshot(ctx, rec.Parent, address, chain); err != nil {
+		if _, err := a.ensureSnapshot(ctx, rec.Parent, from, chain); err != nil {
 			return nil, fmt.Errorf("snapshot %s builds on snapshot %s: %w", id, rec.Parent, err)
 		}
 	}
@@ -850,6 +971,12 @@ func (a *Agent) pullSnapshot(ctx context.Context, id, address string, chain []st
 			return nil, errPull(id, address, err)
 		}
 		bytes += f.SizeBytes
+	}
+	if err := a.adoptPulled(ctx, dir, rec); err != nil {
+		a.log.Warn("snapshot pull refused: its disk chain", "snapshot", id, "from", address, "err", err)
+		e := errConflict("snapshot %s from agent %s refused: %v", id, address, err)
+		e.Details = map[string]any{"snapshot": id}
+		return nil, e
 	}
 	if err := a.commitSnapshotDir(dir, rec); err != nil {
 		return nil, fmt.Errorf("pull snapshot %s: %w", id, err)
@@ -893,10 +1020,48 @@ func (a *Agent) pullFile(ctx context.Context, c *agentapi.Client, id, dir string
 	case sum != f.SHA256:
 		return fmt.Errorf("file %s: sha256 %s, the metadata says %s: corrupted in transit or changed at the source", f.Name, sum, f.SHA256)
 	}
-	if f.Kind != agentapi.SnapshotFileMemory {
-		// Frozen disks and RAM images are read-only from now on, as at
-		// the source.
-		return os.Chmod(path, 0o444)
+	return nil
+}
+
+// adoptPulled has the driver check the disk chain of a pulled snapshot and
+// rewrite its backing file names to this agent's files (Snapshotter), then
+// records the new digests of the files it rewrote and makes the frozen
+// disks and RAM image read-only, as at the source.
+func (a *Agent) adoptPulled(ctx context.Context, dir string, rec *snapshotRecord) error {
+	sn, err := a.snapshotter()
+	if err != nil {
+		return err
+	}
+	from := PulledFrom{Image: rec.Image}
+	if rec.Parent != "" {
+		p := a.snaps.lookup(rec.Parent)
+		if p == nil {
+			return fmt.Errorf("its parent snapshot %s is not here", rec.Parent)
+		}
+		prec, _, gone := p.state()
+		if prec == nil || gone {
+			return fmt.Errorf("its parent snapshot %s is not here", rec.Parent)
+		}
+		from.ParentDir, from.ParentFiles = a.snapDir(rec.Parent), prec.files()
+	}
+	rewritten, err := sn.AdoptPulled(ctx, dir, rec.files(), from)
+	if err != nil {
+		return err
+	}
+	for i, f := range rec.Files {
+		path := filepath.Join(dir, f.Name)
+		if slices.Contains(rewritten, f.Name) {
+			size, sum, err := hashFile(path, f.Kind, "")
+			if err != nil {
+				return fmt.Errorf("digest of rewritten %s: %w", f.Name, err)
+			}
+			rec.Files[i].SizeBytes, rec.Files[i].SHA256 = size, sum
+		}
+		if f.Kind != agentapi.SnapshotFileMemory {
+			if err := os.Chmod(path, 0o444); err != nil {
+				return err
+			}
+		}
 	}
 	return nil
 }

@@ -8,7 +8,7 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 )
 
-// snapshotRoutes adds the snapshot calls of DESIGN.md section 4:
+// snapshotRoutes adds the snapshot calls of the agent API:
 //
 //	PUT    /v1/snapshots/{id}               take it (idempotent on the id)
 //	GET    /v1/snapshots/{id}               its metadata, with its files

@@ -341,7 +341,12 @@ func TestPullFromAnotherAgent(t *testing.T) {
 		t.Fatalf("snapshot of a child: parent %q, want gen-1", snap.Parent)
 	}
 	child := spec
-	child.Snapshot = &agentapi.SnapshotSource{ID: "gen-2", Address: proxy.srv.URL}
+	// The control plane gives the source's pinned key; the source proves
+	// it for the address of the proxy in front of it.
+	if err := a.agent.AllowAddress(proxy.srv.URL); err != nil {
+		t.Fatal(err)
+	}
+	child.Snapshot = &agentapi.SnapshotSource{ID: "gen-2", Address: proxy.srv.URL, PublicKey: agentapi.EncodeKey(a.agent.PublicKey())}
 
 	// A tampered transfer is rejected: no child, no snapshot, no leftovers.
 	proxy.tamper.Store(true)

@@ -40,13 +40,18 @@ type vmRecord struct {
 	// Snapshot is the snapshot the VM was started from: its disk sits on
 	// that snapshot's frozen disk, so the snapshot stays while the VM does.
 	Snapshot string `json:"snapshot,omitempty"`
+	// NICs are the VM's network interfaces, with the host ports the driver
+	// chose; GuestNICs the source's NICs of a VM started from a snapshot
+	// (Machine.GuestNICs).
+	NICs      []agentapi.NIC `json:"nics,omitempty"`
+	GuestNICs []agentapi.NIC `json:"guest_nics,omitempty"`
 }
 
 func (r *vmRecord) wire() agentapi.VM {
 	return agentapi.VM{
 		ID: r.ID, Image: r.Image, VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB,
 		State: r.State, Reason: r.Reason, StartedFrom: r.StartedFrom, PID: r.Process.PID,
-		CreatedAt: r.CreatedAt,
+		NICs: cloneNICs(r.NICs), CreatedAt: r.CreatedAt,
 	}
 }
 

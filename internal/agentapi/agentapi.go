@@ -52,10 +52,14 @@ type Info struct {
 
 // SnapshotSource tells an agent where to find the snapshot a VM starts from.
 // Address is empty when the snapshot is local; otherwise the agent pulls it
-// from that agent (same agent token) before it starts the VM.
+// from that agent (same agent token) before it starts the VM. PublicKey is
+// then that agent's identity key as the control plane pinned it
+// (EncodeKey): the pulling agent challenges the address and sends its
+// token there only when the key signs.
 type SnapshotSource struct {
-	ID      string `json:"id"`
-	Address string `json:"address,omitempty"`
+	ID        string `json:"id"`
+	Address   string `json:"address,omitempty"`
+	PublicKey string `json:"public_key,omitempty"`
 }
 
 // VMSpec is the body of PUT /v1/vms/{id}: create a VM with that id. A second
@@ -107,6 +111,16 @@ type PortForward struct {
 	HostPort    int    `json:"host_port,omitempty"`
 }
 
+// VMShape is the body of PUT /v1/vms/{id}/shape: the VM's new vCPUs and
+// memory. The agent applies it with a cold restart on the VM's own disk (a
+// running VM is stopped and booted again, a paused one comes back paused, a
+// stopped one takes the shape at its next start). The same shape again
+// changes nothing.
+type VMShape struct {
+	VCPUs     int64 `json:"vcpus"`
+	MemoryMiB int64 `json:"memory_mib"`
+}
+
 // VM is one VM on an agent.
 type VM struct {
 	ID          string    `json:"id"`
@@ -151,6 +165,10 @@ type Snapshot struct {
 	// Parent is the snapshot the source VM was itself started from: the
 	// frozen disk sits on that snapshot's disk, so an agent needs both.
 	Parent string `json:"parent,omitempty"`
+	// NICs are the source VM's NICs as its guest sees them (MACs,
+	// addresses): a VM started from the snapshot keeps that view inside
+	// and needs a NIC on the same network for each.
+	NICs []NIC `json:"nics,omitempty"`
 }
 
 // Kinds of snapshot files.

@@ -9,8 +9,12 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"regexp"
+	"strconv"
 	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 )
 
 // Errors a caller can test with errors.Is.
@@ -30,6 +34,9 @@ type Error struct {
 }
 
 func (e *Error) Error() string {
+	if e.Message == "" {
+		return fmt.Sprintf("agent %s: %d %s", e.Op, e.Status, e.Code)
+	}
 	return fmt.Sprintf("agent %s: %d %s: %s", e.Op, e.Status, e.Code, e.Message)
 }
 
@@ -98,6 +105,17 @@ func (c *Client) Info(ctx context.Context) (Info, error) {
 	return out, err
 }
 
+// Identity challenges the agent (POST /v1/identity) without sending the
+// token: the answer is to be checked with VerifyIdentity before the token
+// goes to this address.
+func (c *Client) Identity(ctx context.Context, ch IdentityChallenge) (IdentityProof, error) {
+	anon := *c
+	anon.token = ""
+	var out IdentityProof
+	err := anon.do(ctx, http.MethodPost, "/v1/identity", ch, &out, c.timeout)
+	return out, err
+}
+
 // ListVMs returns every VM on the agent.
 func (c *Client) ListVMs(ctx context.Context) ([]VM, error) {
 	var out VMList
@@ -129,6 +147,15 @@ func (c *Client) DeleteVM(ctx context.Context, id string) error {
 func (c *Client) Action(ctx context.Context, id, action string) (VM, error) {
 	var out VM
 	err := c.do(ctx, http.MethodPost, "/v1/vms/"+url.PathEscape(id)+"/"+action, nil, &out, 6*c.timeout)
+	return out, err
+}
+
+// ResizeVM gives the VM a new shape (vCPUs, memory) and returns the VM as
+// it is after the change. A running guest restarts, which under TCG takes
+// a while, so the call gets the longer timeout of a create.
+func (c *Client) ResizeVM(ctx context.Context, id string, shape VMShape) (VM, error) {
+	var out VM
+	err := c.do(ctx, http.MethodPut, "/v1/vms/"+url.PathEscape(id)+"/shape", shape, &out, 6*c.timeout)
 	return out, err
 }
 
@@ -269,20 +296,49 @@ func (c *Client) once(ctx context.Context, method, path, op string, body []byte,
 		_, _ = io.Copy(io.Discard, resp.Body)
 		return nil
 	}
-	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
+	if err := json.NewDecoder(io.LimitReader(resp.Body, maxAnswer)).Decode(out); err != nil {
 		return fmt.Errorf("agent %s at %s: decode answer: %w: %v", op, c.base, ErrUnavailable, err)
 	}
 	return nil
 }
 
+// Bounds of what an error answer may contribute to an Error: the envelope
+// of a kvmd agent is kept (its code and the start of its message); any
+// other body is dropped, never repeated to whoever reads the error.
+const (
+	// maxAnswer bounds a JSON answer (a list of many thousand VMs fits).
+	maxAnswer       = 256 << 20
+	maxErrorBody    = 8 << 10
+	maxErrorMessage = 1024
+)
+
+var errorCodePattern = regexp.MustCompile(`^[a-z_]{1,40}$`)
+
 func decodeError(op string, resp *http.Response) error {
-	b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
 	var env ErrorBody
-	e := &Error{Status: resp.StatusCode, Op: op}
-	if json.Unmarshal(b, &env) == nil && env.Error.Code != "" {
-		e.Code, e.Message = env.Error.Code, env.Error.Message
-	} else {
-		e.Code, e.Message = http.StatusText(resp.StatusCode), strings.TrimSpace(string(b))
+	e := &Error{Status: resp.StatusCode, Op: op, Code: "http_" + strconv.Itoa(resp.StatusCode)}
+	if json.Unmarshal(b, &env) == nil && errorCodePattern.MatchString(env.Error.Code) {
+		e.Code, e.Message = env.Error.Code, boundMessage(env.Error.Message)
 	}
 	return e
+}
+
+// boundMessage keeps the first maxErrorMessage bytes of a message, on a
+// rune boundary, with control characters replaced.
+func boundMessage(m string) string {
+	m = strings.Map(func(r rune) rune {
+		if unicode.IsControl(r) {
+			return ' '
+		}
+		return r
+	}, strings.ToValidUTF8(m, "?"))
+	if len(m) <= maxErrorMessage {
+		return m
+	}
+	cut := maxErrorMessage
+	for cut > 0 && !utf8.RuneStart(m[cut]) {
+		cut--
+	}
+	return m[:cut] + "..."
 }

@@ -108,25 +108,43 @@ type VMCreate struct {
 }
 
 // VMPatch is the body of PATCH /v1/vms/{id}. Only the fields that are set change.
+// A new vcpus or memory_mib restarts a running guest on its own disk (the
+// growth is reserved on its host first; no room is 409 no_capacity); a new
+// name changes only the control plane's record.
 type VMPatch struct {
 	PowerState *string            `json:"power_state,omitempty"`
 	Labels     *map[string]string `json:"labels,omitempty"`
+	Name       *string            `json:"name,omitempty"`
+	VCPUs      *int64             `json:"vcpus,omitempty"`
+	MemoryMiB  *int64             `json:"memory_mib,omitempty"`
+	// Constraints replaces the stored constraints; the VM does not move.
+	// An empty object clears them.
+	Constraints *Constraints `json:"constraints,omitempty"`
+}
+
+// VMShape is a VM's vCPUs and memory.
+type VMShape struct {
+	VCPUs     int64 `json:"vcpus"`
+	MemoryMiB int64 `json:"memory_mib"`
 }
 
 // VM is a virtual machine: what was asked for and what was last observed.
 type VM struct {
-	ID            string            `json:"id"`
-	Name          string            `json:"name"`
-	Image         string            `json:"image"`
-	VCPUs         int64             `json:"vcpus"`
-	MemoryMiB     int64             `json:"memory_mib"`
-	DiskMiB       int64             `json:"disk_mib"`
-	Host          string            `json:"host"`
-	PowerState    string            `json:"power_state"`
-	ObservedState string            `json:"observed_state"`
-	Reason        string            `json:"reason,omitempty"`
-	StartedFrom   string            `json:"started_from,omitempty"`
-	ForkID        string            `json:"fork_id,omitempty"`
+	ID            string `json:"id"`
+	Name          string `json:"name"`
+	Image         string `json:"image"`
+	VCPUs         int64  `json:"vcpus"`
+	MemoryMiB     int64  `json:"memory_mib"`
+	DiskMiB       int64  `json:"disk_mib"`
+	Host          string `json:"host"`
+	PowerState    string `json:"power_state"`
+	ObservedState string `json:"observed_state"`
+	Reason        string `json:"reason,omitempty"`
+	StartedFrom   string `json:"started_from,omitempty"`
+	ForkID        string `json:"fork_id,omitempty"`
+	// PendingResize is the shape a resize is applying and has not settled
+	// (its host's allocation holds the larger of the two meanwhile).
+	PendingResize *VMShape          `json:"pending_resize,omitempty"`
 	Placement     *Placement        `json:"placement,omitempty"`
 	Labels        map[string]string `json:"labels"`
 	// NetworkInterfaces are the VM's NICs with their MAC, address and
@@ -135,7 +153,11 @@ type VM struct {
 	// IPv4Address is the first NIC's address ("" while unknown).
 	IPv4Address string       `json:"ipv4_address"`
 	Constraints *Constraints `json:"constraints,omitempty"`
-	CreatedAt   time.Time    `json:"created_at"`
+	// ConstraintsViolated says, when not empty, how the VM's host no
+	// longer meets its constraints (its labels changed after placement).
+	// The VM is never moved for it.
+	ConstraintsViolated string    `json:"constraints_violated,omitempty"`
+	CreatedAt           time.Time `json:"created_at"`
 }
 
 // Placement explains why a VM went where it did.
@@ -149,11 +171,27 @@ type Placement struct {
 	Note string `json:"note,omitempty"`
 }
 
-// Rejection says why one host could not take a request.
+// Rejection says why one host could not take a request. Reason is a
+// named reason (the Reason* constants); Detail says the particulars.
 type Rejection struct {
 	Host   string `json:"host"`
 	Reason string `json:"reason"`
+	Detail string `json:"detail,omitempty"`
 }
+
+// Rejection reasons, the first filter a host failed. More may be added.
+const (
+	ReasonNotPinned     = "not_pinned"
+	ReasonNotRegistered = "not_registered"
+	ReasonNotAlive      = "not_alive"
+	ReasonUnschedulable = "unschedulable"
+	ReasonNoImage       = "no_image"
+	ReasonLabels        = "labels"
+	ReasonGroupCap      = "group_cap"
+	ReasonMemory        = "memory"
+	ReasonCPU           = "cpu"
+	ReasonDisk          = "disk"
+)
 
 // PlacementRequest is the body of POST /v1/placements (a dry run).
 type PlacementRequest struct {
@@ -200,21 +238,27 @@ type ForkCreate struct {
 // ForkPatch is the body of PATCH /v1/forks/{id}.
 type ForkPatch struct {
 	Count *int `json:"count,omitempty"`
+	// Constraints replaces the children's constraints: children placed
+	// from now on follow them; running children stay where they are. An
+	// empty object clears them.
+	Constraints *Constraints `json:"constraints,omitempty"`
 }
 
 // Fork is N children of one source VM, all from one snapshot.
 type Fork struct {
-	ID            string    `json:"id"`
-	SourceVMID    string    `json:"source_vm_id"`
-	Count         int       `json:"count"`
-	PauseSource   bool      `json:"pause_source"`
-	Placement     string    `json:"placement"`
-	SnapshotID    string    `json:"snapshot_id"`
-	SnapshotTaken bool      `json:"snapshot_taken"`
-	Phase         string    `json:"phase"`
-	Error         string    `json:"error,omitempty"`
-	Children      []VM      `json:"children"`
-	CreatedAt     time.Time `json:"created_at"`
+	ID            string `json:"id"`
+	SourceVMID    string `json:"source_vm_id"`
+	Count         int    `json:"count"`
+	PauseSource   bool   `json:"pause_source"`
+	Placement     string `json:"placement"`
+	SnapshotID    string `json:"snapshot_id"`
+	SnapshotTaken bool   `json:"snapshot_taken"`
+	Phase         string `json:"phase"`
+	Error         string `json:"error,omitempty"`
+	// Constraints apply to every child.
+	Constraints *Constraints `json:"constraints,omitempty"`
+	Children    []VM         `json:"children"`
+	CreatedAt   time.Time    `json:"created_at"`
 }
 
 // List is one page of a list response.

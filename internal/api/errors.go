@@ -2,9 +2,14 @@ package api
 
 // Error codes of the error envelope.
 const (
-	CodeInvalid             = "invalid"
-	CodeUnauthorized        = "unauthorized"
-	CodeNotFound            = "not_found"
+	CodeInvalid      = "invalid"
+	CodeUnauthorized = "unauthorized"
+	// CodeNotFound is the API's own answer for an object it does not have;
+	// only this code means "gone" to a client.
+	CodeNotFound = "not_found"
+	// CodeNoRoute answers a path the API does not serve (404 too, but not
+	// "the object is gone": a wrong endpoint or path prefix).
+	CodeNoRoute             = "no_route"
 	CodeConflict            = "conflict"
 	CodeNoCapacity          = "no_capacity"
 	CodeNoAddress           = "no_address"

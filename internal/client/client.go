@@ -22,15 +22,21 @@ import (
 
 // Errors a caller can test with errors.Is.
 var (
-	ErrNotFound            = errors.New("not found")
-	ErrConflict            = errors.New("conflict")
-	ErrNoCapacity          = errors.New("no capacity")
-	ErrNoAddress           = errors.New("no free address on the network")
-	ErrInvalid             = errors.New("invalid request")
-	ErrUnauthorized        = errors.New("unauthorized")
+	ErrNotFound     = errors.New("not found")
+	ErrConflict     = errors.New("conflict")
+	ErrNoCapacity   = errors.New("no capacity")
+	ErrNoAddress    = errors.New("no free address on the network")
+	ErrInvalid      = errors.New("invalid request")
+	ErrUnauthorized = errors.New("unauthorized")
+	// ErrForbidden: the token is valid but its scopes do not allow the call.
+	ErrForbidden           = errors.New("forbidden: the token's scopes do not allow this")
 	ErrIdempotencyMismatch = errors.New("idempotency key reused with a different body")
 	ErrInFlight            = errors.New("request with this idempotency key is in flight")
 	ErrUnavailable         = errors.New("control API unavailable")
+	// ErrUnexpectedAnswer is a 404 that is not the control API's own
+	// not_found error (a route miss behind a wrong path prefix, a proxy's
+	// error page): the object may well exist, so it is never ErrNotFound.
+	ErrUnexpectedAnswer = errors.New("the endpoint answered 404 without the control API's not_found error")
 )
 
 // Error is an error answer of the control API.
@@ -61,12 +67,16 @@ func (e *Error) Unwrap() error {
 		return ErrInFlight
 	}
 	switch {
-	case e.Status == http.StatusNotFound:
+	case e.Status == http.StatusNotFound && e.Code == api.CodeNotFound:
 		return ErrNotFound
+	case e.Status == http.StatusNotFound:
+		return ErrUnexpectedAnswer
 	case e.Status == http.StatusConflict:
 		return ErrConflict
-	case e.Status == http.StatusUnauthorized || e.Status == http.StatusForbidden:
+	case e.Status == http.StatusUnauthorized:
 		return ErrUnauthorized
+	case e.Status == http.StatusForbidden:
+		return ErrForbidden
 	case e.Status == http.StatusUnprocessableEntity && e.Code == "":
 		return ErrIdempotencyMismatch
 	case e.Status >= 400 && e.Status < 500:
@@ -277,6 +287,34 @@ func (c *Client) DeleteFork(ctx context.Context, id string) error {
 	return c.call(ctx, http.MethodDelete, "/v1/forks/"+url.PathEscape(id), nil, nil, "", true)
 }
 
+// CreateToken makes an API token; the answer's Secret is shown only here.
+func (c *Client) CreateToken(ctx context.Context, in api.TokenCreate) (api.Token, error) {
+	var out api.Token
+	// Not retried: a lost answer would make a second token, and the secret
+	// of the first would be lost anyway.
+	err := c.call(ctx, http.MethodPost, "/v1/tokens", in, &out, "", false)
+	return out, err
+}
+
+// ListTokens returns one page of tokens (without secrets).
+func (c *Client) ListTokens(ctx context.Context, opts ListOptions) (api.List[api.Token], error) {
+	var out api.List[api.Token]
+	err := c.call(ctx, http.MethodGet, "/v1/tokens"+opts.query(), nil, &out, "", true)
+	return out, err
+}
+
+// RevokeToken deletes a token; ErrNotFound when there is none with this id.
+func (c *Client) RevokeToken(ctx context.Context, id string) error {
+	return c.call(ctx, http.MethodDelete, "/v1/tokens/"+url.PathEscape(id), nil, nil, "", true)
+}
+
+func excerpt(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
+}
+
 func all[T any](ctx context.Context, page func(context.Context, string) (api.List[T], error)) ([]T, error) {
 	var items []T
 	token := ""
@@ -357,7 +395,12 @@ func (c *Client) once(ctx context.Context, method, path string, body []byte, out
 		if json.Unmarshal(b, &env) == nil && env.Error.Code != "" {
 			e.Code, e.Message, e.Details = env.Error.Code, env.Error.Message, env.Error.Details
 		} else {
-			e.Message = strings.TrimSpace(string(b))
+			// Not the API's envelope (a proxy's page): a short excerpt is
+			// enough to recognise it.
+			e.Message = excerpt(strings.TrimSpace(string(b)), 200)
+			if e.Status == http.StatusNotFound {
+				e.Message = fmt.Sprintf("%s %s answered 404 without the control API's error envelope: %s", method, c.base+path, e.Message)
+			}
 		}
 		return e
 	}

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
@@ -32,6 +33,9 @@ type agentConfig struct {
 	// PeerCAFile holds PEM certificates to trust for other agents served
 	// over TLS, from which this one pulls snapshots.
 	PeerCAFile string
+	// AdvertiseURLs are addresses the agent proves its identity for beside
+	// the IP and port a challenge arrives on (DNS names, proxies).
+	AdvertiseURLs []string
 }
 
 // runAgent runs the host agent (kvmd agent) until ctx ends. Its VMs keep
@@ -40,7 +44,7 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 	fs := flag.NewFlagSet("kvmd agent", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var cfg agentConfig
-	var tokenFile, logLevel string
+	var tokenFile, logLevel, advertise string
 	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:8471", "address to serve the agent API on")
 	fs.StringVar(&cfg.StateDir, "state-dir", "", "directory of the VMs' disks, consoles and metadata (required)")
 	fs.StringVar(&cfg.ImageDir, "image-dir", "", "directory of images, one folder with an image.json each (make image)")
@@ -59,6 +63,8 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 	fs.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	fs.StringVar(&cfg.TLSCert, "tls-cert", "", "TLS certificate file (with --tls-key): serve HTTPS")
 	fs.StringVar(&cfg.TLSKey, "tls-key", "", "TLS key file")
+	fs.StringVar(&advertise, "advertise-url", "", "comma-separated https://name:port addresses the control plane registers this agent by, "+
+		"when not the IP and port it listens on (a DNS name, a proxy): the agent proves its identity only for these and its own IP:port")
 	fs.StringVar(&cfg.PeerCAFile, "peer-ca-file", "", "PEM CA certificates to trust for other agents at https:// addresses (snapshot pulls)")
 	if err := parseFlags(fs, args, getenv); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -71,6 +77,11 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 		return err
 	}
 	cfg.Token = secret
+	for _, u := range strings.Split(advertise, ",") {
+		if u = strings.TrimSpace(u); u != "" {
+			cfg.AdvertiseURLs = append(cfg.AdvertiseURLs, u)
+		}
+	}
 	return serveAgent(ctx, cfg, newLogger(stderr, logLevel), nil)
 }
 
@@ -84,6 +95,11 @@ func (cfg agentConfig) validate() error {
 	}
 	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
 		errs = append(errs, errors.New("give both --tls-cert and --tls-key, or neither"))
+	}
+	for _, u := range cfg.AdvertiseURLs {
+		if _, err := agentapi.CheckAddress(u); err != nil {
+			errs = append(errs, fmt.Errorf("--advertise-url: %w", err))
+		}
 	}
 	switch cfg.Driver {
 	case "qemu":
@@ -129,7 +145,7 @@ func serveAgent(ctx context.Context, cfg agentConfig, log *slog.Logger, ready fu
 	}
 	a, err := agent.New(ctx, agent.Config{
 		StateDir: cfg.StateDir, Driver: driver, Token: cfg.Token, StopTimeout: cfg.StopTimeout, Logger: log,
-		Capacity: cfg.Capacity, Pool: cfg.Pool, PeerHTTPClient: peerHTTP,
+		Capacity: cfg.Capacity, Pool: cfg.Pool, PeerHTTPClient: peerHTTP, Addresses: cfg.AdvertiseURLs,
 	})
 	if err != nil {
 		return err

@@ -16,11 +16,12 @@ import (
 // Env reads an environment variable; tests pass a map-backed one.
 type Env func(string) string
 
-// Run dispatches args[0] (control | agent | dev) and runs it until ctx ends.
-func Run(ctx context.Context, args []string, getenv Env, stderr io.Writer) error {
+// Run dispatches args[0] (control | agent | dev | token) and runs it until
+// ctx ends. Only `token create` and `token list` write to stdout.
+func Run(ctx context.Context, args []string, getenv Env, stdout, stderr io.Writer) error {
 	if len(args) < 1 {
 		fmt.Fprint(stderr, usage)
-		return errors.New("missing subcommand: want control, agent or dev")
+		return errors.New("missing subcommand: want control, agent, dev or token")
 	}
 	sub, rest := args[0], args[1:]
 	switch sub {
@@ -30,12 +31,14 @@ func Run(ctx context.Context, args []string, getenv Env, stderr io.Writer) error
 		return runAgent(ctx, rest, getenv, stderr)
 	case "dev":
 		return runDev(ctx, rest, getenv, stderr)
+	case "token":
+		return runToken(ctx, rest, getenv, stdout, stderr)
 	case "-h", "--help", "help":
 		fmt.Fprint(stderr, usage)
 		return nil
 	default:
 		fmt.Fprint(stderr, usage)
-		return fmt.Errorf("unknown subcommand %q: want control, agent or dev", sub)
+		return fmt.Errorf("unknown subcommand %q: want control, agent, dev or token", sub)
 	}
 }
 
@@ -45,6 +48,7 @@ commands:
   control   the control API (SQLite in --data-dir, or PostgreSQL with --database-url)
   agent     the host agent that runs VMs with QEMU (or the sim driver)
   dev       a control API on SQLite plus one local agent, in one process
+  token     create, list or revoke API tokens (on the control API's database)
 
 Every flag can also come from the environment as KVMD_<FLAG>, e.g. KVMD_TOKEN.
 Run "kvmd <command> -h" for its flags.

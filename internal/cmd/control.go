@@ -19,10 +19,12 @@ import (
 
 // controlConfig is the configuration of one control API server.
 type controlConfig struct {
-	Listen          string
-	DataDir         string // SQLite file kvmd.db lives here when DatabaseURL is empty
-	DatabaseURL     string
-	Token           string // bearer token of the API
+	Listen      string
+	DataDir     string // SQLite file kvmd.db lives here when DatabaseURL is empty
+	DatabaseURL string
+	Token       string // bearer token of the API (the bootstrap admin)
+	// MetricsToken, when set, is the bearer token /metrics requires.
+	MetricsToken    string
 	AgentToken      string // token the agents expect
 	SyncInterval    time.Duration
 	TLSCert, TLSKey string
@@ -40,12 +42,14 @@ func runControl(ctx context.Context, args []string, getenv Env, stderr io.Writer
 	fs := flag.NewFlagSet("kvmd control", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var cfg controlConfig
-	var tokenFile, agentTokenFile, logLevel string
+	var tokenFile, agentTokenFile, metricsTokenFile, logLevel string
 	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:8470", "address to listen on")
 	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory of the embedded SQLite database (used without --database-url)")
 	fs.StringVar(&cfg.DatabaseURL, "database-url", "", "PostgreSQL URL (postgres://...); replaces SQLite")
 	fs.StringVar(&cfg.Token, "token", "", "bearer token clients must send")
 	fs.StringVar(&tokenFile, "token-file", "", "file holding the bearer token")
+	fs.StringVar(&cfg.MetricsToken, "metrics-token", "", "bearer token /metrics requires (default: /metrics is open)")
+	fs.StringVar(&metricsTokenFile, "metrics-token-file", "", "file holding the metrics token")
 	fs.StringVar(&cfg.AgentToken, "agent-token", "", "token of the host agents")
 	fs.StringVar(&agentTokenFile, "agent-token-file", "", "file holding the agent token")
 	fs.DurationVar(&cfg.SyncInterval, "sync-interval", 10*time.Second, "how often every agent is asked for its VMs")
@@ -69,6 +73,9 @@ func runControl(ctx context.Context, args []string, getenv Env, stderr io.Writer
 	if cfg.AgentToken, err = readSecret(cfg.AgentToken, agentTokenFile, "agent token"); err != nil {
 		return err
 	}
+	if cfg.MetricsToken, err = readSecret(cfg.MetricsToken, metricsTokenFile, "metrics token"); err != nil {
+		return err
+	}
 	return serveControl(ctx, cfg, newLogger(stderr, logLevel), nil)
 }
 
@@ -88,6 +95,9 @@ func (cfg controlConfig) validate() error {
 	}
 	if cfg.SyncInterval <= 0 {
 		errs = append(errs, errors.New("--sync-interval must be positive"))
+	}
+	if cfg.MetricsToken != "" && (cfg.MetricsToken == cfg.Token || cfg.MetricsToken == cfg.AgentToken) {
+		errs = append(errs, errors.New("the metrics token equals the API or agent token: give the scraper its own token, which can read only /metrics"))
 	}
 	if cfg.Token != "" && cfg.Token == cfg.AgentToken {
 		errs = append(errs, errors.New("the API token and the agent token are the same: give each its own, so that an API client cannot call agents directly"))
@@ -124,7 +134,7 @@ func serveControl(ctx context.Context, cfg controlConfig, log *slog.Logger, read
 	if err != nil {
 		return err
 	}
-	handler, err := httpapi.New(svc, httpapi.Options{Token: cfg.Token, Logger: log})
+	handler, err := httpapi.New(svc, httpapi.Options{Token: cfg.Token, MetricsToken: cfg.MetricsToken, Logger: log})
 	if err != nil {
 		return err
 	}

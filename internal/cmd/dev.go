@@ -107,7 +107,7 @@ func runDev(ctx context.Context, args []string, getenv Env, stderr io.Writer) er
 	// Idle demo guests barely use their vCPUs, so one machine can hold a few
 	// more of them than it has cores.
 	ratio := devCPUAllocationRatio
-	if _, err := c.PutHost(ctx, hostName, api.HostPut{Address: agentAt, CPUAllocationRatio: &ratio}); err != nil {
+	if _, err := c.PutHost(ctx, hostName, api.HostPut{Address: "http://" + agentAt, CPUAllocationRatio: &ratio}); err != nil {
 		cancel()
 		wg.Wait()
 		return fmt.Errorf("kvmd dev: register the local agent as host %q: %w", hostName, err)
@@ -115,6 +115,7 @@ func runDev(ctx context.Context, args []string, getenv Env, stderr io.Writer) er
 	fmt.Fprintf(stderr, "kvmd dev: control API on http://%s (SQLite in %s), local agent %q on %s with the %s driver\n",
 		controlAt, controlCfg.DataDir, hostName, agentAt, driver)
 	fmt.Fprintf(stderr, "kvmd dev: for the provider:\n  export KVM_ENDPOINT=http://%s\n  export KVM_TOKEN=%s\n", controlAt, token)
+	fmt.Fprintf(stderr, "kvmd dev: fleet page: http://%s/ui (sign in with the token)\n", controlAt)
 	<-ctx.Done()
 	wg.Wait()
 	return devResult(errs)

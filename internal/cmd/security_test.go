@@ -265,8 +265,22 @@ func TestTLSBetweenAgents(t *testing.T) {
 	if _, err := clientOf(source).CreateSnapshot(ctx, "snap", agentapi.SnapshotSpec{VMID: "src"}); err != nil {
 		t.Fatal(err)
 	}
+	// As the control plane does: the source joins, and its key is pinned.
+	nonce := make([]byte, 32)
+	if _, err := rand.Read(nonce); err != nil {
+		t.Fatal(err)
+	}
+	ch := agentapi.IdentityChallenge{Nonce: agentapi.NewNonce(nonce), Host: "source", Address: "https://" + source}
+	proof, err := clientOf(source).Identity(ctx, ch)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, err := agentapi.VerifyIdentity(ch, proof, nil, "agent-secret")
+	if err != nil {
+		t.Fatal(err)
+	}
 	child := spec
-	child.Snapshot = &agentapi.SnapshotSource{ID: "snap", Address: "https://" + source}
+	child.Snapshot = &agentapi.SnapshotSource{ID: "snap", Address: "https://" + source, PublicKey: agentapi.EncodeKey(key)}
 	vm, err := clientOf(trustingPeer).CreateVM(ctx, "child", child)
 	if err != nil {
 		t.Fatalf("spawn from a snapshot pulled over HTTPS: %v", err)

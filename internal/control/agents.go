@@ -2,7 +2,10 @@ package control
 
 import (
 	"context"
+	"crypto/ed25519"
+	"crypto/rand"
 	"net/http"
+	"strings"
 	"sync"
 	"time"
 
@@ -28,6 +31,11 @@ func newAgentPool(token string, hc *http.Client, timeout, syncTimeout time.Durat
 	if hc == nil {
 		hc = &http.Client{}
 	}
+	// An agent never redirects: a redirect would send the next request,
+	// and its token, wherever the answer points.
+	noRedirects := *hc
+	noRedirects.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	hc = &noRedirects
 	return &agentPool{token: token, httpClient: hc, timeout: timeout, syncTimeout: syncTimeout, metrics: m,
 		ops: map[string]*agentapi.Client{}, sync: map[string]*agentapi.Client{}}
 }
@@ -59,6 +67,38 @@ func (p *agentPool) syncClient(address string) *agentapi.Client {
 		p.sync[address] = c
 	}
 	return c
+}
+
+// verify challenges the agent at address without any credentials and
+// checks its answer: signed by pinned when the host has a pinned key,
+// otherwise with a join proof made with the agent token. It returns the
+// key the agent proved. Nothing is sent with the agent token before this
+// succeeded for the address.
+func (p *agentPool) verify(ctx context.Context, host, address string, pinned ed25519.PublicKey, timeout time.Duration) (ed25519.PublicKey, error) {
+	canonical, err := agentapi.CheckAddress(agentURL(address))
+	if err != nil {
+		return nil, err
+	}
+	nonce := make([]byte, 32)
+	if _, err := rand.Read(nonce); err != nil {
+		return nil, err
+	}
+	ch := agentapi.IdentityChallenge{Nonce: agentapi.NewNonce(nonce), Host: host, Address: canonical}
+	c := agentapi.NewClient(canonical, "", agentapi.WithHTTPClient(p.httpClient), agentapi.WithTimeout(timeout), agentapi.WithRetries(0))
+	var proof agentapi.IdentityProof
+	if err := p.call("identity", func() (err error) { proof, err = c.Identity(ctx, ch); return err }); err != nil {
+		return nil, err
+	}
+	return agentapi.VerifyIdentity(ch, proof, pinned, p.token)
+}
+
+// agentURL is address with the http:// that hosts registered before
+// addresses needed a scheme leave out.
+func agentURL(address string) string {
+	if strings.Contains(address, "://") {
+		return address
+	}
+	return "http://" + address
 }
 
 // call runs one metered agent call.
@@ -94,5 +134,17 @@ func (p *agentPool) deleteVM(ctx context.Context, c *agentapi.Client, id string)
 func (p *agentPool) action(ctx context.Context, c *agentapi.Client, id, action string) (agentapi.VM, error) {
 	var out agentapi.VM
 	err := p.call(action, func() (err error) { out, err = c.Action(ctx, id, action); return err })
+	return out, err
+}
+
+func (p *agentPool) resizeVM(ctx context.Context, c *agentapi.Client, id string, shape agentapi.VMShape) (agentapi.VM, error) {
+	var out agentapi.VM
+	err := p.call("resize_vm", func() (err error) { out, err = c.ResizeVM(ctx, id, shape); return err })
+	return out, err
+}
+
+func (p *agentPool) getVM(ctx context.Context, c *agentapi.Client, id string) (agentapi.VM, error) {
+	var out agentapi.VM
+	err := p.call("get_vm", func() (err error) { out, err = c.GetVM(ctx, id); return err })
 	return out, err
 }

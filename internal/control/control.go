@@ -67,6 +67,12 @@ type Hooks struct {
 	// database write failing there; an error wrapping ErrSimulatedCrash
 	// stops the pass on the spot with no cleanup, like a process dying.
 	ForkStep func(ctx context.Context, forkID, step string, slot int) error
+	// AfterResizeReserve runs after a resize reserved its growth and
+	// recorded the pending shape, before the agent is asked; AfterAgentResize
+	// after the agent applied it, before the row is settled. An error stops
+	// the resize on the spot with no cleanup, like a process dying there.
+	AfterResizeReserve func(ctx context.Context, vmID string) error
+	AfterAgentResize   func(ctx context.Context, vmID string) error
 }
 
 // Service runs the control plane's use cases.
@@ -78,6 +84,8 @@ type Service struct {
 	agents  *agentPool
 	metrics *metrics
 	hooks   Hooks
+	// tokens caches API token digests (tokens.go).
+	tokens tokenCache
 	// forkLocks serialises the passes of each fork (zero value ready).
 	forkLocks keyedLocks
 	// networks caches networks for creates; ipam holds the address hints.
@@ -156,7 +164,7 @@ func New(ctx context.Context, st *store.Store, opts Options) (*Service, error) {
 	if opts.Hooks != nil {
 		s.hooks = *opts.Hooks
 	}
-	s.metrics = newMetrics(opts.Registry, st)
+	s.metrics = newMetrics(opts.Registry)
 	s.agents = newAgentPool(opts.AgentToken, opts.AgentHTTPClient, opts.AgentTimeout, syncTimeout(opts.SyncInterval), s.metrics)
 	if err := s.reloadView(ctx); err != nil {
 		return nil, err

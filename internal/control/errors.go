@@ -85,9 +85,9 @@ func fromAgent(err error, host, what string) error {
 		}
 		return &Error{Code: api.CodeInvalid, Message: fmt.Sprintf("%s: host %s refused: %s", what, host, msg), Err: err}
 	}
-	if ae != nil { // it answered, with a server error: say what it said
-		return unavailable(err, "%s: the agent of host %s failed (%d %s: %s); retry, and check that agent's log if it persists",
-			what, host, ae.Status, ae.Code, ae.Message)
+	if ae != nil { // it answered with a server error: its log has the cause
+		return unavailable(err, "%s: the agent of host %s failed (%d %s); retry, and check that agent's log if it persists",
+			what, host, ae.Status, ae.Code)
 	}
 	return unavailable(err, "%s: the agent of host %s did not answer; retry when it is back", what, host)
 }

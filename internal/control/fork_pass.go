@@ -33,7 +33,7 @@ var ErrSimulatedCrash = errors.New("simulated crash")
 // agent call that may pull a snapshot and restore a guest.
 const forkConcurrency = 4
 
-// forkPass brings a fork to its desired state (DESIGN.md section 7):
+// forkPass brings a fork to its desired state (docs/guides/architecture.md):
 // snapshot (idempotent on the fork id) -> snapshot_taken durable -> the
 // children slot by slot, each reserved like any VM and recorded right
 // after it starts. A child already there is kept and never started again.
@@ -200,7 +200,7 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 	vm := store.VM{
 		ID: newID(), Name: childName(f.ID, slot), Image: f.Image, Resources: f.Resources,
 		PowerState: api.PowerRunning, ObservedState: api.StateCreating, ForkID: &forkID, ForkSlot: &slotN,
-		Labels: map[string]string{},
+		Labels: map[string]string{}, Constraints: f.Constraints,
 	}
 	// Each child gets NICs of its own on the source's networks: its own
 	// MACs, and addresses allocated with its reservation.
@@ -208,7 +208,7 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 	if err != nil {
 		return store.VM{}, err
 	}
-	req := scheduler.Request{Image: f.Image, Resources: schedResources(f.Resources)}
+	req := scheduler.Request{Image: f.Image, Resources: schedResources(f.Resources), Constraints: childConstraints(f)}
 	err = errNoPin
 	if f.Placement == api.PlacementColocate {
 		pinned := req
@@ -256,6 +256,17 @@ func (s *Service) childNICs(ctx context.Context, vm store.VM) (vmNICs, error) {
 		p.nets = append(p.nets, n)
 	}
 	return p, nil
+}
+
+// childConstraints are the scheduler constraints of f's children: the
+// fork's, in the group they name or else in a group of the fork's own
+// (its id) when they spread or cap.
+func childConstraints(f store.Fork) scheduler.Constraints {
+	c := parseConstraints(f.Constraints)
+	if c != nil && c.Group == "" && (c.SpreadBy != "" || c.MaxPerDomain > 0) {
+		c.Group = "fork-" + f.ID
+	}
+	return schedConstraints(c)
 }
 
 func childName(forkID string, slot int) string { return fmt.Sprintf("%s-%d", forkID, slot) }
@@ -307,7 +318,9 @@ func (s *Service) startChild(ctx context.Context, crash context.CancelCauseFunc,
 	})
 	src := &agentapi.SnapshotSource{ID: f.ID}
 	if vm.HostName != f.SourceHost {
-		src.Address = srcAddress
+		// The child's agent pulls from the source's, and sends its token
+		// there only once the key pinned for the source host signs.
+		src.Address, src.PublicKey = agentURL(srcAddress), s.view.agentKey(f.SourceHost)
 	}
 	nics, err := s.childNICs(ctx, vm)
 	if err != nil {

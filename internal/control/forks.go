@@ -20,8 +20,8 @@ const MaxForkChildren = 64
 // idempotencyScopeForks scopes the Idempotency-Keys of fork creates.
 const idempotencyScopeForks = "POST /v1/forks"
 
-// CreateFork forks a running VM into in.Count children (DESIGN.md section
-// 7). With an idempotency key, a retry returns the same fork, and a retry
+// CreateFork forks a running VM into in.Count children (see "Forking" in
+// docs/guides/architecture.md). With an idempotency key, a retry returns the same fork, and a retry
 // after a failed or interrupted pass resumes that fork instead of making a
 // second one. When the pass fails, the fork is kept (GET shows how far it
 // got) and the error names it in details.fork_id.
@@ -50,7 +50,19 @@ func validateForkCreate(in api.ForkCreate) error {
 	if in.Placement != api.PlacementColocate && in.Placement != api.PlacementSpread {
 		return invalidf("placement must be %q or %q, got %q", api.PlacementColocate, api.PlacementSpread, in.Placement)
 	}
-	return nil
+	return validateForkConstraints(in.Constraints)
+}
+
+// validateForkConstraints accepts spread_by and max_per_domain without a
+// group: a fork's children are a group of their own (the fork id) unless
+// the constraints name one.
+func validateForkConstraints(c *api.Constraints) error {
+	if c == nil || c.Group != "" {
+		return validateConstraints(c)
+	}
+	named := *c
+	named.Group = "fork"
+	return validateConstraints(&named)
 }
 
 func validateForkCount(n int) error {
@@ -82,7 +94,7 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 	f := store.Fork{
 		ID: newID(), SourceVMID: src.ID, SourceHost: src.HostName, Image: src.Image, Resources: src.Resources,
 		Count: in.Count, PauseSource: in.PauseSource, Placement: in.Placement, Phase: api.ForkPending,
-		NICs: src.NICs,
+		NICs: src.NICs, Constraints: constraintsText(in.Constraints),
 	}
 	if key != "" {
 		f.IdempotencyKey = &key
@@ -116,12 +128,13 @@ func (s *Service) GetFork(ctx context.Context, id string) (api.Fork, error) {
 	return api.Fork{
 		ID: f.ID, SourceVMID: f.SourceVMID, Count: f.Count, PauseSource: f.PauseSource, Placement: f.Placement,
 		SnapshotID: f.ID, SnapshotTaken: f.SnapshotTaken, Phase: f.Phase, Error: f.Error, Children: vms,
-		CreatedAt: f.CreatedAt,
+		Constraints: parseConstraints(f.Constraints), CreatedAt: f.CreatedAt,
 	}, nil
 }
 
 // UpdateFork changes the number of children in place: more come from the
-// same snapshot, fewer removes the highest slots. Any PATCH also resumes a
+// same snapshot, fewer removes the highest slots. New constraints apply to
+// children placed from then on; running children never move. Any PATCH also resumes a
 // fork whose last pass did not finish.
 func (s *Service) UpdateFork(ctx context.Context, id string, in api.ForkPatch) (api.Fork, error) {
 	if in.Count != nil {
@@ -129,8 +142,16 @@ func (s *Service) UpdateFork(ctx context.Context, id string, in api.ForkPatch) (
 			return api.Fork{}, err
 		}
 	}
+	if err := validateForkConstraints(in.Constraints); err != nil {
+		return api.Fork{}, err
+	}
 	ctx, cancel := detached(ctx, createTimeout)
 	defer cancel()
+	if in.Constraints != nil {
+		if err := s.store.SetForkConstraints(ctx, id, constraintsText(in.Constraints)); err != nil {
+			return api.Fork{}, fromStore(err, "update constraints of fork "+id)
+		}
+	}
 	if in.Count != nil {
 		if err := s.store.SetForkCount(ctx, id, *in.Count); err != nil {
 			return api.Fork{}, fromStore(err, "update count of fork "+id)

@@ -68,7 +68,8 @@ func startForkHost(t *testing.T, name string, memoryMiB int64) *forkHost {
 		proxy.ServeHTTP(w, r.WithContext(context.WithoutCancel(r.Context())))
 	}))
 	t.Cleanup(srv.Close)
-	h.address = strings.TrimPrefix(srv.URL, "http://")
+	h.address = srv.URL
+	h.agent.AllowAddress(t, srv.URL)
 	return h
 }
 
@@ -142,7 +143,7 @@ func (e *forkEnv) snapshotsCreated() int64 {
 	return n
 }
 
-// checkFork asserts the invariants of DESIGN.md section 7 for a fork that
+// checkFork asserts the invariants of docs/guides/architecture.md for a fork that
 // should have `count` children: exactly one snapshot ever taken, every
 // child running from a snapshot under its fixed name, no leaked capacity,
 // and no VM on any agent that the database does not know (nor the reverse).

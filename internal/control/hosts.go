@@ -2,8 +2,10 @@ package control
 
 import (
 	"context"
+	"crypto/ed25519"
 	"errors"
 	"fmt"
+	"net/http"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
@@ -18,6 +20,10 @@ func (s *Service) PutHost(ctx context.Context, name string, in api.HostPut) (api
 	if err := validateHostPut(name, in); err != nil {
 		return api.Host{}, err
 	}
+	key, err := s.proveHost(ctx, name, in.Address)
+	if err != nil {
+		return api.Host{}, err
+	}
 	info, err := s.agents.info(ctx, s.agents.client(in.Address))
 	if err != nil {
 		return api.Host{}, fromAgent(err, name, fmt.Sprintf("register host: GET /v1/info at %s", in.Address))
@@ -25,7 +31,7 @@ func (s *Service) PutHost(ctx context.Context, name string, in api.HostPut) (api
 	h := store.Host{
 		Name: name, Address: in.Address, Labels: in.Labels, Schedulable: true,
 		CPUAllocationRatio: 1, Accel: info.Accel, Driver: info.Driver, Images: info.Images,
-		Total: agentResources(info.Capacity),
+		Total: agentResources(info.Capacity), AgentKey: agentapi.EncodeKey(key),
 	}
 	if in.Schedulable != nil {
 		h.Schedulable = *in.Schedulable
@@ -48,12 +54,80 @@ func (s *Service) PutHost(ctx context.Context, name string, in api.HostPut) (api
 		return api.Host{}, err
 	}
 	saved, err := s.store.UpsertHost(ctx, h)
+	if errors.Is(err, store.ErrAgentKeyTaken) {
+		return api.Host{}, &Error{Code: api.CodeConflict, Err: err,
+			Message: fmt.Sprintf("register host %s: the agent at %s is already registered as another host; one agent is one host", name, in.Address)}
+	}
 	if err != nil {
 		return api.Host{}, fromStore(err, "save host "+name)
 	}
 	s.view.upsert(saved)
 	s.log.Info("host registered", "host", name, "address", in.Address, "capacity", saved.Capacity, "images", saved.Images)
 	return s.withWarmReady(apiHost(saved)), nil
+}
+
+// proveHost makes the agent at address prove who it is before anything is
+// sent to it with the agent token. A new host (or one registered before
+// agents joined) must show a join proof made with the agent token; a known
+// host's agent must sign with the key pinned when it joined, at whatever
+// address the PUT gives: that is how the agent confirms a move, and why a
+// PUT cannot hand a host, and its running VMs, to another agent.
+func (s *Service) proveHost(ctx context.Context, name, address string) (ed25519.PublicKey, error) {
+	var pinned ed25519.PublicKey
+	existing, err := s.store.GetHost(ctx, name)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+	case err != nil:
+		return nil, fromStore(err, "read host "+name)
+	case existing.AgentKey != "":
+		if pinned, err = agentapi.DecodeKey(existing.AgentKey); err != nil {
+			return nil, internal(err, "read the pinned agent key of host "+name)
+		}
+	}
+	key, err := s.agents.verify(ctx, name, address, pinned, s.opts.AgentTimeout)
+	if err != nil {
+		return nil, identityError(err, name, address, pinned != nil, existing.Address)
+	}
+	other, err := s.store.HostWithAgentKey(ctx, agentapi.EncodeKey(key))
+	switch {
+	case err == nil && other.Name != name:
+		return nil, conflictf("register host %s: the agent at %s is already registered as host %s (same identity key %s); one agent is one host",
+			name, address, other.Name, agentapi.KeyFingerprint(key))
+	case err != nil && !errors.Is(err, store.ErrNotFound):
+		return nil, fromStore(err, "read hosts")
+	}
+	return key, nil
+}
+
+// identityError says why an address did not prove the agent identity,
+// in the control plane's own words: nothing of what the address answered
+// is repeated.
+func identityError(err error, name, address string, known bool, knownAddress string) error {
+	var ae *agentapi.Error
+	switch {
+	case errors.Is(err, agentapi.ErrBadIdentity) && known:
+		what := "is not the agent of host " + name
+		if knownAddress != address {
+			what = fmt.Sprintf("is not the agent of host %s (which is at %s)", name, knownAddress)
+		}
+		return &Error{Code: api.CodeConflict, Err: err, Details: map[string]any{"host": name, "address": address},
+			Message: fmt.Sprintf("host %s: the agent at %s %s: %v. A host keeps the agent identity it joined with; "+
+				"to move it, run that agent (its --state-dir holds identity.key) at the new address; to give the name to another agent, delete the host and register it again",
+				name, address, what, err)}
+	case errors.Is(err, agentapi.ErrBadIdentity):
+		return &Error{Code: api.CodeInvalid, Err: err, Details: map[string]any{"host": name, "address": address},
+			Message: fmt.Sprintf("register host %s: the address %s did not prove it is an agent of this control plane (%v); "+
+				"check that a kvmd agent runs there with the same agent token as --agent-token here", name, address, err)}
+	case errors.As(err, &ae) && ae.Status == http.StatusForbidden && ae.Code == "forbidden":
+		return &Error{Code: api.CodeInvalid, Err: err, Details: map[string]any{"host": name, "address": address},
+			Message: fmt.Sprintf("register host %s: the agent at %s does not know itself by that address and refused to prove its identity for it; "+
+				"start it with --advertise-url %s (or register it by the IP and port it listens on)", name, address, address)}
+	case errors.As(err, &ae):
+		return &Error{Code: api.CodeInvalid, Err: err, Details: map[string]any{"host": name, "address": address, "status": ae.Status},
+			Message: fmt.Sprintf("register host %s: the address %s answered POST /v1/identity with %d %s: not a kvmd agent, or one too old to prove its identity",
+				name, address, ae.Status, http.StatusText(ae.Status))}
+	}
+	return unavailable(err, "register host %s: the address %s did not answer the identity challenge; check the address and that the agent runs, then retry", name, address)
 }
 
 // GetHost returns one host.

@@ -21,8 +21,9 @@ type hostView struct {
 	// gen counts database refreshes per host; an assumption is undone only
 	// if no refresh replaced it meanwhile.
 	gen map[string]uint64
-	// addr is each host's agent address.
+	// addr is each host's agent address; key its pinned identity key.
 	addr map[string]string
+	key  map[string]string
 	// warm is each host's ready warm VMs per image and shape, from its
 	// agent's last report; warmMargin is scheduler.PreferWarm's margin.
 	warm       map[string]map[warmKey]int
@@ -30,7 +31,7 @@ type hostView struct {
 }
 
 func newHostView(w scheduler.Weights, limit int) *hostView {
-	return &hostView{w: w, limit: limit, ix: scheduler.NewIndex(w), gen: map[string]uint64{}, addr: map[string]string{},
+	return &hostView{w: w, limit: limit, ix: scheduler.NewIndex(w), gen: map[string]uint64{}, addr: map[string]string{}, key: map[string]string{},
 		warm: map[string]map[warmKey]int{}, warmMargin: scheduler.DefaultWarmMargin}
 }
 
@@ -39,7 +40,7 @@ func schedHost(h store.Host) scheduler.Host {
 		Name: h.Name, Alive: h.Alive, Schedulable: h.Schedulable, Images: h.Images,
 		Total:              schedResources(h.Total),
 		CPUAllocationRatio: h.CPUAllocationRatio, MemoryReservedMiB: h.MemoryReservedMiB,
-		Allocated: schedResources(h.Allocated),
+		Allocated: schedResources(h.Allocated), Labels: h.Labels,
 	}
 }
 
@@ -61,11 +62,12 @@ func (v *hostView) load(hosts []store.Host) {
 	v.ix = ix
 	gen := make(map[string]uint64, len(hosts))
 	addr := make(map[string]string, len(hosts))
+	key := make(map[string]string, len(hosts))
 	for _, h := range hosts {
 		gen[h.Name] = v.gen[h.Name] + 1
-		addr[h.Name] = h.Address
+		addr[h.Name], key[h.Name] = h.Address, h.AgentKey
 	}
-	v.gen, v.addr = gen, addr
+	v.gen, v.addr, v.key = gen, addr, key
 }
 
 func (v *hostView) upsert(h store.Host) {
@@ -73,7 +75,7 @@ func (v *hostView) upsert(h store.Host) {
 	defer v.mu.Unlock()
 	v.ix.Upsert(schedHost(h))
 	v.gen[h.Name]++
-	v.addr[h.Name] = h.Address
+	v.addr[h.Name], v.key[h.Name] = h.Address, h.AgentKey
 }
 
 func (v *hostView) remove(name string) {
@@ -82,6 +84,7 @@ func (v *hostView) remove(name string) {
 	v.ix.Remove(name)
 	delete(v.gen, name)
 	delete(v.addr, name)
+	delete(v.key, name)
 	delete(v.warm, name)
 }
 
@@ -148,6 +151,13 @@ func (v *hostView) agent(name string) (address string, alive, known bool) {
 	defer v.mu.Unlock()
 	h, ok := v.ix.Get(name)
 	return v.addr[name], h.Alive, ok
+}
+
+// agentKey is the identity key pinned for a host's agent ("" when none).
+func (v *hostView) agentKey(name string) string {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.key[name]
 }
 
 func (v *hostView) hasImage(image string) bool {

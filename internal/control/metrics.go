@@ -1,12 +1,13 @@
 package control
 
 import (
-	"context"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/scheduler"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
 )
 
@@ -16,6 +17,8 @@ type metrics struct {
 	conflicts        prometheus.Counter
 	agentSeconds     *prometheus.HistogramVec
 	agentErrors      *prometheus.CounterVec
+	rejections       *prometheus.CounterVec
+	vmStates         *vmStateCounts
 }
 
 // Placement results (the label of kvmd_placements_total).
@@ -25,7 +28,7 @@ const (
 	resultError      = "error"
 )
 
-func newMetrics(reg *prometheus.Registry, st *store.Store) *metrics {
+func newMetrics(reg *prometheus.Registry) *metrics {
 	m := &metrics{
 		placements: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmd_placements_total", Help: "Placements with reservation, by result (placed, no_capacity, error).",
@@ -44,6 +47,14 @@ func newMetrics(reg *prometheus.Registry, st *store.Store) *metrics {
 		agentErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvmd_agent_call_errors_total", Help: "Failed calls to host agents, by operation.",
 		}, []string{"op"}),
+		rejections: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvm_placement_rejections_total",
+			Help: "Hosts rejected by placements with reservation, by reason (the first filter the host failed), as listed in each placement's explanation.",
+		}, []string{"reason"}),
+		vmStates: &vmStateCounts{},
+	}
+	for _, r := range scheduler.Reasons() {
+		m.rejections.WithLabelValues(r)
 	}
 	// Zero series up front, so that dashboards and alerts see them before
 	// the first event.
@@ -53,8 +64,15 @@ func newMetrics(reg *prometheus.Registry, st *store.Store) *metrics {
 	for _, op := range []string{"info", "list_vms", "create_vm", "delete_vm", "start", "stop"} {
 		m.agentErrors.WithLabelValues(op)
 	}
-	reg.MustRegister(m.placements, m.placementSeconds, m.conflicts, m.agentSeconds, m.agentErrors, &vmStateCollector{st: st})
+	reg.MustRegister(m.placements, m.placementSeconds, m.conflicts, m.agentSeconds, m.agentErrors, m.rejections, m.vmStates)
 	return m
+}
+
+// countRejections counts the hosts a placement's explanation rejected.
+func (m *metrics) countRejections(rs []api.Rejection) {
+	for _, r := range rs {
+		m.rejections.WithLabelValues(r.Reason).Inc()
+	}
 }
 
 func (m *metrics) observeAgent(op string, start time.Time, err error) {
@@ -64,23 +82,79 @@ func (m *metrics) observeAgent(op string, start time.Time, err error) {
 	}
 }
 
-// vmStateCollector counts VMs by observed state from the database at
-// scrape time, so every replica reports the same numbers.
-type vmStateCollector struct{ st *store.Store }
+// vmStateCounts holds the number of VMs per observed state on each host,
+// as the host monitor last read them: every round reads each host's rows
+// anyway (to reconcile them with its agent), so it counts them on the way
+// at no extra query. A scrape sums these in memory, so it costs O(hosts x
+// states) and issues no SQL whatever the number of VMs or scrapers. Every
+// replica runs the monitor, so every replica reports the same numbers
+// within one sync interval.
+type vmStateCounts struct {
+	mu     sync.Mutex
+	byHost map[string]hostStateCounts
+}
 
-var vmStatesDesc = prometheus.NewDesc("kvmd_vms", "VMs by observed state (as stored; VMs on dead hosts keep their last state here).", []string{"state"}, nil)
+type hostStateCounts struct {
+	readAt time.Time // when the rows were read; an older read never overwrites a newer one
+	counts map[string]int64
+}
 
-func (c *vmStateCollector) Describe(ch chan<- *prometheus.Desc) { ch <- vmStatesDesc }
+// vmStates are the series of kvmd_vms, zero when no VM is in them.
+var vmStates = []string{api.StateCreating, api.StateRunning, api.StatePaused, api.StateStopped, api.StateError, api.StateMissing}
 
-func (c *vmStateCollector) Collect(ch chan<- prometheus.Metric) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	counts, err := c.st.CountVMsByState(ctx)
-	if err != nil {
-		ch <- prometheus.NewInvalidMetric(vmStatesDesc, err)
-		return
+// setHost records the states of one host's VM rows, read at readAt.
+func (c *vmStateCounts) setHost(host string, readAt time.Time, rows []store.VM) {
+	counts := make(map[string]int64, len(vmStates))
+	for _, r := range rows {
+		counts[r.ObservedState]++
 	}
-	for _, state := range []string{api.StateCreating, api.StateRunning, api.StatePaused, api.StateStopped, api.StateError, api.StateMissing} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.byHost == nil {
+		c.byHost = map[string]hostStateCounts{}
+	}
+	if readAt.Before(c.byHost[host].readAt) {
+		return // a concurrent round (SyncNow) read this host later
+	}
+	c.byHost[host] = hostStateCounts{readAt: readAt, counts: counts}
+}
+
+// keepHosts forgets the hosts that are no longer registered.
+func (c *vmStateCounts) keepHosts(hosts []store.Host) {
+	keep := make(map[string]bool, len(hosts))
+	for _, h := range hosts {
+		keep[h.Name] = true
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for name := range c.byHost {
+		if !keep[name] {
+			delete(c.byHost, name)
+		}
+	}
+}
+
+func (c *vmStateCounts) totals() map[string]int64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := make(map[string]int64, len(vmStates))
+	for _, h := range c.byHost {
+		for state, n := range h.counts {
+			out[state] += n
+		}
+	}
+	return out
+}
+
+var vmStatesDesc = prometheus.NewDesc("kvmd_vms",
+	"VMs by observed state, as stored when the host monitor last read each host (every sync interval; VMs on dead hosts keep their last state here).",
+	[]string{"state"}, nil)
+
+func (c *vmStateCounts) Describe(ch chan<- *prometheus.Desc) { ch <- vmStatesDesc }
+
+func (c *vmStateCounts) Collect(ch chan<- prometheus.Metric) {
+	counts := c.totals()
+	for _, state := range vmStates {
 		ch <- prometheus.MustNewConstMetric(vmStatesDesc, prometheus.GaugeValue, float64(counts[state]), state)
 	}
 }

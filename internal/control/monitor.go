@@ -76,6 +76,7 @@ func (s *Service) syncHosts(ctx context.Context, first bool) {
 		})
 	}
 	wg.Wait()
+	s.metrics.vmStates.keepHosts(hosts)
 	if err := s.reloadView(ctx); err != nil && ctx.Err() == nil {
 		s.log.Error("host monitor: reload hosts", "err", err)
 	}
@@ -85,13 +86,21 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool) {
 	log := s.log.With("host", h.Name, "address", h.Address)
 	// The rows are read before the agent is asked: a VM that was past
 	// "creating" here must be in the agent's list unless it is gone.
+	readAt := time.Now()
 	rows, err := s.store.ListVMs(ctx, store.VMFilter{Host: h.Name})
 	if err != nil {
 		log.Error("host monitor: read vms", "err", err)
 		return
 	}
+	s.metrics.vmStates.setHost(h.Name, readAt, rows)
 	c := s.agents.syncClient(h.Address)
-	info, err := s.agents.info(ctx, c)
+	// A host registered before agents joined proves itself first: nothing
+	// goes to it with the agent token until its key is pinned.
+	err = s.joinUnpinned(ctx, h)
+	var info agentapi.Info
+	if err == nil {
+		info, err = s.agents.info(ctx, c)
+	}
 	var vms []agentapi.VM
 	if err == nil {
 		vms, err = s.agents.listVMs(ctx, c)
@@ -101,7 +110,8 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool) {
 			return
 		}
 		deadAfter := s.opts.DeadAfter
-		if first {
+		if first || h.AgentKey == "" {
+			// An address that has not proved itself is no host to place on.
 			deadAfter = 1
 		}
 		alive, rerr := s.store.RecordHostMissed(ctx, h.Name, deadAfter)
@@ -133,6 +143,26 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool) {
 	s.deleteOrphans(ctx, h, c, rows, vms)
 }
 
+// joinUnpinned challenges the agent of a host that has no pinned key
+// (registered before agents joined) and pins the key it proves with a join
+// proof. A host with a key has nothing to do here.
+func (s *Service) joinUnpinned(ctx context.Context, h store.Host) error {
+	if h.AgentKey != "" {
+		return nil
+	}
+	key, err := s.agents.verify(ctx, h.Name, h.Address, nil, s.agents.syncTimeout)
+	if err != nil {
+		s.log.Warn("host monitor: the host's address did not prove it is an agent; no calls with the agent token go there",
+			"host", h.Name, "address", h.Address, "err", err)
+		return err
+	}
+	if err := s.store.PinHostKey(ctx, h.Name, h.Address, agentapi.EncodeKey(key)); err != nil {
+		return err
+	}
+	s.log.Info("host agent joined: identity key pinned", "host", h.Name, "address", h.Address, "key", agentapi.KeyFingerprint(key))
+	return nil
+}
+
 // reconcileVMs records the agent's state of each VM and marks the VMs it
 // does not have as missing, releasing their capacity.
 func (s *Service) reconcileVMs(ctx context.Context, host string, rows []store.VM, vms []agentapi.VM) {
@@ -148,6 +178,9 @@ func (s *Service) reconcileVMs(ctx context.Context, host string, rows []store.VM
 			continue
 		}
 		a, ok := onAgent[row.ID]
+		if _, pending := row.Pending(); pending && ok {
+			row = s.settleResize(ctx, host, row, a)
+		}
 		creating := row.ObservedState == api.StateCreating
 		switch {
 		case !ok && creating && (time.Since(row.CreatedAt) < s.opts.CreateGrace || row.ForkID != nil):

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
@@ -45,6 +46,9 @@ func (s *Service) placeAndReserve(ctx context.Context, vm *store.VM, p vmNICs, r
 		s.metrics.placements.WithLabelValues(resultPlaced).Inc()
 	case errors.As(err, &e) && e.Code == api.CodeNoCapacity:
 		s.metrics.placements.WithLabelValues(resultNoCapacity).Inc()
+		if rs, ok := e.Details["rejected"].([]api.Rejection); ok {
+			s.metrics.countRejections(rs)
+		}
 	default:
 		s.metrics.placements.WithLabelValues(resultError).Inc()
 	}
@@ -52,12 +56,15 @@ func (s *Service) placeAndReserve(ctx context.Context, vm *store.VM, p vmNICs, r
 }
 
 func (s *Service) reserve(ctx context.Context, vm *store.VM, p vmNICs, req scheduler.Request) error {
+	if err := s.groupFacts(ctx, &req); err != nil {
+		return err
+	}
 	for range fastAttempts {
 		res, a, ok := s.view.pick(req)
 		if !ok {
 			break
 		}
-		done, err := s.tryReserve(ctx, vm, p, res, a)
+		done, err := s.tryReserve(ctx, vm, p, &req, res, a)
 		if done || err != nil {
 			return err
 		}
@@ -66,6 +73,9 @@ func (s *Service) reserve(ctx context.Context, vm *store.VM, p vmNICs, req sched
 		if err := s.reloadViewSince(ctx, time.Now()); err != nil {
 			return internal(err, "reload hosts for placement")
 		}
+		if err := s.groupFacts(ctx, &req); err != nil {
+			return err
+		}
 		res := s.view.rankAll(req)
 		if len(res.Ranked) == 0 {
 			return noCapacity(req, res)
@@ -73,7 +83,7 @@ func (s *Service) reserve(ctx context.Context, vm *store.VM, p vmNICs, req sched
 		for i := range min(len(res.Ranked), slowCandidates) {
 			a := s.view.assume(res.Ranked[i].Host, req.Resources)
 			explained := scheduler.Result{Ranked: res.Ranked[i:], Rejected: res.Rejected}
-			done, err := s.tryReserve(ctx, vm, p, explained, a)
+			done, err := s.tryReserve(ctx, vm, p, &req, explained, a)
 			if done || err != nil {
 				return err
 			}
@@ -84,10 +94,15 @@ func (s *Service) reserve(ctx context.Context, vm *store.VM, p vmNICs, req sched
 
 // tryReserve reserves on the best host of res (already assumed as a). It
 // reports done when the VM is placed; false with no error means the host
-// filled up meanwhile and the caller tries the next one.
-func (s *Service) tryReserve(ctx context.Context, vm *store.VM, p vmNICs, res scheduler.Result, a assumption) (bool, error) {
+// (or the group's slots in its domain) filled up meanwhile and the caller
+// tries the next one.
+func (s *Service) tryReserve(ctx context.Context, vm *store.VM, p vmNICs, req *scheduler.Request, res scheduler.Result, a assumption) (bool, error) {
 	best := res.Ranked[0]
 	vm.HostName = best.Host
+	if req.Constraints.Group != "" {
+		host, _ := s.view.get(best.Host)
+		vm.Group = groupSlot(req.Constraints, host)
+	}
 	vm.Placement = placementJSON(best, res.Rejected)
 	if note := warmNote(best, bestScored(res.Ranked), s.view.warmMargin); note != "" {
 		vm.Placement = placementJSONNote(best, res.Rejected, note)
@@ -104,10 +119,25 @@ func (s *Service) tryReserve(ctx context.Context, vm *store.VM, p vmNICs, res sc
 		err = s.store.ReserveAndInsertVM(ctx, *vm)
 	}
 	if err == nil {
+		for _, r := range res.Rejected {
+			s.metrics.rejections.WithLabelValues(r.Reason).Inc()
+		}
 		return true, nil
 	}
 	s.view.undo(a)
 	switch {
+	case errors.Is(err, store.ErrGroupCap):
+		// Another create of the group took the domain's last slot: this
+		// placement counts it full from now on (the next reload of the
+		// facts reads the database again).
+		s.metrics.conflicts.Inc()
+		counts := maps.Clone(req.Constraints.Counts)
+		if counts == nil {
+			counts = map[string]int{}
+		}
+		counts[vm.Group.Domain] = max(counts[vm.Group.Domain], vm.Group.Cap)
+		req.Constraints.Counts = counts
+		return false, nil
 	case errors.Is(err, store.ErrNoRoom):
 		s.metrics.conflicts.Inc()
 		s.refreshHost(ctx, best.Host)
@@ -147,7 +177,7 @@ func noCapacity(req scheduler.Request, res scheduler.Result) error {
 	if req.Host != "" {
 		msg = fmt.Sprintf("pinned host %s cannot take %s", req.Host, shape)
 		if len(res.Rejected) == 1 {
-			msg += ": " + res.Rejected[0].Reason
+			msg += ": " + res.Rejected[0].Detail
 		}
 	}
 	return &Error{Code: api.CodeNoCapacity, Message: msg, Details: details}
@@ -156,7 +186,7 @@ func noCapacity(req scheduler.Request, res scheduler.Result) error {
 func apiRejections(rs []scheduler.Rejection) []api.Rejection {
 	out := make([]api.Rejection, 0, len(rs))
 	for _, r := range rs {
-		out = append(out, api.Rejection{Host: r.Host, Reason: r.Reason})
+		out = append(out, api.Rejection{Host: r.Host, Reason: r.Reason, Detail: r.Detail})
 	}
 	return out
 }
@@ -176,8 +206,15 @@ func (s *Service) Place(ctx context.Context, in api.PlacementRequest) (api.Place
 	if err := validateShape(in.Image, in.VCPUs, in.MemoryMiB, in.DiskMiB); err != nil {
 		return api.PlacementResult{}, err
 	}
+	if err := validateConstraints(in.Constraints); err != nil {
+		return api.PlacementResult{}, err
+	}
 	req := scheduler.Request{Image: in.Image, Host: in.Host,
-		Resources: scheduler.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB}}
+		Resources:   scheduler.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB},
+		Constraints: schedConstraints(in.Constraints)}
+	if err := s.groupFacts(ctx, &req); err != nil {
+		return api.PlacementResult{}, err
+	}
 	res := s.view.rankAll(req)
 	if in.Host != "" {
 		if _, ok := s.view.get(in.Host); !ok {
@@ -218,6 +255,8 @@ type ReserveRequest struct {
 	// NetworkInterfaces as in a create (nil: one NIC on "default"); their
 	// addresses are allocated with the reservation.
 	NetworkInterfaces []api.NetworkInterface
+	// Constraints steer the placement as in a create.
+	Constraints *api.Constraints
 }
 
 // Reserve places a VM and reserves its capacity (the VM row is inserted in
@@ -230,17 +269,20 @@ func (s *Service) Reserve(ctx context.Context, r ReserveRequest) (string, error)
 	if err := validateShape(r.Image, r.Resources.VCPUs, r.Resources.MemoryMiB, r.Resources.DiskMiB); err != nil {
 		return "", err
 	}
+	if err := validateConstraints(r.Constraints); err != nil {
+		return "", err
+	}
 	if r.ID == "" {
 		r.ID = newID()
 	}
 	vm := store.VM{ID: r.ID, Name: r.Name, Image: r.Image, Labels: r.Labels,
 		Resources:  store.Resources{VCPUs: r.Resources.VCPUs, MemoryMiB: r.Resources.MemoryMiB, DiskMiB: r.Resources.DiskMiB},
-		PowerState: api.PowerRunning, ObservedState: api.StateCreating}
+		PowerState: api.PowerRunning, ObservedState: api.StateCreating, Constraints: constraintsText(r.Constraints)}
 	nics, err := s.resolveNICs(ctx, vm.ID, r.NetworkInterfaces)
 	if err != nil {
 		return "", err
 	}
-	req := scheduler.Request{Image: r.Image, Resources: schedResources(vm.Resources)}
+	req := scheduler.Request{Image: r.Image, Resources: schedResources(vm.Resources), Constraints: schedConstraints(r.Constraints)}
 	if err := s.placeAndReserve(ctx, &vm, nics, req); err != nil {
 		return "", err
 	}

@@ -73,8 +73,12 @@ func (s *Service) deleteOrphans(ctx context.Context, h store.Host, c *agentapi.C
 func (s *Service) reclaimReappeared(ctx context.Context, host string, row store.VM, a agentapi.VM) {
 	ok, err := s.store.ReclaimVM(ctx, row.ID, a.State, a.Reason, a.StartedFrom)
 	switch {
-	case errors.Is(err, store.ErrNoRoom):
-		reason := fmt.Sprintf("the agent of host %s runs this VM again, but its capacity went to other VMs meanwhile; delete it (or free room on the host)", host)
+	case errors.Is(err, store.ErrNoRoom) || errors.Is(err, store.ErrGroupCap):
+		lost := "its capacity went to other VMs meanwhile; delete it (or free room on the host)"
+		if errors.Is(err, store.ErrGroupCap) {
+			lost = fmt.Sprintf("its slot in group %q went to another VM of the group meanwhile (max_per_domain); delete it or another VM of the group", row.Group.Name)
+		}
+		reason := fmt.Sprintf("the agent of host %s runs this VM again, but %s", host, lost)
 		if row.Reason != reason {
 			if err := s.store.SetMissingReason(ctx, row.ID, reason); err != nil {
 				s.log.Error("host monitor: record reason", "vm", row.ID, "err", err)

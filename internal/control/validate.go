@@ -3,19 +3,20 @@ package control
 import (
 	"errors"
 	"fmt"
-	"net"
-	"net/url"
 	"regexp"
 	"strings"
 
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/limits"
 )
 
-// Limits of one VM. Anything larger is a typo, not a VM.
+// Limits of one VM: the agents' (internal/limits), so that nothing the
+// control API reserves capacity for is refused by an agent for its size.
 const (
-	MaxVCPUs     = 1024
-	MaxMemoryMiB = 16 << 20 // 16 TiB
-	MaxDiskMiB   = 1 << 30  // 1 PiB
+	MaxVCPUs     = limits.MaxVCPUs
+	MaxMemoryMiB = limits.MaxMemoryMiB
+	MaxDiskMiB   = limits.MaxDiskMiB
 	maxLabels    = 64
 	maxImageLen  = 128
 )
@@ -82,6 +83,33 @@ func validatePowerState(p string) error {
 	return invalidf("power_state must be %q or %q, got %q", api.PowerRunning, api.PowerStopped, p)
 }
 
+func validateVMPatch(in api.VMPatch) error {
+	if in.Name != nil {
+		if err := validateName("name", *in.Name); err != nil {
+			return err
+		}
+	}
+	if in.VCPUs != nil {
+		if err := validateSize("vcpus", *in.VCPUs, MaxVCPUs, ""); err != nil {
+			return err
+		}
+	}
+	if in.MemoryMiB != nil {
+		if err := validateSize("memory_mib", *in.MemoryMiB, MaxMemoryMiB, " MiB"); err != nil {
+			return err
+		}
+	}
+	if in.PowerState != nil {
+		if err := validatePowerState(*in.PowerState); err != nil {
+			return err
+		}
+	}
+	if in.Labels != nil {
+		return validateLabels(*in.Labels)
+	}
+	return nil
+}
+
 func validateVMCreate(in api.VMCreate) error {
 	if err := validateName("name", in.Name); err != nil {
 		return err
@@ -99,7 +127,10 @@ func validateVMCreate(in api.VMCreate) error {
 			return err
 		}
 	}
-	return validateLabels(in.Labels)
+	if err := validateLabels(in.Labels); err != nil {
+		return err
+	}
+	return validateConstraints(in.Constraints)
 }
 
 func validateHostPut(name string, in api.HostPut) error {
@@ -133,20 +164,19 @@ func validateHostPut(name string, in api.HostPut) error {
 	return validateLabels(in.Labels)
 }
 
-// validateAddress accepts host:port or an http(s) URL.
+// validateAddress accepts scheme://host:port (http or https) and nothing
+// else: no user info, path, query or fragment, which would change what
+// the control plane's calls to the agent reach.
 func validateAddress(addr string) error {
 	if addr == "" {
-		return invalidf("address is required: the agent's host:port or URL")
+		return invalidf("address is required: the agent's https://host:port (http:// on loopback)")
 	}
-	if strings.Contains(addr, "://") {
-		u, err := url.Parse(addr)
-		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-			return invalidf("address %q is not an http(s) URL or host:port", addr)
-		}
-		return nil
+	canonical, err := agentapi.CheckAddress(addr)
+	if err != nil {
+		return invalidf("%v: give the agent's address as https://host:port (http:// on loopback), e.g. https://kvm-01.example.net:8471", err)
 	}
-	if _, port, err := net.SplitHostPort(addr); err != nil || port == "" {
-		return invalidf("address %q is not host:port or an http(s) URL", addr)
+	if canonical != addr {
+		return invalidf("address %q: write it as %q (lower case, no trailing slash)", addr, canonical)
 	}
 	return nil
 }

@@ -126,7 +126,7 @@ func TestPlacementSpreadsAndExplains(t *testing.T) {
 	if dry.Host != "a" || len(dry.Ranked) != 2 || dry.Ranked[1].Host != "b" {
 		t.Errorf("dry run ranking (ties go to the first name): %+v", dry)
 	}
-	if len(dry.Rejected) != 1 || dry.Rejected[0] != (api.Rejection{Host: "small", Reason: "memory: needs 4096 MiB, 2048 free"}) {
+	if len(dry.Rejected) != 1 || dry.Rejected[0] != (api.Rejection{Host: "small", Reason: api.ReasonMemory, Detail: "memory: needs 4096 MiB, 2048 free"}) {
 		t.Errorf("dry run rejections: %+v", dry.Rejected)
 	}
 	if got := hostAllocated(t, c, "a"); got != (api.Resources{}) {
@@ -154,7 +154,7 @@ func TestPlacementSpreadsAndExplains(t *testing.T) {
 		t.Errorf("no_capacity must explain every host: %s %v", e.Message, reasons)
 	}
 	first := reasons[0].(map[string]any)
-	if first["host"] != "a" || first["reason"] != "memory: needs 4096 MiB, 0 free; vcpus: needs 2, 0 free" {
+	if first["host"] != "a" || first["reason"] != api.ReasonMemory || first["detail"] != "memory: needs 4096 MiB, 0 free; vcpus: needs 2, 0 free" {
 		t.Errorf("reason for a: %v", first)
 	}
 
@@ -174,9 +174,9 @@ func TestListsPage(t *testing.T) {
 	eachDatabase(t, func(t *testing.T, dbURL string) {
 		ctx := ctxT(t)
 		c := testenv.StartControl(t, testenv.ControlOptions{DatabaseURL: dbURL})
-		agent := testenv.StartAgent(t, testenv.AgentOptions{})
+		// One agent per host: an agent's identity is pinned to one host.
 		for _, name := range []string{"h3", "h1", "h2"} {
-			c.RegisterHost(t, name, agent.Address)
+			c.RegisterHost(t, name, testenv.StartAgent(t, testenv.AgentOptions{}).Address)
 		}
 		page, err := c.Client.ListHosts(ctx, client.ListOptions{PageSize: 2})
 		if err != nil || len(page.Items) != 2 || page.Items[0].Name != "h1" || page.NextPageToken == "" {

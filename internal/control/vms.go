@@ -40,7 +40,7 @@ func (s *Service) CreateVM(ctx context.Context, in api.VMCreate, idempotencyKey 
 	})
 }
 
-// createVM runs DESIGN.md section 6: reserve (DB) -> agent PUT -> mark
+// createVM runs docs/guides/architecture.md: reserve (DB) -> agent PUT -> mark
 // created (DB). Every step that succeeds pushes its undo on a cleanup
 // chain; a failure runs the chain, so the agent deletes the VM before its
 // capacity is released.
@@ -56,14 +56,15 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	vm := store.VM{
 		ID: newID(), Name: in.Name, Image: in.Image, Labels: in.Labels,
 		Resources:  store.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB},
-		PowerState: in.PowerState, ObservedState: api.StateCreating,
+		PowerState: in.PowerState, ObservedState: api.StateCreating, Constraints: constraintsText(in.Constraints),
 		CreatedAt: time.Now().UTC().Truncate(time.Microsecond),
 	}
 	nics, err := s.resolveNICs(ctx, vm.ID, in.NetworkInterfaces)
 	if err != nil {
 		return api.VM{}, err
 	}
-	req := scheduler.Request{Image: in.Image, Host: in.Host, Resources: schedResources(vm.Resources)}
+	req := scheduler.Request{Image: in.Image, Host: in.Host, Resources: schedResources(vm.Resources),
+		Constraints: schedConstraints(in.Constraints)}
 	if err := s.placeAndReserve(ctx, &vm, nics, req); err != nil {
 		return api.VM{}, err
 	}
@@ -102,7 +103,7 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	chain.commit()
 	vm.ObservedState, vm.Reason, vm.StartedFrom = created.State, created.Reason, created.StartedFrom
 	s.log.Info("vm created", "vm", vm.ID, "name", vm.Name, "host", vm.HostName, "state", created.State)
-	return apiVM(vm, true), nil
+	return s.withConstraints(apiVM(vm, true), vm), nil
 }
 
 // recordAgentNICs stores what the agent chose for the VM's NICs (forwarded
@@ -219,19 +220,19 @@ func (s *Service) ListVMs(ctx context.Context, q VMQuery) (api.List[api.VM], err
 	return out, nil
 }
 
-// UpdateVM changes power state and labels in place. Asking for the power
-// state a VM already has still acts when the agent reports otherwise: that
-// is how an apply repairs a VM stopped behind Terraform's back.
+// UpdateVM changes a VM in place: its name, its shape (vCPUs and memory,
+// resize.go), its power state, its labels and its stored constraints (the
+// VM does not move). Asking for the power state a VM already has still acts
+// when the agent reports otherwise: that is how an apply repairs a VM
+// stopped behind Terraform's back. A VM to be stopped is stopped before its
+// resize (which then only records the shape); one to run is resized first
+// (the restart brings it up in the new shape).
 func (s *Service) UpdateVM(ctx context.Context, id string, in api.VMPatch) (api.VM, error) {
-	if in.PowerState != nil {
-		if err := validatePowerState(*in.PowerState); err != nil {
-			return api.VM{}, err
-		}
+	if err := validateVMPatch(in); err != nil {
+		return api.VM{}, err
 	}
-	if in.Labels != nil {
-		if err := validateLabels(*in.Labels); err != nil {
-			return api.VM{}, err
-		}
+	if err := validateConstraints(in.Constraints); err != nil {
+		return api.VM{}, err
 	}
 	ctx, cancel := detached(ctx, createTimeout)
 	defer cancel()
@@ -239,7 +240,36 @@ func (s *Service) UpdateVM(ctx context.Context, id string, in api.VMPatch) (api.
 	if err != nil {
 		return api.VM{}, fromStore(err, "read vm "+id)
 	}
-	if in.PowerState != nil {
+	if in.Name != nil {
+		if err := s.renameVM(ctx, vm, *in.Name); err != nil {
+			return api.VM{}, err
+		}
+	}
+	stopFirst := in.PowerState != nil && *in.PowerState == api.PowerStopped
+	if stopFirst {
+		if err := s.setPower(ctx, vm, *in.PowerState); err != nil {
+			return api.VM{}, err
+		}
+	}
+	if in.VCPUs != nil || in.MemoryMiB != nil {
+		if vm, err = s.store.GetVM(ctx, id); err != nil {
+			return api.VM{}, fromStore(err, "read vm "+id)
+		}
+		want := store.Shape{VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB}
+		if in.VCPUs != nil {
+			want.VCPUs = *in.VCPUs
+		}
+		if in.MemoryMiB != nil {
+			want.MemoryMiB = *in.MemoryMiB
+		}
+		if err := s.resizeVM(ctx, vm, want); err != nil {
+			return api.VM{}, err
+		}
+	}
+	if in.PowerState != nil && !stopFirst {
+		if vm, err = s.store.GetVM(ctx, id); err != nil {
+			return api.VM{}, fromStore(err, "read vm "+id)
+		}
 		if err := s.setPower(ctx, vm, *in.PowerState); err != nil {
 			return api.VM{}, err
 		}
@@ -247,6 +277,13 @@ func (s *Service) UpdateVM(ctx context.Context, id string, in api.VMPatch) (api.
 	if in.Labels != nil {
 		if err := s.store.SetVMLabels(ctx, id, *in.Labels); err != nil {
 			return api.VM{}, fromStore(err, "update labels of vm "+id)
+		}
+	}
+	if in.Constraints != nil {
+		// Stored, never acted on: the VM stays where it is and keeps the
+		// group slot it was placed with (see store.VM.Group).
+		if err := s.store.SetVMConstraints(ctx, id, constraintsText(in.Constraints)); err != nil {
+			return api.VM{}, fromStore(err, "update constraints of vm "+id)
 		}
 	}
 	return s.GetVM(ctx, id)
@@ -331,7 +368,7 @@ func (s *Service) apiVMs(ctx context.Context, vms []store.VM) ([]api.VM, error) 
 	}
 	out := make([]api.VM, 0, len(vms))
 	for _, vm := range vms {
-		out = append(out, apiVM(vm, alive[vm.HostName]))
+		out = append(out, s.withConstraints(apiVM(vm, alive[vm.HostName]), vm))
 	}
 	return out, nil
 }
@@ -355,6 +392,9 @@ func apiVM(vm store.VM, hostAlive bool) api.VM {
 	if vm.ForkID != nil {
 		out.ForkID = *vm.ForkID
 	}
+	if p, ok := vm.Pending(); ok {
+		out.PendingResize = &api.VMShape{VCPUs: p.VCPUs, MemoryMiB: p.MemoryMiB}
+	}
 	if out.Labels == nil {
 		out.Labels = map[string]string{}
 	}
@@ -366,6 +406,19 @@ func apiVM(vm store.VM, hostAlive bool) api.VM {
 		if json.Unmarshal([]byte(vm.Placement), &p) == nil {
 			out.Placement = &p
 		}
+	}
+	return out
+}
+
+// withConstraints adds the VM's constraints and, from this replica's view
+// of its host's labels, whether the host still meets them.
+func (s *Service) withConstraints(out api.VM, vm store.VM) api.VM {
+	out.Constraints = parseConstraints(vm.Constraints)
+	if out.Constraints == nil {
+		return out
+	}
+	if h, ok := s.view.get(vm.HostName); ok {
+		out.ConstraintsViolated = constraintsViolated(out.Constraints, vm.HostName, h.Labels)
 	}
 	return out
 }

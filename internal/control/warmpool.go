@@ -1,6 +1,6 @@
 package control
 
-// The control side of the warm pool (DESIGN.md section 8): a host's
+// The control side of the warm pool (docs/guides/architecture.md): a host's
 // warm_pool targets are stored with the host and pushed to its agent with
 // PUT /v1/pool/{image}; the host monitor reads the agent's ready counts
 // every sync and pushes the targets again when the agent's differ (an agent

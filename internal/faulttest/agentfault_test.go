@@ -51,7 +51,7 @@ func startFaultyProxy(t *testing.T, agentURL string) *faultyProxy {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p.Address = ln.Addr().String()
+	p.Address = "http://" + ln.Addr().String()
 	srv := &http.Server{Handler: p, ReadHeaderTimeout: 10 * time.Second}
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() {
@@ -125,6 +125,7 @@ func TestAgentFaultsDuringCreate(t *testing.T) {
 	ctx := ctxT(t, 3*time.Minute)
 	ag := testenv.StartAgent(t, testenv.AgentOptions{})
 	px := startFaultyProxy(t, ag.URL)
+	ag.AllowAddress(t, px.Address)
 	c := testenv.StartControl(t, testenv.ControlOptions{AgentTimeout: agentTimeout, SyncInterval: 200 * time.Millisecond, DeadAfter: 3})
 	c.RegisterHost(t, "h1", px.Address)
 	agents := map[string]agentLister{"h1": realAgent(ag)}

@@ -8,7 +8,7 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 )
 
-// forkRoutes adds the fork calls of DESIGN.md section 3.
+// forkRoutes adds the fork calls of the control API (/v1/forks).
 func (h *handlers) forkRoutes(g *echo.Group) {
 	g.POST("/forks", h.createFork)
 	g.GET("/forks/:id", h.getFork)

@@ -29,6 +29,7 @@ import (
 type fuzzControl struct {
 	handler http.Handler
 	svc     *control.Service
+	store   *store.Store
 	token   string
 	vmID    string // a running VM the PATCH and fork targets aim at
 	forkID  string // a fork of it with one child, once forks are served
@@ -36,7 +37,7 @@ type fuzzControl struct {
 
 const fuzzToken = "fuzz-control-token"
 
-func newFuzzControl(f testing.TB) *fuzzControl {
+func newFuzzControl(f testing.TB, opts ...func(*httpapi.Options)) *fuzzControl {
 	f.Helper()
 	ctx := context.Background()
 	ag := testenv.StartAgent(f, testenv.AgentOptions{})
@@ -51,7 +52,7 @@ func newFuzzControl(f testing.TB) *fuzzControl {
 	dialer := &net.Dialer{Timeout: time.Second}
 	agentHTTP := &http.Client{Transport: &http.Transport{
 		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-			if addr != ag.Address {
+			if "http://"+addr != ag.Address {
 				return nil, fmt.Errorf("fuzz: dial %s refused: only the sim agent %s is reachable", addr, ag.Address)
 			}
 			return dialer.DialContext(ctx, network, addr)
@@ -62,7 +63,11 @@ func newFuzzControl(f testing.TB) *fuzzControl {
 	if err != nil {
 		f.Fatal(err)
 	}
-	h, err := httpapi.New(svc, httpapi.Options{Token: fuzzToken})
+	hopts := httpapi.Options{Token: fuzzToken}
+	for _, o := range opts {
+		o(&hopts)
+	}
+	h, err := httpapi.New(svc, hopts)
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -73,7 +78,7 @@ func newFuzzControl(f testing.TB) *fuzzControl {
 	if err != nil {
 		f.Fatal(err)
 	}
-	fc := &fuzzControl{handler: h, svc: svc, token: fuzzToken, vmID: vm.ID}
+	fc := &fuzzControl{handler: h, svc: svc, store: st, token: fuzzToken, vmID: vm.ID}
 	if fc.served(http.MethodPatch, "/v1/forks/:id") {
 		fork, err := svc.CreateFork(ctx, api.ForkCreate{SourceVMID: vm.ID, Count: 1}, "")
 		if err != nil {
@@ -102,8 +107,9 @@ func (fc *fuzzControl) served(method, path string) bool {
 // snapshot is what a refused request must leave as it was: every VM and
 // every host registration (not the observed fields, which the agent owns).
 type controlSnapshot struct {
-	vms   []api.VM
-	hosts []api.Host
+	vms    []api.VM
+	hosts  []api.Host
+	tokens []api.Token
 }
 
 func (fc *fuzzControl) snapshot(t *testing.T) controlSnapshot {
@@ -117,7 +123,11 @@ func (fc *fuzzControl) snapshot(t *testing.T) controlSnapshot {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := controlSnapshot{vms: vms.Items, hosts: hosts.Items}
+	tokens, err := fc.svc.ListTokens(ctx, control.Page{Size: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := controlSnapshot{vms: vms.Items, hosts: hosts.Items, tokens: tokens.Items}
 	for i := range s.vms {
 		s.vms[i].ObservedState = ""
 	}
@@ -162,6 +172,8 @@ var statusOfCode = map[string][]int{
 	api.CodeInvalid:             {400, 405},
 	api.CodeUnauthorized:        {401},
 	api.CodeNotFound:            {404},
+	api.CodeNoRoute:             {404},
+	api.CodeForbidden:           {403},
 	api.CodeConflict:            {409},
 	api.CodeNoCapacity:          {409},
 	api.CodeNoAddress:           {409},
@@ -351,6 +363,25 @@ func FuzzPatchFork(f *testing.F) {
 			id = fc.forkID
 		}
 		fc.do(t, http.MethodPatch, "/v1/forks/"+url.PathEscape(id), body, nil, false)
+	})
+}
+
+func FuzzCreateToken(f *testing.F) {
+	fc := newFuzzControl(f)
+	for _, s := range bodySeeds {
+		f.Add([]byte(s))
+	}
+	f.Add([]byte(`{"name":"ci","scopes":["user"]}`))
+	f.Add([]byte(`{"name":"ops","scopes":["admin","user"],"expires_at":"2999-01-01T00:00:00Z"}`))
+	f.Add([]byte(`{"name":"old","scopes":["user"],"expires_at":"2000-01-01T00:00:00Z"}`))
+	f.Add([]byte(`{"name":"x","scopes":["root"]}`))
+	f.Add([]byte(`{"name":"x","scopes":["user","user"]}`))
+	f.Add([]byte(`{"name":"x","scopes":[]}`))
+	f.Add([]byte(`{"name":"x","scopes":"user"}`))
+	f.Add([]byte(`{"name":"x","scopes":["user"],"expires_at":"tomorrow"}`))
+	f.Add([]byte(`{"name":"x","scopes":["user"],"token":"kvmd_chosen"}`))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		fc.do(t, http.MethodPost, "/v1/tokens", body, nil, false)
 	})
 }
 

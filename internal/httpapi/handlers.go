@@ -133,6 +133,37 @@ func (h *handlers) place(c echo.Context) error {
 	return c.JSON(http.StatusOK, out)
 }
 
+func (h *handlers) createToken(c echo.Context) error {
+	var in api.TokenCreate
+	if err := decode(c, &in); err != nil {
+		return err
+	}
+	out, err := h.svc.CreateToken(c.Request().Context(), in)
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusCreated, out)
+}
+
+func (h *handlers) listTokens(c echo.Context) error {
+	page, err := pageOf(c)
+	if err != nil {
+		return err
+	}
+	out, err := h.svc.ListTokens(c.Request().Context(), page)
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, out)
+}
+
+func (h *handlers) revokeToken(c echo.Context) error {
+	if err := h.svc.RevokeToken(c.Request().Context(), c.Param("id")); err != nil {
+		return err
+	}
+	return c.NoContent(http.StatusNoContent)
+}
+
 func pageOf(c echo.Context) (control.Page, error) {
 	p := control.Page{Token: c.QueryParam("page_token")}
 	if s := c.QueryParam("page_size"); s != "" {

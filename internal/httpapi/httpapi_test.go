@@ -67,10 +67,10 @@ func TestBadInputIsRefusedAndWritesNothing(t *testing.T) {
 		{"trailing data", "POST", "/v1/vms", bearer, strings.NewReader(valid + valid), 400, "invalid", "data after the JSON object"},
 		{"unknown field", "POST", "/v1/vms", bearer, strings.NewReader(`{"name":"vm1","image":"sim","vcpus":1,"memory_mib":512,"disk_mib":1024,"cpus":4}`), 400, "invalid", `unknown field "cpus"`},
 		{"wrong type", "POST", "/v1/vms", bearer, strings.NewReader(`{"name":"vm1","image":"sim","vcpus":"two","memory_mib":512,"disk_mib":1024}`), 400, "invalid", `field "vcpus" must be a number`},
-		{"zero vcpus", "POST", "/v1/vms", bearer, strings.NewReader(`{"name":"vm1","image":"sim","vcpus":0,"memory_mib":512,"disk_mib":1024}`), 400, "invalid", "vcpus must be between 1 and 1024, got 0"},
+		{"zero vcpus", "POST", "/v1/vms", bearer, strings.NewReader(`{"name":"vm1","image":"sim","vcpus":0,"memory_mib":512,"disk_mib":1024}`), 400, "invalid", "vcpus must be between 1 and 255, got 0"},
 		{"negative memory", "POST", "/v1/vms", bearer, strings.NewReader(`{"name":"vm1","image":"sim","vcpus":1,"memory_mib":-512,"disk_mib":1024}`), 400, "invalid", "memory_mib must be between 1 and"},
 		{"missing disk", "POST", "/v1/vms", bearer, strings.NewReader(`{"name":"vm1","image":"sim","vcpus":1,"memory_mib":512}`), 400, "invalid", "disk_mib must be between 1 and"},
-		{"huge vcpus", "POST", "/v1/vms", bearer, strings.NewReader(`{"name":"vm1","image":"sim","vcpus":100000,"memory_mib":512,"disk_mib":1024}`), 400, "invalid", "vcpus must be between 1 and 1024, got 100000"},
+		{"huge vcpus", "POST", "/v1/vms", bearer, strings.NewReader(`{"name":"vm1","image":"sim","vcpus":100000,"memory_mib":512,"disk_mib":1024}`), 400, "invalid", "vcpus must be between 1 and 255, got 100000"},
 		{"huge memory", "POST", "/v1/vms", bearer, strings.NewReader(`{"name":"vm1","image":"sim","vcpus":1,"memory_mib":999999999999,"disk_mib":1024}`), 400, "invalid", "memory_mib must be between 1 and 16777216"},
 		{"number overflow", "POST", "/v1/vms", bearer, strings.NewReader(`{"name":"vm1","image":"sim","vcpus":1e30,"memory_mib":512,"disk_mib":1024}`), 400, "invalid", `field "vcpus" must be a whole number within range`},
 		{"bad name", "POST", "/v1/vms", bearer, strings.NewReader(`{"name":"bad name!","image":"sim","vcpus":1,"memory_mib":512,"disk_mib":1024}`), 400, "invalid", `name "bad name!" is not valid`},
@@ -82,14 +82,15 @@ func TestBadInputIsRefusedAndWritesNothing(t *testing.T) {
 		{"missing token", "POST", "/v1/vms", "", strings.NewReader(valid), 401, "unauthorized", "unauthorized"},
 		{"wrong token", "POST", "/v1/vms", "Bearer nope", strings.NewReader(valid), 401, "unauthorized", "unauthorized"},
 		{"token without scheme", "GET", "/v1/vms", c.Token, nil, 401, "unauthorized", "unauthorized"},
-		{"host with bad address", "PUT", "/v1/hosts/h2", bearer, strings.NewReader(`{"address":"no-port"}`), 400, "invalid", `address "no-port" is not host:port`},
-		{"host with bad ratio", "PUT", "/v1/hosts/h2", bearer, strings.NewReader(`{"address":"127.0.0.1:1","cpu_allocation_ratio":0}`), 400, "invalid", "cpu_allocation_ratio must be above 0"},
-		{"host whose agent is down", "PUT", "/v1/hosts/h2", bearer, strings.NewReader(`{"address":"127.0.0.1:1"}`), 503, "unavailable", "GET /v1/info at 127.0.0.1:1"},
+		{"host with bad address", "PUT", "/v1/hosts/h2", bearer, strings.NewReader(`{"address":"no-port"}`), 400, "invalid", `address "no-port": want http://host:port or https://host:port`},
+		{"host address with a path", "PUT", "/v1/hosts/h2", bearer, strings.NewReader(`{"address":"http://127.0.0.1:1/x?y="}`), 400, "invalid", "a path is not allowed"},
+		{"host with bad ratio", "PUT", "/v1/hosts/h2", bearer, strings.NewReader(`{"address":"http://127.0.0.1:1","cpu_allocation_ratio":0}`), 400, "invalid", "cpu_allocation_ratio must be above 0"},
+		{"host whose agent is down", "PUT", "/v1/hosts/h2", bearer, strings.NewReader(`{"address":"http://127.0.0.1:1"}`), 503, "unavailable", "the address http://127.0.0.1:1 did not answer the identity challenge"},
 		{"bad page size", "GET", "/v1/vms?page_size=abc", bearer, nil, 400, "invalid", "page_size must be a whole number"},
 		{"page size too big", "GET", "/v1/vms?page_size=5000", bearer, nil, 400, "invalid", "page_size must be between 1 and 1000"},
 		{"bad page token", "GET", "/v1/vms?page_token=%21%21", bearer, nil, 400, "invalid", "page_token"},
 		{"bad label filter", "GET", "/v1/vms?label=team", bearer, nil, 400, "invalid", "must be key=value"},
-		{"unknown route", "GET", "/v1/nothing", bearer, nil, 404, "not_found", "no such route"},
+		{"unknown route", "GET", "/v1/nothing", bearer, nil, 404, "no_route", "no such route"},
 		{"unknown vm", "GET", "/v1/vms/nope", bearer, nil, 404, "not_found", "vm nope"},
 		{"bad patch", "PATCH", "/v1/vms/nope", bearer, strings.NewReader(`{"power_state":"paused"}`), 400, "invalid", "power_state must be"},
 	}
@@ -129,6 +130,8 @@ func TestProbesMetricsAndRequestIDs(t *testing.T) {
 	if _, err := c.Client.CreateVM(ctx, api.VMCreate{Name: "m", Image: "sim", VCPUs: 1, MemoryMiB: 64, DiskMiB: 64}, ""); err != nil {
 		t.Fatal(err)
 	}
+	// kvmd_vms counts what the host monitor's rounds read.
+	c.Service.SyncNow(ctx)
 	for _, path := range []string{"/healthz", "/readyz"} {
 		if r := send(t, c, "GET", path, "", nil, nil); r.status != 200 {
 			t.Errorf("%s: %d %s", path, r.status, r.body)

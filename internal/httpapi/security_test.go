@@ -1,19 +1,31 @@
 package httpapi_test
 
 import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/labstack/echo/v4"
 
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/httpapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
 )
 
 // openRoutes are the only routes served without a token.
 var openRoutes = map[string]bool{"GET /healthz": true, "GET /readyz": true, "GET /metrics": true}
+
+// isUIRoute says whether a route belongs to the fleet page, which answers a
+// refusal with its HTML login form (still 401) instead of the JSON envelope.
+func isUIRoute(path string) bool { return path == "/ui" || strings.HasPrefix(path, "/ui/") }
 
 // concretePath fills every path parameter of an Echo route with a value.
 func concretePath(p string) string {
@@ -68,7 +80,11 @@ func TestEveryRouteRefusesMissingAndWrongTokens(t *testing.T) {
 		protected++
 		for name, auth := range refusals {
 			rec := callRec(fc.handler, method, path, auth)
-			if rec.Code != http.StatusUnauthorized || strings.TrimSpace(rec.Body.String()) != unauthorized {
+			if isUIRoute(r.Path) {
+				if rec.Code != http.StatusUnauthorized || !strings.Contains(rec.Body.String(), `name="token"`) {
+					t.Errorf("%s with a %s token: %d %s; want 401 with the login form", key, name, rec.Code, rec.Body.String())
+				}
+			} else if rec.Code != http.StatusUnauthorized || strings.TrimSpace(rec.Body.String()) != unauthorized {
 				t.Errorf("%s with a %s token: %d %s; want 401 %s", key, name, rec.Code, rec.Body.String(), unauthorized)
 			}
 			if rec.Header().Get("WWW-Authenticate") == "" {
@@ -164,5 +180,128 @@ func TestOneRequestCreatesBoundedVMs(t *testing.T) {
 	}
 	if after := len(fc.snapshot(t).vms); after != before+3 {
 		t.Errorf("a fork of 3 made %d VMs", after-before)
+	}
+}
+
+// scopeMatrix is who may call each route, written out here on purpose (not
+// derived from httpapi.RouteScopes): "admin", "user", or both. A route the
+// server serves that is missing here fails TestScopeMatrix, so every new
+// route needs a scope decision.
+var scopeMatrix = map[string][]string{
+	"PUT /v1/hosts/:name":       {"admin"},
+	"GET /v1/hosts":             {"admin", "user"},
+	"GET /v1/hosts/:name":       {"admin", "user"},
+	"DELETE /v1/hosts/:name":    {"admin"},
+	"POST /v1/vms":              {"user"},
+	"GET /v1/vms":               {"admin", "user"},
+	"GET /v1/vms/:id":           {"admin", "user"},
+	"PATCH /v1/vms/:id":         {"user"},
+	"DELETE /v1/vms/:id":        {"user"},
+	"POST /v1/placements":       {"user"},
+	"POST /v1/forks":            {"user"},
+	"GET /v1/forks/:id":         {"admin", "user"},
+	"PATCH /v1/forks/:id":       {"user"},
+	"DELETE /v1/forks/:id":      {"user"},
+	"POST /v1/networks":         {"admin"},
+	"GET /v1/networks":          {"admin", "user"},
+	"GET /v1/networks/:name":    {"admin", "user"},
+	"PATCH /v1/networks/:name":  {"admin"},
+	"DELETE /v1/networks/:name": {"admin"},
+	"POST /v1/tokens":           {"admin"},
+	"GET /v1/tokens":            {"admin"},
+	"DELETE /v1/tokens/:id":     {"admin"},
+	// A path no route serves answers 404 no_route to any valid token.
+	"echo_route_not_found /v1/*": {"admin", "user"},
+	"echo_route_not_found /v1":   {"admin", "user"},
+}
+
+// TestScopeMatrix walks every route the server serves with every kind of
+// token: the bootstrap token and an admin+user token get past the scope
+// check everywhere; an admin token and a user token only where the matrix
+// says (403 forbidden elsewhere); missing, unknown, revoked and expired
+// tokens get 401 everywhere.
+func TestScopeMatrix(t *testing.T) {
+	fc := newFuzzControl(t)
+	e, ok := fc.handler.(*echo.Echo)
+	if !ok {
+		t.Fatalf("httpapi.New returned %T; this test walks the routes of an *echo.Echo", fc.handler)
+	}
+	ctx := context.Background()
+	newToken := func(name string, scopes ...string) api.Token {
+		tok, err := fc.svc.CreateToken(ctx, api.TokenCreate{Name: name, Scopes: scopes})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tok
+	}
+	admin, user, both := newToken("admin", "admin"), newToken("user", "user"), newToken("both", "admin", "user")
+	revoked := newToken("revoked", "admin", "user")
+	if err := fc.svc.RevokeToken(ctx, revoked.ID); err != nil {
+		t.Fatal(err)
+	}
+	const expiredSecret = "kvmd_expired-token-of-the-scope-matrix-0123456789abcdef"
+	sum := sha256.Sum256([]byte(expiredSecret))
+	past := time.Now().Add(-time.Second).UTC()
+	if err := fc.store.InsertToken(ctx, store.Token{ID: "expired", Name: "expired", SecretSHA256: hex.EncodeToString(sum[:]),
+		Scopes: []string{"admin", "user"}, ExpiresAt: &past}); err != nil {
+		t.Fatal(err)
+	}
+	holders := map[string]struct {
+		secret string
+		scopes []string
+	}{
+		"bootstrap":  {fc.token, []string{"admin", "user"}},
+		"admin+user": {both.Secret, []string{"admin", "user"}},
+		"admin":      {admin.Secret, []string{"admin"}},
+		"user":       {user.Secret, []string{"user"}},
+	}
+	refused := map[string]string{
+		"missing": "", "unknown": "Bearer kvmd_not-a-token-this-server-made",
+		"revoked": "Bearer " + revoked.Secret, "expired": "Bearer " + expiredSecret,
+	}
+	seen := map[string]bool{}
+	for _, r := range e.Routes() {
+		key := r.Method + " " + r.Path
+		if openRoutes[key] || isUIRoute(r.Path) {
+			// The fleet page logs in with the bootstrap token and a session
+			// cookie of its own (ui_test.go), not with bearer tokens.
+			continue
+		}
+		if strings.HasPrefix(r.Method, "echo_") {
+			key = "echo_route_not_found " + r.Path
+		}
+		allowed, decided := scopeMatrix[key]
+		if !decided {
+			t.Errorf("route %s has no scope decision in scopeMatrix: decide who may call it (here and in httpapi.RouteScopes)", key)
+			continue
+		}
+		seen[key] = true
+		if _, ok := httpapi.RouteScopes(r.Method, r.Path); !ok && !strings.HasPrefix(r.Method, "echo_") {
+			t.Errorf("route %s: httpapi.RouteScopes has no rule for it", key)
+		}
+		method, path := routeMethod(r), concretePath(r.Path)
+		for name, h := range holders {
+			rec := callRec(fc.handler, method, path, "Bearer "+h.secret)
+			mayCall := false
+			for _, s := range h.scopes {
+				mayCall = mayCall || slices.Contains(allowed, s)
+			}
+			switch {
+			case mayCall && (rec.Code == http.StatusUnauthorized || rec.Code == http.StatusForbidden):
+				t.Errorf("%s with a %s token: %d %s; the matrix allows it", key, name, rec.Code, trim(rec.Body.String()))
+			case !mayCall && (rec.Code != http.StatusForbidden || !strings.Contains(rec.Body.String(), `"code":"forbidden"`)):
+				t.Errorf("%s with a %s token: %d %s; want 403 forbidden", key, name, rec.Code, trim(rec.Body.String()))
+			}
+		}
+		for name, auth := range refused {
+			if rec := callRec(fc.handler, method, path, auth); rec.Code != http.StatusUnauthorized {
+				t.Errorf("%s with a %s token: %d %s; want 401", key, name, rec.Code, trim(rec.Body.String()))
+			}
+		}
+	}
+	for key := range scopeMatrix {
+		if !seen[key] {
+			t.Errorf("scopeMatrix names %s, which the server does not serve", key)
+		}
 	}
 }

@@ -4,8 +4,6 @@
 package httpapi
 
 import (
-	"crypto/sha256"
-	"crypto/subtle"
 	"errors"
 	"log/slog"
 	"net/http"
@@ -25,9 +23,13 @@ const MaxBodyBytes = 1 << 20
 
 // Options configure the HTTP API.
 type Options struct {
-	// Token is the bearer token every /v1 request must carry. Required.
-	Token  string
-	Logger *slog.Logger
+	// Token is the bootstrap token (kvmd control --token): every scope.
+	// Required. Tokens from the database (POST /v1/tokens) work beside it.
+	Token string
+	// MetricsToken, when set, is the bearer token /metrics requires;
+	// empty leaves /metrics open (for a scraper on a trusted network).
+	MetricsToken string
+	Logger       *slog.Logger
 }
 
 // New returns the HTTP handler of the control API on svc. Its metrics go
@@ -61,9 +63,13 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	h := &handlers{svc: svc}
 	e.GET("/healthz", h.healthz)
 	e.GET("/readyz", h.readyz)
-	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(svc.Registry(), promhttp.HandlerOpts{})))
+	var metricsGuard []echo.MiddlewareFunc
+	if opts.MetricsToken != "" {
+		metricsGuard = append(metricsGuard, metricsAuth(opts.MetricsToken))
+	}
+	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(svc.Registry(), promhttp.HandlerOpts{})), metricsGuard...)
 
-	v1 := e.Group("/v1", bearerAuth(opts.Token))
+	v1 := e.Group("/v1", authenticate(svc, opts.Token))
 	v1.PUT("/hosts/:name", h.putHost)
 	v1.GET("/hosts", h.listHosts)
 	v1.GET("/hosts/:name", h.getHost)
@@ -80,23 +86,11 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	v1.PATCH("/networks/:name", h.updateNetwork)
 	v1.DELETE("/networks/:name", h.deleteNetwork)
 	h.forkRoutes(v1)
+	v1.POST("/tokens", h.createToken)
+	v1.GET("/tokens", h.listTokens)
+	v1.DELETE("/tokens/:id", h.revokeToken)
+	h.uiRoutes(e, opts.Token)
 	return e, nil
-}
-
-// bearerAuth checks the token in constant time (comparing digests, so not
-// even the token's length leaks). A failure says nothing more than that.
-func bearerAuth(token string) echo.MiddlewareFunc {
-	want := sha256.Sum256([]byte("Bearer " + token))
-	return func(next echo.HandlerFunc) echo.HandlerFunc {
-		return func(c echo.Context) error {
-			got := sha256.Sum256([]byte(c.Request().Header.Get(echo.HeaderAuthorization)))
-			if subtle.ConstantTimeCompare(got[:], want[:]) != 1 {
-				c.Response().Header().Set(echo.HeaderWWWAuthenticate, `Bearer realm="kvmd"`)
-				return &control.Error{Code: api.CodeUnauthorized, Message: "unauthorized"}
-			}
-			return next(c)
-		}
-	}
 }
 
 // requestLog writes the response of a failed handler itself (so that the
@@ -118,6 +112,9 @@ func requestLog(log *slog.Logger, requests *prometheus.CounterVec) echo.Middlewa
 				"status", res.Status, "duration_ms", float64(time.Since(start).Microseconds()) / 1000,
 				"remote", c.RealIP(),
 			}
+			if p, ok := c.Get(principalKey).(control.Principal); ok {
+				attrs = append(attrs, "token", principalName(p))
+			}
 			switch {
 			case res.Status >= 500:
 				log.Error("request failed", append(attrs, "err", err)...)
@@ -136,6 +133,8 @@ var statusOf = map[string]int{
 	api.CodeInvalid:             http.StatusBadRequest,
 	api.CodeUnauthorized:        http.StatusUnauthorized,
 	api.CodeNotFound:            http.StatusNotFound,
+	api.CodeNoRoute:             http.StatusNotFound,
+	api.CodeForbidden:           http.StatusForbidden,
 	api.CodeConflict:            http.StatusConflict,
 	api.CodeNoCapacity:          http.StatusConflict,
 	api.CodeNoAddress:           http.StatusConflict,
@@ -180,7 +179,7 @@ func toEnvelope(err error) api.ErrorBody {
 	if errors.As(err, &he) {
 		switch he.Code {
 		case http.StatusNotFound:
-			return envelope(api.CodeNotFound, "no such route")
+			return envelope(api.CodeNoRoute, "no such route: check the endpoint URL (a path prefix or a proxy in front of kvmd control)")
 		case http.StatusMethodNotAllowed:
 			return envelope(api.CodeInvalid, "method not allowed on this route")
 		case http.StatusRequestEntityTooLarge:

@@ -120,14 +120,16 @@ data "kvm_placement" "no_image" {
 					statecheck.ExpectKnownValue("data.kvm_placement.huge", tfjsonpath.New("ranked"), knownvalue.ListSizeExact(0)),
 					statecheck.ExpectKnownValue("data.kvm_placement.huge", tfjsonpath.New("rejected"), knownvalue.ListExact([]knownvalue.Check{
 						knownvalue.ObjectExact(map[string]knownvalue.Check{
-							"host": knownvalue.StringExact("alpha"), "reason": knownvalue.StringRegexp(regexp.MustCompile(`(?i)mem`)),
+							"host": knownvalue.StringExact("alpha"), "reason": knownvalue.StringExact("memory"),
+							"detail": knownvalue.StringRegexp(regexp.MustCompile(`^memory: needs 1048576 MiB, \d+ free$`)),
 						}),
 						knownvalue.ObjectExact(map[string]knownvalue.Check{
-							"host": knownvalue.StringExact("beta"), "reason": knownvalue.StringRegexp(regexp.MustCompile(`(?i)mem`)),
+							"host": knownvalue.StringExact("beta"), "reason": knownvalue.StringExact("memory"),
+							"detail": knownvalue.StringRegexp(regexp.MustCompile(`^memory: needs 1048576 MiB, \d+ free$`)),
 						}),
 					})),
 					statecheck.ExpectKnownValue("data.kvm_placement.no_image", tfjsonpath.New("rejected").AtSliceIndex(0).AtMapKey("reason"),
-						knownvalue.StringRegexp(regexp.MustCompile(`(?i)image`))),
+						knownvalue.StringExact("no_image")),
 				},
 			},
 		},

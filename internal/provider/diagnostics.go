@@ -44,6 +44,7 @@ const (
 	summaryUpdateNetwork      = "Unable to Update Network"
 	summaryDeleteNetwork      = "Unable to Delete Network"
 	summaryAddressTaken       = "IPv4 Address Already Taken"
+	summaryConstraintsStored  = "Constraints Change Moves Nothing"
 )
 
 // addAPIError adds an error diagnostic for a failed control API call:
@@ -60,7 +61,10 @@ func apiErrorDetail(subject string, err error) string {
 func nextStep(err error) string {
 	switch {
 	case errors.Is(err, client.ErrUnauthorized):
-		return "It rejected the token: check the provider's \"token\" (or KVM_TOKEN) against the control API's --token."
+		return "It rejected the token: check the provider's \"token\" (or KVM_TOKEN): it may be mistyped, revoked or expired."
+	case errors.Is(err, client.ErrForbidden):
+		return "The token is valid but its scopes do not allow this: VMs, forks and placements need scope \"user\"; " +
+			"hosts, networks, images and tokens need scope \"admin\" (kvmd token create --scopes ...)."
 	case errors.Is(err, client.ErrNoCapacity):
 		return "No host can take it: free capacity, register another host (kvm_host), or choose a smaller shape." +
 			rejectionLines(err)
@@ -75,6 +79,9 @@ func nextStep(err error) string {
 			"is running and reachable at the provider's \"endpoint\", then run terraform apply again."
 	case errors.Is(err, client.ErrNotFound):
 		return "The object does not exist on the control API."
+	case errors.Is(err, client.ErrUnexpectedAnswer):
+		return "The endpoint answered 404 without the control API's own not_found error, so the object is kept in state: " +
+			"check the provider's \"endpoint\" (a path prefix, or a proxy in front of kvmd control that does not forward /v1)."
 	case errors.Is(err, client.ErrConflict):
 		return "It conflicts with the current state of the fleet; see the error below."
 	case errors.Is(err, client.ErrInvalid):
@@ -94,6 +101,9 @@ func rejectionLines(err error) string {
 	lines := make([]string, len(rej))
 	for i, r := range rej {
 		lines[i] = fmt.Sprintf("  - %s: %s", r.Host, r.Reason)
+		if r.Detail != "" {
+			lines[i] += " (" + r.Detail + ")"
+		}
 	}
 	sort.Strings(lines)
 	return "\n\nRejected hosts:\n" + strings.Join(lines, "\n")

@@ -67,6 +67,11 @@ func (d *forkDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, r
 				}},
 			},
 			"created_at": computed("When the fork was created (RFC 3339, UTC)."),
+			"constraints": func() schema.SingleNestedAttribute {
+				a := constraintsComputedAttribute()
+				a.MarkdownDescription = "The children's placement constraints; null when there are none."
+				return a
+			}(),
 		},
 	}
 }

@@ -33,7 +33,8 @@ func readyFork() forkModel {
 			Children: forkChildren([]api.VM{
 				{ID: "c0", Name: "f1-0", Host: "h1", ObservedState: api.StateRunning},
 			}),
-			CreatedAt: timestamp(time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)),
+			CreatedAt:   timestamp(time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)),
+			Constraints: types.ObjectNull(constraintsAttrTypes),
 		},
 		Timeouts: timeouts.Value{Object: types.ObjectNull(map[string]attr.Type{
 			"create": types.StringType, "update": types.StringType, "delete": types.StringType,

@@ -62,6 +62,7 @@ type forkAttributes struct {
 	Phase       types.String `tfsdk:"phase"`
 	Children    types.List   `tfsdk:"children"`
 	CreatedAt   types.String `tfsdk:"created_at"`
+	Constraints types.Object `tfsdk:"constraints"`
 }
 
 type forkModel struct {
@@ -92,6 +93,7 @@ func (m *forkAttributes) fromAPI(f api.Fork) {
 	m.Phase = types.StringValue(f.Phase)
 	m.Children = forkChildren(f.Children)
 	m.CreatedAt = timestamp(f.CreatedAt)
+	m.Constraints = constraintsObject(f.Constraints, m.Constraints)
 }
 
 // forkChildren lists the children in slot order (child i is named
@@ -220,6 +222,11 @@ func (r *forkResource) Schema(ctx context.Context, _ resource.SchemaRequest, res
 		},
 		Blocks: map[string]schema.Block{
 			"timeouts": timeouts.Block(ctx, timeouts.Opts{Create: true, Update: true, Delete: true}),
+			"constraints": constraintsResourceBlock("Steers the placement of every child, as on `kvm_vm`. Without "+
+				"`group`, the children form a group of their own, so `spread_by = \"host\"` with `max_per_domain = 1` "+
+				"puts each child on its own host. With `placement = \"colocate\"` the source's host is tried first "+
+				"and the constraints still hold there. Changing the block is an update in place: children placed from "+
+				"then on (a larger `child_count`, a resumed pass) follow it; running children never move.", false),
 		},
 	}
 }
@@ -283,6 +290,11 @@ func (r *forkResource) Create(ctx context.Context, req resource.CreateRequest, r
 		Count:       int(plan.ChildCount.ValueInt64()),
 		PauseSource: plan.PauseSource.ValueBool(),
 		Placement:   plan.Placement.ValueString(),
+	}
+	in.Constraints, diags = constraintsFromObject(ctx, plan.Constraints)
+	resp.Diagnostics.Append(diags...)
+	if resp.Diagnostics.HasError() {
+		return
 	}
 	subject := fmt.Sprintf("forking VM %s into %d children", in.SourceVMID, in.Count)
 
@@ -372,11 +384,19 @@ func (r *forkResource) Update(ctx context.Context, req resource.UpdateRequest, r
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 
+	constraints, diags := constraintsFromObject(ctx, plan.Constraints)
+	resp.Diagnostics.Append(diags...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	if constraints == nil {
+		constraints = &api.Constraints{} // clears them
+	}
 	id := state.ID.ValueString()
 	count := int(plan.ChildCount.ValueInt64())
 	// Send the count even when only pause_source changed: PATCH is
 	// idempotent, and it resumes a pass that did not finish.
-	f, err := r.data.client.UpdateFork(ctx, id, api.ForkPatch{Count: &count})
+	f, err := r.data.client.UpdateFork(ctx, id, api.ForkPatch{Count: &count, Constraints: constraints})
 	r.data.wrote()
 	if err != nil {
 		addAPIError(&resp.Diagnostics, summaryUpdateFork, fmt.Sprintf("changing fork %s to %d children", id, count), err)

@@ -39,7 +39,7 @@ func hostDataAttributes() map[string]schema.Attribute {
 	}
 	return map[string]schema.Attribute{
 		"name":    schema.StringAttribute{MarkdownDescription: "Name of the host.", Computed: true},
-		"address": schema.StringAttribute{MarkdownDescription: "Address of the host agent's API, `host:port`.", Computed: true},
+		"address": schema.StringAttribute{MarkdownDescription: "Address of the host agent's API, `scheme://host:port` (hosts registered before addresses needed a scheme may show `host:port`).", Computed: true},
 		"labels": schema.MapAttribute{
 			MarkdownDescription: "Labels of the host.",
 			ElementType:         types.StringType,

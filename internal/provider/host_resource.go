@@ -77,16 +77,24 @@ func (r *hostResource) Schema(_ context.Context, _ resource.SchemaRequest, resp 
 				PlanModifiers: []planmodifier.String{stringplanmodifier.RequiresReplace()},
 			},
 			"address": schema.StringAttribute{
-				MarkdownDescription: "Address of the host agent's API, `host:port` (for example `10.0.0.5:8471`).",
-				Required:            true,
-				Validators:          []validator.String{stringvalidator.LengthAtLeast(1)},
+				MarkdownDescription: "Address of the host agent's API, `scheme://host:port` and nothing else (for example " +
+					"`https://kvm-01.example.net:8471`; `http://` only on loopback or a network you trust). Before the control " +
+					"plane sends the agent token there, the agent at this address proves that it holds the agent token and " +
+					"the control plane pins its identity key. Changing the address moves the host in place only when the agent " +
+					"at the new address proves that same key (the same agent, moved); another agent is refused. An agent known " +
+					"by a DNS name or behind a proxy is started with `--advertise-url` naming this address.",
+				Required:   true,
+				Validators: []validator.String{stringvalidator.LengthAtLeast(1)},
 			},
 			"labels": schema.MapAttribute{
-				MarkdownDescription: "Labels of the host (string keys and values).",
-				ElementType:         types.StringType,
-				Optional:            true,
-				Computed:            true,
-				Default:             mapdefault.StaticValue(labelsValue(nil)),
+				MarkdownDescription: "Labels of the host (string keys and values). VM `constraints` select hosts by them " +
+					"(`host_labels`) and spread groups by them (`spread_by = \"label:<key>\"`). Changed in place; VMs " +
+					"already placed never move when they change, and a VM whose host no longer matches reports it in " +
+					"`constraints_violated`.",
+				ElementType: types.StringType,
+				Optional:    true,
+				Computed:    true,
+				Default:     mapdefault.StaticValue(labelsValue(nil)),
 			},
 			"schedulable": schema.BoolAttribute{
 				MarkdownDescription: "Whether new VMs may be placed on the host; `false` drains it of new placements " +

@@ -142,11 +142,18 @@ type vmAttributes struct {
 	PlacementSummary types.String  `tfsdk:"placement_summary"`
 	CreatedAt        types.String  `tfsdk:"created_at"`
 	IPv4Address      types.String  `tfsdk:"ipv4_address"`
+	// Constraints is the constraints block (null when absent).
+	Constraints         types.Object `tfsdk:"constraints"`
+	ConstraintsViolated types.String `tfsdk:"constraints_violated"`
 }
 
 // fromAPI fills the attributes from vm, with powerState as the value of
-// power_state (desired after a write, observed after a read).
+// power_state (desired after a write, observed after a read). m's
+// constraints before the call (plan or prior state) settle how an empty
+// block reads back.
 func (m *vmAttributes) fromAPI(vm api.VM, powerState string) {
+	m.Constraints = constraintsObject(vm.Constraints, m.Constraints)
+	m.ConstraintsViolated = types.StringValue(vm.ConstraintsViolated)
 	m.ID = types.StringValue(vm.ID)
 	m.Name = types.StringValue(vm.Name)
 	m.Image = types.StringValue(vm.Image)

@@ -12,6 +12,7 @@ import (
 	"github.com/hashicorp/terraform-plugin-framework/attr"
 	"github.com/hashicorp/terraform-plugin-framework/datasource"
 	"github.com/hashicorp/terraform-plugin-framework/datasource/schema"
+	"github.com/hashicorp/terraform-plugin-framework/diag"
 	"github.com/hashicorp/terraform-plugin-framework/schema/validator"
 	"github.com/hashicorp/terraform-plugin-framework/types"
 
@@ -43,6 +44,8 @@ type placementDataModel struct {
 	Ranked     []rankedHostData `tfsdk:"ranked"`
 	Rejected   []rejectionData  `tfsdk:"rejected"`
 	Note       types.String     `tfsdk:"note"`
+	// Constraints is the constraints block (null when absent).
+	Constraints types.Object `tfsdk:"constraints"`
 }
 
 type rankedHostData struct {
@@ -56,6 +59,7 @@ type rankedHostData struct {
 type rejectionData struct {
 	Host   types.String `tfsdk:"host"`
 	Reason types.String `tfsdk:"reason"`
+	Detail types.String `tfsdk:"detail"`
 }
 
 func (d *placementDataSource) Metadata(_ context.Context, req datasource.MetadataRequest, resp *datasource.MetadataResponse) {
@@ -125,11 +129,21 @@ func (d *placementDataSource) Schema(_ context.Context, _ datasource.SchemaReque
 				MarkdownDescription: "Every host that cannot take the VM, sorted by name, with the reason.",
 				Computed:            true,
 				NestedObject: schema.NestedAttributeObject{Attributes: map[string]schema.Attribute{
-					"host":   schema.StringAttribute{MarkdownDescription: "Name of the host.", Computed: true},
-					"reason": schema.StringAttribute{MarkdownDescription: "Why it was rejected.", Computed: true},
+					"host": schema.StringAttribute{MarkdownDescription: "Name of the host.", Computed: true},
+					"reason": schema.StringAttribute{
+						MarkdownDescription: "Why it was rejected, the first filter it failed: `not_alive`, `unschedulable`, " +
+							"`no_image`, `labels` (`host_labels` or the spread label), `group_cap` (`max_per_domain`), " +
+							"`memory`, `cpu`, `disk`, or `not_pinned` (more may be added).",
+						Computed: true,
+					},
+					"detail": schema.StringAttribute{
+						MarkdownDescription: "The particulars, for example `memory: needs 4096 MiB, 2048 free`.",
+						Computed:            true,
+					},
 				}},
 			},
 		},
+		Blocks: map[string]schema.Block{"constraints": constraintsDataBlock()},
 	}
 }
 
@@ -149,6 +163,12 @@ func (d *placementDataSource) Read(ctx context.Context, req datasource.ReadReque
 		MemoryMiB: cfg.MemoryMiB.ValueInt64(),
 		DiskMiB:   cfg.DiskMiB.ValueInt64(),
 		Host:      cfg.Host.ValueString(),
+	}
+	var diags diag.Diagnostics
+	in.Constraints, diags = constraintsFromObject(ctx, cfg.Constraints)
+	resp.Diagnostics.Append(diags...)
+	if resp.Diagnostics.HasError() {
+		return
 	}
 	res, err := d.data.client.Place(ctx, in)
 	if errors.Is(err, client.ErrNoCapacity) {
@@ -185,7 +205,8 @@ func (d *placementDataSource) Read(ctx context.Context, req datasource.ReadReque
 	slices.SortFunc(rejected, func(a, b api.Rejection) int { return strings.Compare(a.Host, b.Host) })
 	cfg.Rejected = make([]rejectionData, 0, len(rejected))
 	for _, r := range rejected {
-		cfg.Rejected = append(cfg.Rejected, rejectionData{Host: types.StringValue(r.Host), Reason: types.StringValue(r.Reason)})
+		cfg.Rejected = append(cfg.Rejected, rejectionData{Host: types.StringValue(r.Host), Reason: types.StringValue(r.Reason),
+			Detail: types.StringValue(r.Detail)})
 	}
 	resp.Diagnostics.Append(resp.State.Set(ctx, &cfg)...)
 }
@@ -202,8 +223,9 @@ func rejectionsOf(err error) []api.Rejection {
 		m, _ := item.(map[string]any)
 		host, _ := m["host"].(string)
 		reason, _ := m["reason"].(string)
+		detail, _ := m["detail"].(string)
 		if host != "" {
-			out = append(out, api.Rejection{Host: host, Reason: reason})
+			out = append(out, api.Rejection{Host: host, Reason: reason, Detail: detail})
 		}
 	}
 	return out

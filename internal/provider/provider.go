@@ -4,6 +4,9 @@ package provider
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -12,6 +15,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/terraform-plugin-framework-validators/int64validator"
+	"github.com/hashicorp/terraform-plugin-framework-validators/stringvalidator"
 	"github.com/hashicorp/terraform-plugin-framework/datasource"
 	"github.com/hashicorp/terraform-plugin-framework/path"
 	"github.com/hashicorp/terraform-plugin-framework/provider"
@@ -28,6 +32,7 @@ import (
 const (
 	EnvEndpoint = "KVM_ENDPOINT"
 	EnvToken    = "KVM_TOKEN"
+	EnvCAFile   = "KVM_CA_FILE"
 )
 
 // Defaults of the provider settings.
@@ -76,6 +81,8 @@ type providerModel struct {
 	Token          types.String `tfsdk:"token"`
 	RequestTimeout types.String `tfsdk:"request_timeout"`
 	MaxRetries     types.Int64  `tfsdk:"max_retries"`
+	CAFile         types.String `tfsdk:"ca_file"`
+	CAPEM          types.String `tfsdk:"ca_pem"`
 }
 
 func (p *kvmProvider) Metadata(_ context.Context, _ provider.MetadataRequest, resp *provider.MetadataResponse) {
@@ -105,6 +112,18 @@ func (p *kvmProvider) Schema(_ context.Context, _ provider.SchemaRequest, resp *
 				Optional:   true,
 				Validators: []validator.String{durationValidator{}},
 			},
+			"ca_file": schema.StringAttribute{
+				MarkdownDescription: "Path of a PEM file with the CA certificate(s) that signed the control API's TLS certificate, " +
+					"for an `https://` endpoint served with a private CA. Trusted in addition to the system's CAs. " +
+					"Conflicts with `ca_pem`. Falls back to the `" + EnvCAFile + "` environment variable.",
+				Optional:   true,
+				Validators: []validator.String{stringvalidator.ConflictsWith(path.MatchRoot("ca_pem"))},
+			},
+			"ca_pem": schema.StringAttribute{
+				MarkdownDescription: "The same as `ca_file`, given as PEM text (for example `file(\"ca.pem\")` or a value from a secret store). " +
+					"Conflicts with `ca_file`.",
+				Optional: true,
+			},
 			"max_retries": schema.Int64Attribute{
 				MarkdownDescription: fmt.Sprintf("How often a request is retried after a connection error, a 5xx answer or "+
 					"`409 in_flight`, with exponential backoff from %s. A create sends the same `Idempotency-Key` on every "+
@@ -123,7 +142,8 @@ func (p *kvmProvider) Configure(ctx context.Context, req provider.ConfigureReque
 		return
 	}
 
-	for attr, v := range map[string]types.String{"endpoint": cfg.Endpoint, "token": cfg.Token, "request_timeout": cfg.RequestTimeout} {
+	for attr, v := range map[string]types.String{"endpoint": cfg.Endpoint, "token": cfg.Token, "request_timeout": cfg.RequestTimeout,
+		"ca_file": cfg.CAFile, "ca_pem": cfg.CAPEM} {
 		if v.IsUnknown() {
 			resp.Diagnostics.AddAttributeError(path.Root(attr), summaryUnknownSetting,
 				fmt.Sprintf("The provider cannot reach the control API while %q is unknown. Set it to a value known at plan time, "+
@@ -174,13 +194,47 @@ func (p *kvmProvider) Configure(ctx context.Context, req provider.ConfigureReque
 		return
 	}
 
+	caFile, caPEM := cfg.CAFile.ValueString(), cfg.CAPEM.ValueString()
+	caAttr := path.Root("ca_pem")
+	if caPEM == "" {
+		caAttr = path.Root("ca_file")
+		if caFile == "" {
+			caFile = p.getenv(EnvCAFile)
+		}
+		if caFile != "" {
+			b, err := os.ReadFile(caFile)
+			if err != nil {
+				resp.Diagnostics.AddAttributeError(caAttr, "Unable to Read CA File",
+					fmt.Sprintf("The provider could not read the CA file %q (ca_file or %s): %s. Point it at a readable PEM file "+
+						"with the CA certificate that signed the control API's certificate.", caFile, EnvCAFile, err))
+				return
+			}
+			caPEM = string(b)
+		}
+	}
+	httpClient := p.httpClient
+	if caPEM != "" {
+		if httpClient != nil {
+			resp.Diagnostics.AddAttributeError(caAttr, "CA Ignored",
+				"This provider instance was built with its own HTTP client (a test option), which the CA setting cannot change.")
+			return
+		}
+		var err error
+		if httpClient, err = httpClientTrusting(caPEM); err != nil {
+			resp.Diagnostics.AddAttributeError(caAttr, "Invalid CA Certificate",
+				fmt.Sprintf("The CA setting is not usable: %s. Give one or more PEM blocks \"-----BEGIN CERTIFICATE-----\".", err))
+			return
+		}
+	}
+
 	opts := []client.Option{client.WithTimeout(timeout), client.WithRetries(int(retries), retryBackoff)}
-	if p.httpClient != nil {
-		opts = append(opts, client.WithHTTPClient(p.httpClient))
+	if httpClient != nil {
+		opts = append(opts, client.WithHTTPClient(httpClient))
 	}
 	data := newProviderData(client.New(endpoint, token, opts...))
 	tflog.Debug(ctx, "configured the KVM control API client", map[string]any{
 		"endpoint": data.client.Endpoint(), "request_timeout": timeout.String(), "max_retries": retries,
+		"private_ca": caPEM != "",
 	})
 	resp.DataSourceData = data
 	resp.ResourceData = data
@@ -227,6 +281,21 @@ func checkEndpoint(endpoint string) error {
 		return fmt.Errorf("it must not carry a query or fragment")
 	}
 	return nil
+}
+
+// httpClientTrusting returns an HTTP client that trusts the system's CAs
+// and the PEM certificates given.
+func httpClientTrusting(caPEM string) (*http.Client, error) {
+	pool, err := x509.SystemCertPool()
+	if err != nil {
+		pool = x509.NewCertPool()
+	}
+	if !pool.AppendCertsFromPEM([]byte(caPEM)) {
+		return nil, errors.New("it holds no PEM certificate")
+	}
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	tr.TLSClientConfig = &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}
+	return &http.Client{Transport: tr}, nil
 }
 
 func firstNonEmpty(vals ...string) string {

@@ -37,6 +37,7 @@ var (
 	_ resource.Resource                = (*vmResource)(nil)
 	_ resource.ResourceWithConfigure   = (*vmResource)(nil)
 	_ resource.ResourceWithImportState = (*vmResource)(nil)
+	_ resource.ResourceWithModifyPlan  = (*vmResource)(nil)
 )
 
 // NewVMResource is the kvm_vm resource.
@@ -69,8 +70,11 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 	replaceInt := []planmodifier.Int64{int64planmodifier.RequiresReplace()}
 	resp.Schema = schema.Schema{
 		MarkdownDescription: "A virtual machine on the fleet. The control API places it on the best host (or the pinned " +
-			"`host`), reserves its capacity and boots it. `power_state` and `labels` change in place; every other " +
-			"argument replaces the VM. A refresh reports the power state the host observed, so a VM stopped behind " +
+			"`host`) that meets its `constraints`, reserves its capacity and boots it. `name`, `vcpus`, `memory_mib`, " +
+			"`power_state`, `labels` and `constraints` change in place, keeping the VM's id and disk; a change of `vcpus` " +
+			"or `memory_mib` restarts a running guest (a clean power-off, then a boot in the new shape from the same disk); " +
+			"a change of `constraints` never moves the VM. `image`, `disk_mib`, `host` and a change of the configured " +
+			"`network_interface` blocks replace the VM, which destroys its disk. A refresh reports the power state the host observed, so a VM stopped behind " +
 			"Terraform's back shows as a change and `terraform apply` starts it again; a VM deleted behind its back is " +
 			"planned for creation.",
 		Attributes: map[string]schema.Attribute{
@@ -80,10 +84,11 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 				PlanModifiers:       fixedAtCreate,
 			},
 			"name": schema.StringAttribute{
-				MarkdownDescription: "Name of the VM, unique in the fleet. Changing it replaces the VM.",
-				Required:            true,
-				Validators:          []validator.String{stringvalidator.LengthAtLeast(1)},
-				PlanModifiers:       []planmodifier.String{stringplanmodifier.RequiresReplace()},
+				MarkdownDescription: "Name of the VM, unique in the fleet. Changed in place: it is the control plane's " +
+					"name for the VM, the guest does not see it and keeps running. A name another VM holds fails the apply " +
+					"and names that VM. Children of a `kvm_fork` keep their fixed names.",
+				Required:   true,
+				Validators: []validator.String{stringvalidator.LengthAtLeast(1)},
 			},
 			"image": schema.StringAttribute{
 				MarkdownDescription: "Guest image to boot, one of the `images` a host offers (for example `busybox`, " +
@@ -93,16 +98,20 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 				PlanModifiers: []planmodifier.String{stringplanmodifier.RequiresReplace()},
 			},
 			"vcpus": schema.Int64Attribute{
-				MarkdownDescription: "Number of virtual CPUs. Changing it replaces the VM.",
-				Required:            true,
-				Validators:          []validator.Int64{int64validator.AtLeast(1)},
-				PlanModifiers:       replaceInt,
+				MarkdownDescription: "Number of virtual CPUs. Changed in place: **a running guest restarts** (clean " +
+					"power-off, boot with the new count from its own disk); a stopped VM takes it at its next start. " +
+					"More vCPUs are reserved on the VM's host first: when that host has no room the apply fails, naming " +
+					"the host and what is short, and the VM keeps running unchanged.",
+				Required:   true,
+				Validators: []validator.Int64{int64validator.AtLeast(1)},
 			},
 			"memory_mib": schema.Int64Attribute{
-				MarkdownDescription: "Memory in MiB. Changing it replaces the VM.",
-				Required:            true,
-				Validators:          []validator.Int64{int64validator.AtLeast(1)},
-				PlanModifiers:       replaceInt,
+				MarkdownDescription: "Memory in MiB. Changed in place: **a running guest restarts** (clean power-off, " +
+					"boot with the new size from its own disk, so data on the disk is kept and memory contents are not); " +
+					"a stopped VM takes it at its next start. More memory is reserved on the VM's host first: when that " +
+					"host has no room the apply fails, naming the host and what is short, and the VM keeps running unchanged.",
+				Required:   true,
+				Validators: []validator.Int64{int64validator.AtLeast(1)},
 			},
 			"disk_mib": schema.Int64Attribute{
 				MarkdownDescription: "Size of the VM's disk in MiB. Changing it replaces the VM.",
@@ -168,12 +177,43 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 				Computed:      true,
 				PlanModifiers: fixedAtCreate,
 			},
+			"constraints_violated": schema.StringAttribute{
+				MarkdownDescription: "How the VM's host no longer meets its `constraints`, for example `host h1 no longer " +
+					"has label rack=a (now rack=b)` after the host's labels changed; empty while they hold. The VM is " +
+					"never moved for it: replace it (`terraform apply -replace=kvm_vm.<name>`) to place it again.",
+				Computed: true,
+			},
 		},
 		Blocks: map[string]schema.Block{
 			"network_interface": networkInterfaceBlock(),
 			"timeouts":          timeouts.Block(ctx, timeouts.Opts{Create: true, Update: true, Delete: true}),
+			"constraints": constraintsResourceBlock("Steers placement: `host_labels` filters hosts, `group` with "+
+				"`spread_by` and `max_per_domain` spreads VMs that belong together over failure domains. Changing "+
+				"the block never moves a running VM: the plan shows an update in place, the new constraints are "+
+				"stored (and read back on import) and `constraints_violated` checks them against the host; they "+
+				"decide a placement again only when the VM is replaced, which you ask for with "+
+				"`terraform apply -replace=kvm_vm.<name>`.", true),
 		},
 	}
+}
+
+// ModifyPlan notes a change of constraints on an existing VM: it is an
+// update in place that stores them, and the VM does not move.
+func (r *vmResource) ModifyPlan(ctx context.Context, req resource.ModifyPlanRequest, resp *resource.ModifyPlanResponse) {
+	if req.State.Raw.IsNull() || req.Plan.Raw.IsNull() {
+		return // create or destroy
+	}
+	var plan, state vmModel
+	resp.Diagnostics.Append(req.Plan.Get(ctx, &plan)...)
+	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
+	if resp.Diagnostics.HasError() || plan.Constraints.Equal(state.Constraints) {
+		return
+	}
+	resp.Diagnostics.AddAttributeWarning(path.Root("constraints"), summaryConstraintsStored, fmt.Sprintf(
+		"VM %s (%q) stays on host %s: new constraints are stored and checked (see constraints_violated), but a "+
+			"running VM is never moved and keeps its place in its group. To place it again under the new "+
+			"constraints, run terraform apply -replace=<address of this kvm_vm>, which destroys its disk.",
+		state.ID.ValueString(), state.Name.ValueString(), state.Host.ValueString()))
 }
 
 func (r *vmResource) Configure(_ context.Context, req resource.ConfigureRequest, resp *resource.ConfigureResponse) {
@@ -192,6 +232,8 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 	resp.Diagnostics.Append(diags...)
 	nics, diags := nicsOf(ctx, plan.NetworkInterfaces)
 	resp.Diagnostics.Append(diags...)
+	constraints, diags := constraintsFromObject(ctx, plan.Constraints)
+	resp.Diagnostics.Append(diags...)
 	if resp.Diagnostics.HasError() {
 		return
 	}
@@ -200,6 +242,7 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 
 	in := api.VMCreate{
 		NetworkInterfaces: nicsToAPI(nics),
+		Constraints:       constraints,
 		Name:              plan.Name.ValueString(),
 		Image:             plan.Image.ValueString(),
 		VCPUs:             plan.VCPUs.ValueInt64(),
@@ -309,8 +352,13 @@ func (r *vmResource) Update(ctx context.Context, req resource.UpdateRequest, res
 	resp.Diagnostics.Append(diags...)
 	labels, diags := labelsFromValue(ctx, plan.Labels)
 	resp.Diagnostics.Append(diags...)
+	constraints, diags := constraintsFromObject(ctx, plan.Constraints)
+	resp.Diagnostics.Append(diags...)
 	if resp.Diagnostics.HasError() {
 		return
+	}
+	if constraints == nil {
+		constraints = &api.Constraints{} // clears them
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
@@ -319,10 +367,28 @@ func (r *vmResource) Update(ctx context.Context, req resource.UpdateRequest, res
 	// Send the whole in-place desired state: PATCH is idempotent, and the
 	// stored power_state may be the observed one, not what the API holds.
 	power := plan.PowerState.ValueString()
-	patch := api.VMPatch{PowerState: &power, Labels: &labels}
+	name, vcpus, memory := plan.Name.ValueString(), plan.VCPUs.ValueInt64(), plan.MemoryMiB.ValueInt64()
+	// Constraints are stored, never acted on: the VM stays on its host.
+	patch := api.VMPatch{PowerState: &power, Labels: &labels, Name: &name, VCPUs: &vcpus, MemoryMiB: &memory,
+		Constraints: constraints}
+	if vcpus != state.VCPUs.ValueInt64() || memory != state.MemoryMiB.ValueInt64() {
+		tflog.Info(ctx, "resizing VM in place; a running guest restarts", map[string]any{"id": id,
+			"vcpus": vcpus, "memory_mib": memory})
+	}
 	vm, err := r.data.client.UpdateVM(ctx, id, patch)
 	r.data.wrote()
 	if err != nil {
+		if errors.Is(err, client.ErrConflict) && name != state.Name.ValueString() && conflictingVMID(err) != "" {
+			resp.Diagnostics.AddAttributeError(path.Root("name"), summaryVMNameAlreadyTaken, nameTakenDetail(name, err))
+			return
+		}
+		if errors.Is(err, client.ErrNoCapacity) {
+			resp.Diagnostics.AddError(summaryUpdateVM, fmt.Sprintf("VM %s (%q) cannot grow to %d vCPUs and %d MiB: its host "+
+				"%s has no room for the difference. The VM keeps running in its current shape. Ask for less, or free "+
+				"capacity on that host, then run terraform apply again.\n\nError: %s",
+				id, state.Name.ValueString(), vcpus, memory, state.Host.ValueString(), err))
+			return
+		}
 		addAPIError(&resp.Diagnostics, summaryUpdateVM, fmt.Sprintf("updating VM %s (%q)", id, state.Name.ValueString()), err)
 		return
 	}

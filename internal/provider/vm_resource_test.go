@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"sync"
@@ -109,21 +111,37 @@ func TestAccVM_basic(t *testing.T) {
 				},
 			},
 			{
-				// The shape cannot change in place: a new VM replaces the old one.
+				// vcpus changes in place too: same id, the host holds the new shape.
 				Config: vmConfig(f, "web-1", "sim", 4, `
   power_state = "stopped"
   labels      = { role = "web", tier = "front" }
 `),
 				ConfigPlanChecks: resource.ConfigPlanChecks{
-					PreApply:             []plancheck.PlanCheck{plancheck.ExpectResourceAction(vmAddr, plancheck.ResourceActionDestroyBeforeCreate)},
+					PreApply:             []plancheck.PlanCheck{plancheck.ExpectResourceAction(vmAddr, plancheck.ResourceActionUpdate)},
 					PostApplyPostRefresh: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
 				},
 				ConfigStateChecks: []statecheck.StateCheck{
 					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("vcpus"), knownvalue.Int64Exact(4)),
+					sameID.AddStateValue(vmAddr, tfjsonpath.New("id")),
+				},
+				Check: f.checkHostAllocated("h1", api.Resources{VCPUs: 4, MemoryMiB: 512, DiskMiB: 2048}),
+			},
+			{
+				// The disk cannot change in place: a new VM replaces the old one.
+				Config: strings.Replace(vmConfig(f, "web-1", "sim", 4, `
+  power_state = "stopped"
+  labels      = { role = "web", tier = "front" }
+`), "disk_mib   = 2048", "disk_mib   = 4096", 1),
+				ConfigPlanChecks: resource.ConfigPlanChecks{
+					PreApply:             []plancheck.PlanCheck{plancheck.ExpectResourceAction(vmAddr, plancheck.ResourceActionDestroyBeforeCreate)},
+					PostApplyPostRefresh: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
+				},
+				ConfigStateChecks: []statecheck.StateCheck{
+					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("disk_mib"), knownvalue.Int64Exact(4096)),
 					newID.AddStateValue(vmAddr, tfjsonpath.New("id")),
 				},
 				// The old VM's reservation is gone: only the new one counts.
-				Check: f.checkHostAllocated("h1", api.Resources{VCPUs: 4, MemoryMiB: 512, DiskMiB: 2048}),
+				Check: f.checkHostAllocated("h1", api.Resources{VCPUs: 4, MemoryMiB: 512, DiskMiB: 4096}),
 			},
 		},
 	})
@@ -145,21 +163,106 @@ func (f *fleet) checkHostAllocated(host string, want api.Resources) resource.Tes
 	}
 }
 
-func TestAccVM_imageAndNameRequireReplace(t *testing.T) {
-	f := newFleet(t, "h1")
+// A new name and a new shape change the VM in place (same id, plan says
+// update); a name another VM holds fails naming it and changes nothing; a
+// new image replaces the VM.
+func TestAccVM_nameAndShapeInPlaceImageReplaces(t *testing.T) {
+	accPreCheck(t)
+	images := t.TempDir()
+	if err := os.MkdirAll(filepath.Join(images, "other"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(images, "other", "image.json"), []byte(`{"name":"other","kind":"kernel"}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f := &fleet{Control: testenv.StartControl(t, testenv.ControlOptions{}), Agents: map[string]*testenv.Agent{}}
+	f.addHostWith(t, "h1", testenv.AgentOptions{VCPUs: testHostVCPUs, MemoryMiB: testHostMemoryMiB,
+		DiskMiB: testHostDiskMiB, ImageDir: images})
+	holder, err := f.Control.Client.CreateVM(ctxT(t), api.VMCreate{Name: "taken", Image: "sim", VCPUs: 1, MemoryMiB: 512, DiskMiB: 512}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = f.Control.Client.DeleteVM(context.Background(), holder.ID) })
+	sameID := statecheck.CompareValue(compare.ValuesSame())
+	newID := statecheck.CompareValue(compare.ValuesDiffer())
+	cfg := func(name, image string, vcpus int, memory int) string {
+		return strings.Replace(vmConfig(f, name, image, vcpus, ""), "memory_mib = 512", fmt.Sprintf("memory_mib = %d", memory), 1)
+	}
+	// The other VM's 1 vCPU, 512 MiB, 512 MiB of disk stay on the host throughout.
+	alloc := func(vcpus, memory int64) resource.TestCheckFunc {
+		return f.checkHostAllocated("h1", api.Resources{VCPUs: vcpus + 1, MemoryMiB: memory + 512, DiskMiB: 2048 + 512})
+	}
 	resource.Test(t, resource.TestCase{
 		ProtoV6ProviderFactories: factories(),
-		CheckDestroy:             f.checkFleetEmpty,
 		Steps: []resource.TestStep{
-			{Config: vmConfig(f, "a", "sim", 1, "")},
 			{
-				Config: vmConfig(f, "b", "sim", 1, ""),
+				Config: cfg("a", "sim", 1, 512),
+				ConfigStateChecks: []statecheck.StateCheck{
+					sameID.AddStateValue(vmAddr, tfjsonpath.New("id")),
+					newID.AddStateValue(vmAddr, tfjsonpath.New("id")),
+				},
+				Check: alloc(1, 512),
+			},
+			{
+				Config: cfg("b", "sim", 1, 512),
+				ConfigPlanChecks: resource.ConfigPlanChecks{
+					PreApply:             []plancheck.PlanCheck{plancheck.ExpectResourceAction(vmAddr, plancheck.ResourceActionUpdate)},
+					PostApplyPostRefresh: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
+				},
+				ConfigStateChecks: []statecheck.StateCheck{
+					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("name"), knownvalue.StringExact("b")),
+					sameID.AddStateValue(vmAddr, tfjsonpath.New("id")),
+				},
+				Check: alloc(1, 512),
+			},
+			{
+				Config:      cfg("taken", "sim", 1, 512),
+				ExpectError: regexp.MustCompile(`(?s)VM Name Already Taken.*` + holder.ID),
+			},
+			{
+				Config: cfg("b", "sim", 3, 2048),
+				ConfigPlanChecks: resource.ConfigPlanChecks{
+					PreApply:             []plancheck.PlanCheck{plancheck.ExpectResourceAction(vmAddr, plancheck.ResourceActionUpdate)},
+					PostApplyPostRefresh: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
+				},
+				ConfigStateChecks: []statecheck.StateCheck{
+					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("name"), knownvalue.StringExact("b")),
+					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("vcpus"), knownvalue.Int64Exact(3)),
+					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("memory_mib"), knownvalue.Int64Exact(2048)),
+					sameID.AddStateValue(vmAddr, tfjsonpath.New("id")),
+				},
+				Check: alloc(3, 2048),
+			},
+			{
+				// More than the host has: the apply fails naming the host and
+				// what is short, and nothing changes.
+				Config:      cfg("b", "sim", 3, testHostMemoryMiB),
+				ExpectError: regexp.MustCompile(`(?s)cannot\s+grow\s+to\s+3\s+vCPUs\s+and\s+16384\s+MiB.*host\s+h1\s+has\s+no\s+room.*memory:\s+14336\s+MiB\s+more\s+asked`),
+			},
+			{
+				Config: cfg("b", "sim", 3, 2048),
+				ConfigPlanChecks: resource.ConfigPlanChecks{
+					PreApply: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
+				},
+				ConfigStateChecks: []statecheck.StateCheck{sameID.AddStateValue(vmAddr, tfjsonpath.New("id"))},
+				Check:             alloc(3, 2048),
+			},
+			{
+				ResourceName:            vmAddr,
+				ImportState:             true,
+				ImportStateVerify:       true,
+				ImportStateVerifyIgnore: []string{"timeouts"},
+			},
+			{
+				Config: cfg("b", "other", 3, 2048),
 				ConfigPlanChecks: resource.ConfigPlanChecks{
 					PreApply: []plancheck.PlanCheck{plancheck.ExpectResourceAction(vmAddr, plancheck.ResourceActionDestroyBeforeCreate)},
 				},
 				ConfigStateChecks: []statecheck.StateCheck{
-					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("name"), knownvalue.StringExact("b")),
+					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("image"), knownvalue.StringExact("other")),
+					newID.AddStateValue(vmAddr, tfjsonpath.New("id")),
 				},
+				Check: alloc(3, 2048),
 			},
 		},
 	})

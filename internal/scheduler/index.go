@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"hash/fnv"
+	"maps"
 	"slices"
 	"strings"
 )
@@ -26,6 +27,8 @@ type Index struct {
 	hosts   map[string]*indexEntry
 	root    *treapNode
 	images  map[string]int // image -> number of hosts offering it
+	// labels counts hosts per label key and value: the spread domains.
+	labels map[string]map[string]int
 }
 
 type indexEntry struct {
@@ -36,7 +39,7 @@ type indexEntry struct {
 
 // NewIndex returns an empty index that orders hosts with these weights.
 func NewIndex(w Weights) *Index {
-	return &Index{weights: w, hosts: map[string]*indexEntry{}, images: map[string]int{}}
+	return &Index{weights: w, hosts: map[string]*indexEntry{}, images: map[string]int{}, labels: map[string]map[string]int{}}
 }
 
 // Len is the number of hosts known.
@@ -58,9 +61,16 @@ func (ix *Index) HasImage(image string) bool { return ix.images[image] > 0 }
 func (ix *Index) Upsert(h Host) {
 	ix.Remove(h.Name)
 	h.Images = slices.Clone(h.Images)
+	h.Labels = maps.Clone(h.Labels)
 	e := &indexEntry{host: h, images: h.Images}
 	for _, img := range h.Images {
 		ix.images[img]++
+	}
+	for k, v := range h.Labels {
+		if ix.labels[k] == nil {
+			ix.labels[k] = map[string]int{}
+		}
+		ix.labels[k][v]++
 	}
 	ix.hosts[h.Name] = e
 	ix.order(e)
@@ -76,6 +86,14 @@ func (ix *Index) Remove(name string) {
 	for _, img := range e.images {
 		if ix.images[img]--; ix.images[img] <= 0 {
 			delete(ix.images, img)
+		}
+	}
+	for k, v := range e.host.Labels {
+		if ix.labels[k][v]--; ix.labels[k][v] <= 0 {
+			delete(ix.labels[k], v)
+		}
+		if len(ix.labels[k]) == 0 {
+			delete(ix.labels, k)
 		}
 	}
 	delete(ix.hosts, name)
@@ -106,31 +124,72 @@ func (ix *Index) All() []Host {
 // Candidates returns up to limit feasible hosts for req, scored and ranked,
 // found by walking hosts from the least loaded. Rejected lists at most
 // limit of the hosts skipped on the way; use Rank over All for the full
-// explanation.
+// explanation. With a group, the walk keeps the hosts of the least crowded
+// domain level only, and goes on until it has limit of them in the least
+// crowded domain that exists (or reached the end): the spread term ranks a
+// host of a more crowded domain behind them unless it is much less loaded.
 func (ix *Index) Candidates(req Request, limit int) Result {
 	var res Result
 	if req.Host != "" {
 		e, ok := ix.hosts[req.Host]
 		if !ok {
-			res.Rejected = []Rejection{{Host: req.Host, Reason: "not registered"}}
+			res.Rejected = []Rejection{{Host: req.Host, Reason: ReasonNotRegistered, Detail: "not registered"}}
 			return res
 		}
 		return Rank(ix.weights, []Host{e.host}, req)
 	}
+	c := req.Constraints
+	least, floor := -1, 0
+	if c.Group != "" {
+		floor = ix.leastCount(c)
+	}
 	ix.root.walk(func(n *treapNode) bool {
 		h := n.entry.host
-		if reason := Reject(h, req); reason != "" {
+		if r := Reject(h, req); r.Reason != "" {
 			if len(res.Rejected) < limit {
-				res.Rejected = append(res.Rejected, Rejection{Host: h.Name, Reason: reason})
+				res.Rejected = append(res.Rejected, r)
 			}
 			return true
 		}
-		s, terms := Score(ix.weights, h.Capacity(), h.Free(), req.Resources)
-		res.Ranked = append(res.Ranked, Ranked{Host: h.Name, Score: s, Terms: terms})
-		return len(res.Ranked) < limit
+		if c.Group != "" {
+			domain, _ := c.Domain(h)
+			switch count := c.Counts[domain]; {
+			case least >= 0 && count > least:
+				return true
+			case count < least || least < 0:
+				least, res.Ranked = count, res.Ranked[:0]
+			}
+		}
+		res.Ranked = append(res.Ranked, score(ix.weights, h, req))
+		return len(res.Ranked) < limit || least > floor
 	})
 	sortRanked(res.Ranked)
 	return res
+}
+
+// leastCount is the fewest VMs of c's group that any existing domain
+// holds: the level a walk can stop at.
+func (ix *Index) leastCount(c Constraints) int {
+	key := c.SpreadLabel()
+	if key == "" {
+		if len(c.Counts) < len(ix.hosts) {
+			return 0
+		}
+		least := -1
+		for name := range ix.hosts {
+			if n := c.Counts[name]; least < 0 || n < least {
+				least = n
+			}
+		}
+		return max(least, 0)
+	}
+	least := -1
+	for v := range ix.labels[key] {
+		if n := c.Counts[v]; least < 0 || n < least {
+			least = n
+		}
+	}
+	return max(least, 0)
 }
 
 func (ix *Index) order(e *indexEntry) {

@@ -1,10 +1,11 @@
 // Package scheduler is pure placement: the hard filters, the score of
-// DESIGN.md section 5 and the explanation of a choice. It has no I/O, no
+// docs/guides/architecture.md and the explanation of a choice. It has no I/O, no
 // clock and no randomness, so every decision is reproducible from its inputs.
 package scheduler
 
 import (
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 )
@@ -40,6 +41,8 @@ type Host struct {
 	MemoryReservedMiB int64
 	// Allocated is the sum of the VMs placed on the host.
 	Allocated Resources
+	// Labels are the host's labels: constraints filter and spread by them.
+	Labels map[string]string
 }
 
 // Capacity is what VMs may use: (total - reserved) x allocation ratio.
@@ -75,6 +78,8 @@ type Request struct {
 	Image     string
 	Resources Resources
 	Host      string
+	// Constraints steer placement; the zero value places by score alone.
+	Constraints Constraints
 	// NetworkHosts are the VM's networks that exist on some hosts only.
 	NetworkHosts []NetworkHosts
 	// ColdOnly says that no warm pool VM can serve the request (its NICs
@@ -88,10 +93,34 @@ type NetworkHosts struct {
 	Hosts   []string
 }
 
-// Rejection says why one host cannot take a request.
+// Reasons a host is rejected: named, stable, and counted by the control
+// API's metrics. Detail says the particulars to a person.
+const (
+	ReasonNotPinned     = "not_pinned"
+	ReasonNotRegistered = "not_registered"
+	ReasonNotAlive      = "not_alive"
+	ReasonUnschedulable = "unschedulable"
+	ReasonNoImage       = "no_image"
+	ReasonNetwork       = "network"
+	ReasonLabels        = "labels"
+	ReasonGroupCap      = "group_cap"
+	ReasonMemory        = "memory"
+	ReasonCPU           = "cpu"
+	ReasonDisk          = "disk"
+)
+
+// Reasons lists every rejection reason, in the order the filters apply.
+func Reasons() []string {
+	return []string{ReasonNotPinned, ReasonNotRegistered, ReasonNotAlive, ReasonUnschedulable, ReasonNoImage,
+		ReasonNetwork, ReasonLabels, ReasonGroupCap, ReasonMemory, ReasonCPU, ReasonDisk}
+}
+
+// Rejection says why one host cannot take a request: Reason is one of the
+// Reason constants (the first filter that failed), Detail the particulars.
 type Rejection struct {
 	Host   string
 	Reason string
+	Detail string
 }
 
 // Ranked is a host that fits, with its score (lower is better) and the terms
@@ -121,38 +150,84 @@ func (r Result) Best() (Ranked, bool) {
 	return r.Ranked[0], true
 }
 
-// Reject returns why h cannot take req, or "" when it can. Every resource
-// shortfall is listed so an operator sees the whole picture at once.
-func Reject(h Host, req Request) string {
+// Reject returns why h cannot take req, or the zero Rejection when it can.
+// Filters apply in the order of Reasons; among resources every shortfall is
+// listed in Detail so an operator sees the whole picture at once, and
+// Reason names the first (memory, then cpu, then disk).
+func Reject(h Host, req Request) Rejection {
+	reject := func(reason, format string, a ...any) Rejection {
+		return Rejection{Host: h.Name, Reason: reason, Detail: fmt.Sprintf(format, a...)}
+	}
 	if req.Host != "" && req.Host != h.Name {
-		return fmt.Sprintf("not the pinned host %q", req.Host)
+		return reject(ReasonNotPinned, "not the pinned host %q", req.Host)
 	}
 	if !h.Alive {
-		return "not alive: the agent does not answer"
+		return reject(ReasonNotAlive, "not alive: the agent does not answer")
 	}
 	if !h.Schedulable {
-		return "not schedulable"
+		return reject(ReasonUnschedulable, "not schedulable")
 	}
 	if req.Image != "" && !h.HasImage(req.Image) {
-		return fmt.Sprintf("image: does not offer %q", req.Image)
+		return reject(ReasonNoImage, "image: does not offer %q", req.Image)
 	}
 	for _, n := range req.NetworkHosts {
 		if !slices.Contains(n.Hosts, h.Name) {
-			return fmt.Sprintf("network: %q is not on this host (its hosts: %s)", n.Network, strings.Join(n.Hosts, ", "))
+			return reject(ReasonNetwork, "network: %q is not on this host (its hosts: %s)", n.Network, strings.Join(n.Hosts, ", "))
+		}
+	}
+	c := req.Constraints
+	if k, ok := mismatchedLabel(h.Labels, c.HostLabels); ok {
+		got, has := h.Labels[k]
+		if !has {
+			return reject(ReasonLabels, "labels: needs %s=%s, has no label %s", k, c.HostLabels[k], k)
+		}
+		return reject(ReasonLabels, "labels: needs %s=%s, has %s=%s", k, c.HostLabels[k], k, got)
+	}
+	if c.Group != "" {
+		domain, ok := c.Domain(h)
+		if !ok {
+			return reject(ReasonLabels, "labels: has no label %s to spread group %q by", c.SpreadLabel(), c.Group)
+		}
+		if n := c.Counts[domain]; c.MaxPerDomain > 0 && n >= c.MaxPerDomain {
+			return reject(ReasonGroupCap, "group_cap: group %q has %d of at most %d VMs in %s", c.Group, n, c.MaxPerDomain, c.describeDomain(domain))
 		}
 	}
 	free := h.Free()
 	var short []string
+	reason := ""
+	add := func(r, text string) {
+		if reason == "" {
+			reason = r
+		}
+		short = append(short, text)
+	}
 	if req.Resources.MemoryMiB > free.MemoryMiB {
-		short = append(short, fmt.Sprintf("memory: needs %d MiB, %d free", req.Resources.MemoryMiB, max(free.MemoryMiB, 0)))
+		add(ReasonMemory, fmt.Sprintf("memory: needs %d MiB, %d free", req.Resources.MemoryMiB, max(free.MemoryMiB, 0)))
 	}
 	if req.Resources.VCPUs > free.VCPUs {
-		short = append(short, fmt.Sprintf("vcpus: needs %d, %d free", req.Resources.VCPUs, max(free.VCPUs, 0)))
+		add(ReasonCPU, fmt.Sprintf("vcpus: needs %d, %d free", req.Resources.VCPUs, max(free.VCPUs, 0)))
 	}
 	if req.Resources.DiskMiB > free.DiskMiB {
-		short = append(short, fmt.Sprintf("disk: needs %d MiB, %d free", req.Resources.DiskMiB, max(free.DiskMiB, 0)))
+		add(ReasonDisk, fmt.Sprintf("disk: needs %d MiB, %d free", req.Resources.DiskMiB, max(free.DiskMiB, 0)))
 	}
-	return strings.Join(short, "; ")
+	if reason == "" {
+		return Rejection{}
+	}
+	return Rejection{Host: h.Name, Reason: reason, Detail: strings.Join(short, "; ")}
+}
+
+// mismatchedLabel returns the first key (in sorted order, so explanations
+// are stable) of want that the host's labels do not match.
+func mismatchedLabel(have, want map[string]string) (string, bool) {
+	if len(want) == 0 {
+		return "", false
+	}
+	for _, k := range slices.Sorted(maps.Keys(want)) {
+		if v, ok := have[k]; !ok || v != want[k] {
+			return k, true
+		}
+	}
+	return "", false
 }
 
 // Rank filters and scores every host. It is the full scan behind dry runs
@@ -160,16 +235,27 @@ func Reject(h Host, req Request) string {
 func Rank(w Weights, hosts []Host, req Request) Result {
 	var res Result
 	for _, h := range hosts {
-		if reason := Reject(h, req); reason != "" {
-			res.Rejected = append(res.Rejected, Rejection{Host: h.Name, Reason: reason})
+		if r := Reject(h, req); r.Reason != "" {
+			res.Rejected = append(res.Rejected, r)
 			continue
 		}
-		s, terms := Score(w, h.Capacity(), h.Free(), req.Resources)
-		res.Ranked = append(res.Ranked, Ranked{Host: h.Name, Score: s, Terms: terms})
+		res.Ranked = append(res.Ranked, score(w, h, req))
 	}
 	sortRanked(res.Ranked)
 	slices.SortFunc(res.Rejected, func(a, b Rejection) int { return strings.Compare(a.Host, b.Host) })
 	return res
+}
+
+// score rates a host that passed the filters: the resource score of
+// DESIGN.md section 5 plus, for a group, the spread term.
+func score(w Weights, h Host, req Request) Ranked {
+	s, terms := Score(w, h.Capacity(), h.Free(), req.Resources)
+	if c := req.Constraints; c.Group != "" {
+		domain, _ := c.Domain(h)
+		terms.Spread = w.Spread * float64(c.Counts[domain])
+		s += terms.Spread
+	}
+	return Ranked{Host: h.Name, Score: s, Terms: terms}
 }
 
 // sortRanked orders by score, then by name so that ties are deterministic.

@@ -67,27 +67,36 @@ func TestRejectReasons(t *testing.T) {
 	cordoned := base
 	cordoned.Schedulable = false
 	tests := []struct {
-		name string
-		host Host
-		req  Request
-		want string
+		name   string
+		host   Host
+		req    Request
+		reason string
+		want   string
 	}{
-		{"memory short", base, req, "memory: needs 4096 MiB, 2048 free"},
+		{"memory short", base, req, ReasonMemory, "memory: needs 4096 MiB, 2048 free"},
 		{"all short", base, Request{Image: "busybox", Resources: Resources{VCPUs: 3, MemoryMiB: 4096, DiskMiB: 20000}},
-			"memory: needs 4096 MiB, 2048 free; vcpus: needs 3, 2 free; disk: needs 20000 MiB, 10000 free"},
-		{"fits", base, Request{Image: "busybox", Resources: Resources{VCPUs: 2, MemoryMiB: 2048, DiskMiB: 10000}}, ""},
-		{"dead", dead, req, "not alive: the agent does not answer"},
-		{"not schedulable", cordoned, req, "not schedulable"},
-		{"image", base, Request{Image: "debian", Resources: req.Resources}, `image: does not offer "debian"`},
-		{"pinned elsewhere", base, Request{Image: "busybox", Host: "h2"}, `not the pinned host "h2"`},
+			ReasonMemory, "memory: needs 4096 MiB, 2048 free; vcpus: needs 3, 2 free; disk: needs 20000 MiB, 10000 free"},
+		{"cpu and disk short", base, Request{Image: "busybox", Resources: Resources{VCPUs: 3, DiskMiB: 20000}},
+			ReasonCPU, "vcpus: needs 3, 2 free; disk: needs 20000 MiB, 10000 free"},
+		{"disk short", base, Request{Image: "busybox", Resources: Resources{DiskMiB: 20000}},
+			ReasonDisk, "disk: needs 20000 MiB, 10000 free"},
+		{"fits", base, Request{Image: "busybox", Resources: Resources{VCPUs: 2, MemoryMiB: 2048, DiskMiB: 10000}}, "", ""},
+		{"dead", dead, req, ReasonNotAlive, "not alive: the agent does not answer"},
+		{"not schedulable", cordoned, req, ReasonUnschedulable, "not schedulable"},
+		{"image", base, Request{Image: "debian", Resources: req.Resources}, ReasonNoImage, `image: does not offer "debian"`},
+		{"pinned elsewhere", base, Request{Image: "busybox", Host: "h2"}, ReasonNotPinned, `not the pinned host "h2"`},
 		{"network elsewhere", base, Request{Image: "busybox", NetworkHosts: []NetworkHosts{{Network: "lan", Hosts: []string{"h2", "h3"}}}},
-			`network: "lan" is not on this host (its hosts: h2, h3)`},
-		{"network here", base, Request{Image: "busybox", NetworkHosts: []NetworkHosts{{Network: "lan", Hosts: []string{"h1"}}}}, ""},
+			ReasonNetwork, `network: "lan" is not on this host (its hosts: h2, h3)`},
+		{"network here", base, Request{Image: "busybox", NetworkHosts: []NetworkHosts{{Network: "lan", Hosts: []string{"h1"}}}}, "", ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			if got := Reject(tt.host, tt.req); got != tt.want {
-				t.Errorf("Reject = %q, want %q", got, tt.want)
+			got := Reject(tt.host, tt.req)
+			if got.Reason != tt.reason || got.Detail != tt.want {
+				t.Errorf("Reject = %q (%q), want %q (%q)", got.Reason, got.Detail, tt.reason, tt.want)
+			}
+			if tt.reason != "" && got.Host != tt.host.Name {
+				t.Errorf("Reject names host %q, want %q", got.Host, tt.host.Name)
 			}
 		})
 	}
@@ -107,7 +116,7 @@ func TestRankBreaksTiesByNameAndExplains(t *testing.T) {
 	if want := []string{"b", "c", "a"}; !slices.Equal(order, want) {
 		t.Errorf("ranking = %v, want %v (equal scores go to the first name)", order, want)
 	}
-	if len(res.Rejected) != 1 || res.Rejected[0] != (Rejection{Host: "full", Reason: "memory: needs 1024 MiB, 0 free"}) {
+	if len(res.Rejected) != 1 || res.Rejected[0] != (Rejection{Host: "full", Reason: ReasonMemory, Detail: "memory: needs 1024 MiB, 0 free"}) {
 		t.Errorf("rejected = %+v", res.Rejected)
 	}
 }
@@ -218,7 +227,7 @@ func TestIndexSkipsDeadHostsAndTracksImages(t *testing.T) {
 	if _, ok := ix.Candidates(Request{Image: "a"}, 4).Best(); ok {
 		t.Error("a dead host must not be a candidate")
 	}
-	if got := ix.Candidates(Request{Image: "a", Host: "h"}, 4).Rejected; len(got) != 1 || got[0].Reason != "not alive: the agent does not answer" {
+	if got := ix.Candidates(Request{Image: "a", Host: "h"}, 4).Rejected; len(got) != 1 || got[0].Reason != ReasonNotAlive {
 		t.Errorf("pinned to a dead host: %+v", got)
 	}
 	ix.Remove("h")

@@ -1,7 +1,7 @@
 package scheduler
 
 // Weights are the constants of the score. DefaultWeights are those of
-// DESIGN.md section 5.
+// docs/guides/architecture.md.
 type Weights struct {
 	Memory  float64
 	Disk    float64
@@ -9,11 +9,14 @@ type Weights struct {
 	Balance float64 // weight of the variance of the three utilisations
 	// Saturation is the constant c of s(u) = 1 / (c - u); it must exceed 1.
 	Saturation float64
+	// Spread is added to the score per VM of the request's group already in
+	// the host's domain: fewer of the group in a domain is better.
+	Spread float64
 }
 
-// DefaultWeights returns the weights of DESIGN.md section 5.
+// DefaultWeights returns the weights of docs/guides/architecture.md.
 func DefaultWeights() Weights {
-	return Weights{Memory: 0.6, Disk: 0.3, CPU: 0.1, Balance: 0.5, Saturation: 1.01}
+	return Weights{Memory: 0.6, Disk: 0.3, CPU: 0.1, Balance: 0.5, Saturation: 1.01, Spread: 1}
 }
 
 // Terms are the weighted parts of a score; they add up to it.
@@ -22,11 +25,18 @@ type Terms struct {
 	Disk    float64
 	CPU     float64
 	Balance float64
+	// Spread is the group spread term (0 without a group).
+	Spread float64
 }
 
-// Map returns the terms keyed as in the API's placement explanation.
+// Map returns the terms keyed as in the API's placement explanation; the
+// spread term appears when it counts.
 func (t Terms) Map() map[string]float64 {
-	return map[string]float64{"memory": t.Memory, "disk": t.Disk, "cpu": t.CPU, "balance": t.Balance}
+	m := map[string]float64{"memory": t.Memory, "disk": t.Disk, "cpu": t.CPU, "balance": t.Balance}
+	if t.Spread != 0 {
+		m["spread"] = t.Spread
+	}
+	return m
 }
 
 // Score rates placing request on a host with this capacity and free space;

@@ -118,6 +118,15 @@ func (b *reservationBatcher) commit(batch []pendingReservation) {
 			}
 		}()
 		for i, p := range batch {
+			// A group slot is taken first (the order of the PostgreSQL
+			// path) and given back if the host refuses.
+			if err := takeGroupSlot(tx, p.vm); err != nil {
+				if !errors.Is(err, ErrGroupCap) {
+					return err
+				}
+				results[i] = err
+				continue
+			}
 			// A refused UPDATE changed nothing. A failed insert after a
 			// granted UPDATE is undone by hand, not with a savepoint: two
 			// statements fewer for every reservation that succeeds (a
@@ -130,6 +139,9 @@ func (b *reservationBatcher) commit(batch []pendingReservation) {
 			}
 			if n, err := res.RowsAffected(); err != nil || n != 1 {
 				results[i] = fmt.Errorf("host %s: %w", p.vm.HostName, ErrNoRoom)
+				if err := giveGroupSlot(tx, p.vm.Group); err != nil {
+					return err
+				}
 				continue
 			}
 			err = insertVMPrepared(ctx, insert, p.vm)
@@ -181,14 +193,18 @@ func undoReservation(tx *gorm.DB, vm VM) error {
 	if err := tx.Exec("DELETE FROM vms WHERE id = ?", vm.ID).Error; err != nil {
 		return err
 	}
+	if err := giveGroupSlot(tx, vm.Group); err != nil {
+		return err
+	}
 	r := vm.Resources
 	return tx.Exec(`UPDATE hosts SET alloc_vcpus = alloc_vcpus - ?, alloc_memory_mib = alloc_memory_mib - ?,
 		alloc_disk_mib = alloc_disk_mib - ? WHERE name = ?`, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName).Error
 }
 
 const insertVMSQL = `INSERT INTO vms (id, name, host_name, image, vcpus, memory_mib, disk_mib, power_state,
-	observed_state, reason, started_from, holds_capacity, fork_id, fork_slot, labels, nics, placement, created_at, updated_at)
-	VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`
+	observed_state, reason, started_from, holds_capacity, fork_id, fork_slot, labels, nics, placement,
+	constraints, group_name, spread_by, spread_domain, group_cap, created_at, updated_at)
+	VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`
 
 // insertVMPrepared writes the VM row the way gorm's Create would (labels as
 // JSON text), with a statement prepared once per batch.
@@ -204,6 +220,7 @@ func insertVMPrepared(ctx context.Context, insert *sql.Stmt, vm VM) error {
 	r := vm.Resources
 	_, err = insert.ExecContext(ctx, vm.ID, vm.Name, vm.HostName, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB,
 		vm.PowerState, vm.ObservedState, vm.Reason, vm.StartedFrom, vm.HoldsCapacity, vm.ForkID, vm.ForkSlot,
-		labels, nics, vm.Placement, vm.CreatedAt, vm.UpdatedAt)
+		labels, nics, vm.Placement, vm.Constraints, vm.Group.Name, vm.Group.SpreadBy, vm.Group.Domain, vm.Group.Cap,
+		vm.CreatedAt, vm.UpdatedAt)
 	return err
 }

@@ -14,15 +14,17 @@ import (
 
 // Fork is a row of forks. Its id is also the snapshot id on the agents.
 type Fork struct {
-	ID            string    `gorm:"column:id;primaryKey"`
-	SourceVMID    string    `gorm:"column:source_vm_id"`
-	SourceHost    string    `gorm:"column:source_host"`
-	Image         string    `gorm:"column:image"`
-	Resources     Resources `gorm:"embedded"`
-	Count         int       `gorm:"column:child_count"`
-	PauseSource   bool      `gorm:"column:pause_source"`
-	Placement     string    `gorm:"column:placement"`
-	SnapshotTaken bool      `gorm:"column:snapshot_taken"`
+	ID          string    `gorm:"column:id;primaryKey"`
+	SourceVMID  string    `gorm:"column:source_vm_id"`
+	SourceHost  string    `gorm:"column:source_host"`
+	Image       string    `gorm:"column:image"`
+	Resources   Resources `gorm:"embedded"`
+	Count       int       `gorm:"column:child_count"`
+	PauseSource bool      `gorm:"column:pause_source"`
+	Placement   string    `gorm:"column:placement"`
+	// Constraints are the children's placement constraints (JSON, "" for none).
+	Constraints   string `gorm:"column:constraints"`
+	SnapshotTaken bool   `gorm:"column:snapshot_taken"`
 	// SnapshotHosts are the hosts that may hold the snapshot (JSON list).
 	SnapshotHosts  []string `gorm:"column:snapshot_hosts;serializer:json"`
 	Phase          string   `gorm:"column:phase"`
@@ -109,6 +111,11 @@ func (s *Store) SetForkPhase(ctx context.Context, id, phase, errMsg string) erro
 // SetForkCount records a new number of children.
 func (s *Store) SetForkCount(ctx context.Context, id string, count int) error {
 	return s.updateFork(ctx, id, map[string]any{"child_count": count})
+}
+
+// SetForkConstraints replaces the constraints of the children to come.
+func (s *Store) SetForkConstraints(ctx context.Context, id, constraints string) error {
+	return s.updateFork(ctx, id, map[string]any{"constraints": constraints})
 }
 
 func (s *Store) updateFork(ctx context.Context, id string, cols map[string]any) error {

@@ -44,8 +44,11 @@ type Host struct {
 	Capacity           Resources         `gorm:"embedded;embeddedPrefix:cap_"`
 	Allocated          Resources         `gorm:"embedded;embeddedPrefix:alloc_"`
 	WarmPool           []PoolTarget      `gorm:"column:warm_pool;serializer:json"`
-	CreatedAt          time.Time         `gorm:"column:created_at"`
-	UpdatedAt          time.Time         `gorm:"column:updated_at"`
+	// AgentKey is the ed25519 public key (base64) the host's agent proved;
+	// "" until it has (hosts registered before agents joined).
+	AgentKey  string    `gorm:"column:agent_key"`
+	CreatedAt time.Time `gorm:"column:created_at"`
+	UpdatedAt time.Time `gorm:"column:updated_at"`
 }
 
 // TableName is the table of Host.
@@ -100,10 +103,13 @@ func (s *Store) UpsertHosts(ctx context.Context, hosts []Host) error {
 			DoUpdates: clause.AssignmentColumns([]string{
 				"address", "labels", "schedulable", "alive", "missed_syncs", "last_seen", "accel", "driver", "images",
 				"cpu_allocation_ratio", "memory_reserved_mib", "total_vcpus", "total_memory_mib", "total_disk_mib",
-				"cap_vcpus", "cap_memory_mib", "cap_disk_mib", "warm_pool", "updated_at",
+				"cap_vcpus", "cap_memory_mib", "cap_disk_mib", "warm_pool", "agent_key", "updated_at",
 			}),
 		}).CreateInBatches(&rows, 200).Error
 	})
+	if err != nil && isDuplicate(err) {
+		err = fmt.Errorf("%w: %v", ErrAgentKeyTaken, err)
+	}
 	if err != nil {
 		if len(hosts) == 1 {
 			return fmt.Errorf("save host %s: %w", hosts[0].Name, err)
@@ -124,6 +130,38 @@ func (s *Store) GetHost(ctx context.Context, name string) (Host, error) {
 		return Host{}, fmt.Errorf("read host %s: %w", name, err)
 	}
 	return h, nil
+}
+
+// HostWithAgentKey returns the host whose agent proved key; ErrNotFound
+// when none has.
+func (s *Store) HostWithAgentKey(ctx context.Context, key string) (Host, error) {
+	var h Host
+	err := s.db.WithContext(ctx).Where("agent_key = ? AND agent_key <> ''", key).Take(&h).Error
+	if errors.Is(err, gorm.ErrRecordNotFound) {
+		return Host{}, fmt.Errorf("host with agent key %s: %w", key, ErrNotFound)
+	}
+	if err != nil {
+		return Host{}, fmt.Errorf("read host with agent key: %w", err)
+	}
+	return h, nil
+}
+
+// PinHostKey records the key the agent of a host without one proved at
+// address. It changes nothing (and says so with ErrNotFound) when the host
+// was re-registered, moved or pinned meanwhile.
+func (s *Store) PinHostKey(ctx context.Context, name, address, key string) error {
+	res := s.db.WithContext(ctx).Exec(`UPDATE hosts SET agent_key = ?, updated_at = ?
+		WHERE name = ? AND address = ? AND agent_key = ''`, key, now(), name, address)
+	if res.Error != nil {
+		if isDuplicate(res.Error) {
+			return fmt.Errorf("pin agent key of host %s: %w", name, ErrAgentKeyTaken)
+		}
+		return fmt.Errorf("pin agent key of host %s: %w", name, res.Error)
+	}
+	if res.RowsAffected != 1 {
+		return fmt.Errorf("pin agent key of host %s at %s: %w", name, address, ErrNotFound)
+	}
+	return nil
 }
 
 // ListHosts returns up to limit hosts with names after `after`, by name.

@@ -13,8 +13,9 @@ import (
 // API gave up on it, or that re-adopted its VMs late after a restart): in
 // one transaction the VM takes its capacity back, if its host still has
 // room, and the agent's state. It reports false with no change when the VM
-// is not missing or already holds capacity, and ErrNoRoom when the host's
-// free capacity no longer fits it.
+// is not missing or already holds capacity, ErrNoRoom when the host's
+// free capacity no longer fits it, and ErrGroupCap when its group's domain
+// filled up meanwhile.
 func (s *Store) ReclaimVM(ctx context.Context, id, observedState, reason, startedFrom string) (bool, error) {
 	reclaimed := false
 	err := s.inTx(ctx, func(tx *gorm.DB) error {
@@ -32,6 +33,11 @@ func (s *Store) ReclaimVM(ctx context.Context, id, observedState, reason, starte
 		}
 		if res.RowsAffected == 0 {
 			return nil
+		}
+		// Its group slot first (the lock order of reservations); under the
+		// cap only, like the capacity below.
+		if err := takeGroupSlot(tx, vm); err != nil {
+			return fmt.Errorf("reclaim vm %s: %w", id, err)
 		}
 		r := vm.Resources
 		// No alive/schedulable condition: the VM already runs there.

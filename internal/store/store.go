@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/glebarez/sqlite"
@@ -26,7 +27,11 @@ var (
 	ErrNotFound      = errors.New("not found")
 	ErrDuplicateName = errors.New("name already taken")
 	ErrNoRoom        = errors.New("host has no room for the request")
+	// ErrGroupCap: the VM's group already holds max_per_domain VMs in the
+	// host's domain.
+	ErrGroupCap      = errors.New("the group is at its cap in this domain")
 	ErrHostInUse     = errors.New("host still has VMs")
+	ErrAgentKeyTaken = errors.New("agent identity key already pinned to another host")
 )
 
 // Dialects.
@@ -54,6 +59,8 @@ type Store struct {
 	dialect string
 	log     *slog.Logger
 	batcher *reservationBatcher // SQLite only
+	// statements counts the SQL statements issued through gorm (Statements).
+	statements atomic.Int64
 }
 
 // Open connects, applies pending migrations and returns the store.
@@ -110,6 +117,10 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 		sqlDB.SetMaxIdleConns(n)
 	}
 	s := &Store{db: db, dialect: dialect, log: log}
+	if err := s.countStatements(); err != nil {
+		_ = sqlDB.Close()
+		return nil, err
+	}
 	if err := s.Ping(ctx); err != nil {
 		_ = sqlDB.Close()
 		return nil, err
@@ -140,6 +151,30 @@ func sqliteDSN(path string, fullSync bool) string {
 	return "file:" + path + "?_pragma=journal_mode(WAL)&_pragma=busy_timeout(10000)" +
 		"&_pragma=foreign_keys(1)&_pragma=synchronous(" + sync + ")&_pragma=temp_store(MEMORY)&_txlock=immediate"
 }
+
+// countStatements registers a gorm callback on every kind of statement.
+func (s *Store) countStatements() error {
+	count := func(*gorm.DB) { s.statements.Add(1) }
+	cb := s.db.Callback()
+	for _, err := range []error{
+		cb.Create().Register("kvmd:count_statements", count),
+		cb.Query().Register("kvmd:count_statements", count),
+		cb.Update().Register("kvmd:count_statements", count),
+		cb.Delete().Register("kvmd:count_statements", count),
+		cb.Row().Register("kvmd:count_statements", count),
+		cb.Raw().Register("kvmd:count_statements", count),
+	} {
+		if err != nil {
+			return fmt.Errorf("register statement counter: %w", err)
+		}
+	}
+	return nil
+}
+
+// Statements is the number of SQL statements this store has issued (not
+// counting BEGIN and COMMIT): tests use it to prove that a path issues
+// none, or a bounded number.
+func (s *Store) Statements() int64 { return s.statements.Load() }
 
 // Dialect is DialectSQLite or DialectPostgres.
 func (s *Store) Dialect() string { return s.dialect }

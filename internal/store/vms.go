@@ -31,9 +31,29 @@ type VM struct {
 	// each also has a vm_nics row (its MAC and IPAM address).
 	NICs []NIC `gorm:"column:nics;serializer:json"`
 	// Placement is the placement explanation as JSON (written by control).
-	Placement string    `gorm:"column:placement"`
+	Placement string `gorm:"column:placement"`
+	// PendingVCPUs and PendingMemoryMiB are the shape an unsettled resize
+	// applies (resize.go); nil when none is pending.
+	PendingVCPUs     *int64     `gorm:"column:pending_vcpus"`
+	PendingMemoryMiB *int64     `gorm:"column:pending_memory_mib"`
+	ResizeStartedAt  *time.Time `gorm:"column:resize_started_at"`
+	// Constraints are the VM's placement constraints as JSON ("" for none).
+	Constraints string `gorm:"column:constraints"`
+	// Group is the slot the VM holds in group_domains while it holds
+	// capacity: its group, spread_by, domain and the cap it was placed
+	// under. Empty Group: no slot.
+	Group     GroupSlot `gorm:"embedded"`
 	CreatedAt time.Time `gorm:"column:created_at"`
 	UpdatedAt time.Time `gorm:"column:updated_at"`
+}
+
+// GroupSlot is a VM's place in its group: the domain it counts in.
+type GroupSlot struct {
+	Name     string `gorm:"column:group_name"`
+	SpreadBy string `gorm:"column:spread_by"`
+	Domain   string `gorm:"column:spread_domain"`
+	// Cap is max_per_domain (0: no cap).
+	Cap int `gorm:"column:group_cap"`
 }
 
 // TableName is the table of VM.
@@ -50,9 +70,11 @@ func (vmLabel) TableName() string { return "vm_labels" }
 // ReserveAndInsertVM is the atomic reservation: one conditional UPDATE adds
 // the VM's resources to its host only if they fit, and the VM row (with
 // its labels) is inserted in the same transaction (on SQLite, a transaction
-// shared with concurrent reservations; see batch.go). ErrNoRoom when the host
-// (as the database sees it now) cannot take the VM or is not alive and
-// schedulable; ErrDuplicateName when the name is taken.
+// shared with concurrent reservations; see batch.go). A VM of a group also
+// takes a slot in its domain (takeGroupSlot) in the same transaction.
+// ErrNoRoom when the host (as the database sees it now) cannot take the VM
+// or is not alive and schedulable; ErrGroupCap when the VM's group is at
+// its cap in the domain; ErrDuplicateName when the name is taken.
 func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 	t := now()
 	if vm.CreatedAt.IsZero() {
@@ -72,8 +94,10 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 		err = s.batcher.reserve(ctx, vm)
 	}
 	switch {
-	case err == nil || errors.Is(err, ErrNoRoom) || errors.Is(err, ErrAddressTaken) || errors.Is(err, ErrMACTaken):
+	case err == nil || errors.Is(err, ErrNoRoom) || errors.Is(err, ErrGroupCap) || errors.Is(err, ErrAddressTaken) || errors.Is(err, ErrMACTaken):
 		return err
+	case pgCode(err) == "23514": // group_domains_cap: the slot's CHECK
+		return fmt.Errorf("group %q already has %d VMs in %s %s: %w", vm.Group.Name, vm.Group.Cap, vm.Group.SpreadBy, vm.Group.Domain, ErrGroupCap)
 	case isDuplicate(err):
 		return fmt.Errorf("vm name %q: %w", vm.Name, ErrDuplicateName)
 	case isForeignKey(err):
@@ -90,24 +114,124 @@ const reserveOnHostSQL = `UPDATE hosts SET
 	AND alloc_vcpus + ? <= cap_vcpus AND alloc_memory_mib + ? <= cap_memory_mib AND alloc_disk_mib + ? <= cap_disk_mib`
 
 // reserveInOneStatement is the same reservation on PostgreSQL as one
-// statement: data-modifying CTEs run the conditional UPDATE, the VM insert
-// (only if the UPDATE matched) and the label inserts atomically, in one
-// round trip instead of four (BEGIN, UPDATE, INSERT, COMMIT).
+// statement: data-modifying CTEs run the conditional UPDATE, the group
+// slot and the VM insert (only if the UPDATE matched) and the label
+// inserts atomically, in one round trip instead of four (BEGIN, UPDATE,
+// INSERT, COMMIT). A group at its cap fails the statement with the CHECK
+// group_domains_cap (SQLSTATE 23514): the slot's upsert locks the group's
+// row of that domain, so a racing create of the same group on any replica
+// waits and then sees the new count; two never take the last slot.
 func (s *Store) reserveInOneStatement(ctx context.Context, vm VM) error {
-	labels, err := jsonText(vm.Labels)
+	query, args, err := reserveStatement(vm)
 	if err != nil {
 		return err
+	}
+	var placed int
+	for attempt := 0; ; attempt++ {
+		err = s.db.WithContext(ctx).Raw(query, args...).Scan(&placed).Error
+		if !retryable(err) || attempt == 4 || ctx.Err() != nil {
+			break
+		}
+	}
+	if err != nil {
+		// A taken address or MAC (unique indexes of vm_nics) is told
+		// apart before ReserveAndInsertVM's other classifications.
+		if pgCode(err) == "23505" {
+			if c := pgConstraint(err); strings.HasPrefix(c, "vm_nics") {
+				return classifyNICError(err, vm.ID, nicOfConstraint(err, vm.NICs))
+			}
+		}
+		return err
+	}
+	if placed != 1 {
+		return fmt.Errorf("host %s: %w", vm.HostName, ErrNoRoom)
+	}
+	return nil
+}
+
+// takeGroupSlotSQL counts one more VM of a group in a domain, only while
+// the domain is under the cap (arguments: group, spread_by, domain, cap,
+// cap, cap). Zero rows affected means the domain is full.
+const takeGroupSlotSQL = `INSERT INTO group_domains (group_name, spread_by, domain, vm_count, vm_cap) VALUES (?, ?, ?, 1, ?)
+	ON CONFLICT (group_name, spread_by, domain) DO UPDATE SET vm_count = group_domains.vm_count + 1, vm_cap = excluded.vm_cap
+	WHERE ? = 0 OR group_domains.vm_count < ?`
+
+// takeGroupSlot takes vm's slot in its group; ErrGroupCap when the domain
+// is at the cap. A VM without a group takes none.
+func takeGroupSlot(tx *gorm.DB, vm VM) error {
+	g := vm.Group
+	if g.Name == "" {
+		return nil
+	}
+	res := tx.Exec(takeGroupSlotSQL, g.Name, g.SpreadBy, g.Domain, g.Cap, g.Cap, g.Cap)
+	if res.Error != nil {
+		return fmt.Errorf("take slot of group %q in %s %s: %w", g.Name, g.SpreadBy, g.Domain, res.Error)
+	}
+	if res.RowsAffected != 1 {
+		return fmt.Errorf("group %q already has %d VMs in %s %s: %w", g.Name, g.Cap, g.SpreadBy, g.Domain, ErrGroupCap)
+	}
+	return nil
+}
+
+// giveGroupSlot gives a group slot back (a release, or the undo of a
+// reservation that failed after the slot was taken).
+func giveGroupSlot(tx *gorm.DB, g GroupSlot) error {
+	if g.Name == "" {
+		return nil
+	}
+	return tx.Exec(`UPDATE group_domains SET vm_count = vm_count - 1
+		WHERE group_name = ? AND spread_by = ? AND domain = ? AND vm_count > 0`, g.Name, g.SpreadBy, g.Domain).Error
+}
+
+// GroupCounts returns how many VMs of a group hold capacity in each domain
+// of one spread (domains with none are left out): the facts the scheduler
+// spreads by.
+func (s *Store) GroupCounts(ctx context.Context, group, spreadBy string) (map[string]int, error) {
+	// Plain rows, not gorm's Scan: a group spread over many domains reads
+	// one row per domain on every placement.
+	rows, err := s.db.WithContext(ctx).Raw(`SELECT domain, vm_count FROM group_domains
+		WHERE group_name = ? AND spread_by = ? AND vm_count > 0`, group, spreadBy).Rows()
+	if err != nil {
+		return nil, fmt.Errorf("count vms of group %q per domain: %w", group, err)
+	}
+	defer func() { _ = rows.Close() }()
+	out := map[string]int{}
+	for rows.Next() {
+		var (
+			domain string
+			n      int
+		)
+		if err := rows.Scan(&domain, &n); err != nil {
+			return nil, fmt.Errorf("count vms of group %q per domain: %w", group, err)
+		}
+		out[domain] = n
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("count vms of group %q per domain: %w", group, err)
+	}
+	return out, nil
+}
+
+// reserveStatement builds the reservation statement of reserveInOneStatement.
+func reserveStatement(vm VM) (string, []any, error) {
+	labels, err := jsonText(vm.Labels)
+	if err != nil {
+		return "", nil, err
 	}
 	nics, err := jsonText(vm.NICs)
 	if err != nil {
-		return err
+		return "", nil, err
 	}
+	g := vm.Group
 	r := vm.Resources
-	args := []any{
-		r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName, r.VCPUs, r.MemoryMiB, r.DiskMiB,
-		vm.ID, vm.Name, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.PowerState, vm.ObservedState, vm.Reason,
-		vm.StartedFrom, vm.ForkID, vm.ForkSlot, labels, nics, vm.Placement, vm.CreatedAt, vm.UpdatedAt,
+	args := []any{r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName, r.VCPUs, r.MemoryMiB, r.DiskMiB}
+	if g.Name != "" {
+		args = append(args, g.Name, g.SpreadBy, g.Domain, g.Cap)
 	}
+	args = append(args,
+		vm.ID, vm.Name, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.PowerState, vm.ObservedState, vm.Reason,
+		vm.StartedFrom, vm.ForkID, vm.ForkSlot, labels, nics, vm.Placement, vm.Constraints, g.Name, g.SpreadBy, g.Domain, g.Cap,
+		vm.CreatedAt, vm.UpdatedAt)
 	var sql strings.Builder
 	sql.WriteString(`WITH reserved AS (
 		UPDATE hosts SET
@@ -115,10 +239,25 @@ func (s *Store) reserveInOneStatement(ctx context.Context, vm VM) error {
 		WHERE name = ? AND alive AND schedulable
 			AND alloc_vcpus + ? <= cap_vcpus AND alloc_memory_mib + ? <= cap_memory_mib AND alloc_disk_mib + ? <= cap_disk_mib
 		RETURNING name
-	), vm AS (
+	)`)
+	if g.Name != "" {
+		// The group slot, only if the host took the VM. Past the cap the
+		// CHECK group_domains_cap fails the whole statement, so the host's
+		// reservation goes with it.
+		sql.WriteString(`, slot AS (
+		INSERT INTO group_domains (group_name, spread_by, domain, vm_count, vm_cap)
+		SELECT ?, ?, ?, 1, ?::integer FROM reserved
+		ON CONFLICT (group_name, spread_by, domain) DO UPDATE
+			SET vm_count = group_domains.vm_count + 1, vm_cap = excluded.vm_cap
+		RETURNING 1
+	)`)
+	}
+	sql.WriteString(`, vm AS (
 		INSERT INTO vms (id, name, host_name, image, vcpus, memory_mib, disk_mib, power_state, observed_state,
-			reason, started_from, holds_capacity, fork_id, fork_slot, labels, nics, placement, created_at, updated_at)
-		SELECT ?, ?, name, ?, ?, ?, ?, ?, ?, ?, ?, TRUE, ?::text, ?::integer, ?, ?, ?, ?::timestamp, ?::timestamp FROM reserved
+			reason, started_from, holds_capacity, fork_id, fork_slot, labels, nics, placement,
+			constraints, group_name, spread_by, spread_domain, group_cap, created_at, updated_at)
+		SELECT ?, ?, name, ?, ?, ?, ?, ?, ?, ?, ?, TRUE, ?::text, ?::integer, ?, ?, ?,
+			?, ?, ?, ?, ?::integer, ?::timestamp, ?::timestamp FROM reserved
 		RETURNING id
 	)`)
 	if len(vm.NICs) > 0 {
@@ -152,25 +291,7 @@ func (s *Store) reserveInOneStatement(ctx context.Context, vm VM) error {
 		sql.WriteString(`) AS l(k, v) RETURNING 1)`)
 	}
 	sql.WriteString(` SELECT COUNT(*) FROM vm`)
-	var placed int
-	for attempt := 0; ; attempt++ {
-		err = s.db.WithContext(ctx).Raw(sql.String(), args...).Scan(&placed).Error
-		if !retryable(err) || attempt == 4 || ctx.Err() != nil {
-			break
-		}
-	}
-	if err != nil {
-		if pgCode(err) == "23505" {
-			if c := pgConstraint(err); strings.HasPrefix(c, "vm_nics") {
-				return classifyNICError(err, vm.ID, nicOfConstraint(err, vm.NICs))
-			}
-		}
-		return err
-	}
-	if placed != 1 {
-		return fmt.Errorf("host %s: %w", vm.HostName, ErrNoRoom)
-	}
-	return nil
+	return sql.String(), args, nil
 }
 
 func insertLabels(tx *gorm.DB, vmID string, labels map[string]string) error {
@@ -210,15 +331,22 @@ func nicOfConstraint(err error, nics []NIC) NIC {
 // releaseInTx gives the VM's resources back to its host if it still holds
 // them. The conditional UPDATE on holds_capacity makes a release happen
 // exactly once, whichever path (delete, missing, failed create) gets there.
+// A pending resize ends with it: what the VM held for it goes back too.
 func releaseInTx(tx *gorm.DB, vm VM) (bool, error) {
-	res := tx.Exec("UPDATE vms SET holds_capacity = FALSE, updated_at = ? WHERE id = ? AND holds_capacity", now(), vm.ID)
+	res := tx.Exec(`UPDATE vms SET holds_capacity = FALSE, pending_vcpus = NULL, pending_memory_mib = NULL,
+		resize_started_at = NULL, updated_at = ? WHERE id = ? AND holds_capacity`, now(), vm.ID)
 	if res.Error != nil {
 		return false, fmt.Errorf("release vm %s: %w", vm.ID, res.Error)
 	}
 	if res.RowsAffected == 0 {
 		return false, nil
 	}
-	r := vm.Resources
+	// The group slot goes before the host's capacity: reservations lock
+	// the group row before the host row too, so the two never deadlock.
+	if err := giveGroupSlot(tx, vm.Group); err != nil {
+		return false, fmt.Errorf("release group slot of vm %s: %w", vm.ID, err)
+	}
+	r := vm.held()
 	res = tx.Exec(`UPDATE hosts SET alloc_vcpus = alloc_vcpus - ?, alloc_memory_mib = alloc_memory_mib - ?,
 		alloc_disk_mib = alloc_disk_mib - ? WHERE name = ?`, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName)
 	if res.Error != nil {
@@ -402,21 +530,11 @@ func (s *Store) SetVMLabels(ctx context.Context, id string, labels map[string]st
 	})
 }
 
-// CountVMsByState counts VMs per observed state (for metrics).
-func (s *Store) CountVMsByState(ctx context.Context) (map[string]int64, error) {
-	var rows []struct {
-		ObservedState string
-		N             int64
-	}
-	err := s.db.WithContext(ctx).Raw("SELECT observed_state, COUNT(*) AS n FROM vms GROUP BY observed_state").Scan(&rows).Error
-	if err != nil {
-		return nil, fmt.Errorf("count vms by state: %w", err)
-	}
-	out := make(map[string]int64, len(rows))
-	for _, r := range rows {
-		out[r.ObservedState] = r.N
-	}
-	return out, nil
+// SetVMConstraints replaces a VM's stored constraints (JSON, "" for none).
+// Its group slot stays: a VM counts where it was placed.
+func (s *Store) SetVMConstraints(ctx context.Context, id, constraints string) error {
+	return updateVMRow(s.db.WithContext(ctx), "update constraints of", id,
+		"UPDATE vms SET constraints = ?, updated_at = ? WHERE id = ?", constraints, now(), id)
 }
 
 func jsonText(v any) (string, error) {

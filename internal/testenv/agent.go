@@ -2,6 +2,7 @@ package testenv
 
 import (
 	"context"
+	"crypto/ed25519"
 	"errors"
 	"io"
 	"log/slog"
@@ -29,21 +30,27 @@ type AgentOptions struct {
 	DiskMiB   int64
 	StateDir  string // default t.TempDir()
 	ImageDir  string // qemu: default GuestImageDir(t)
+	// Addresses are more addresses the agent proves its identity for
+	// (agent.Config.Addresses), beside its own IP and port.
+	Addresses []string
 }
 
 // Agent is a host agent running in the test process with real HTTP.
 type Agent struct {
-	Address  string // "127.0.0.1:port", what a host registers with
-	URL      string // "http://127.0.0.1:port"
-	Token    string
-	Client   *agentapi.Client
-	StateDir string
+	Address string // "http://127.0.0.1:port", what a host registers with (the same as URL)
+	URL     string // "http://127.0.0.1:port"
+	// PublicKey is the agent's identity key, which the control plane pins.
+	PublicKey ed25519.PublicKey
+	Token     string
+	Client    *agentapi.Client
+	StateDir  string
 
-	opts AgentOptions
-	mu   sync.Mutex
-	srv  *http.Server
-	ag   *agent.Agent
-	done chan struct{}
+	opts     AgentOptions
+	hostport string // "127.0.0.1:port", where it listens
+	mu       sync.Mutex
+	srv      *http.Server
+	ag       *agent.Agent
+	done     chan struct{}
 }
 
 // Sim capacity when the test gives none: a roomy host.
@@ -79,6 +86,7 @@ func StartAgent(t testing.TB, opts AgentOptions) *Agent {
 			opts.DiskMiB = simDiskMiB
 		}
 	case "qemu":
+		RequireQEMU(t)
 		if opts.ImageDir == "" {
 			opts.ImageDir = GuestImageDir(t)
 		}
@@ -90,8 +98,8 @@ func StartAgent(t testing.TB, opts AgentOptions) *Agent {
 		t.Fatalf("testenv: listen for agent: %v", err)
 	}
 	a := &Agent{
-		Address: ln.Addr().String(), URL: "http://" + ln.Addr().String(),
-		Token: opts.Token, StateDir: opts.StateDir, opts: opts,
+		Address: "http://" + ln.Addr().String(), URL: "http://" + ln.Addr().String(),
+		Token: opts.Token, StateDir: opts.StateDir, opts: opts, hostport: ln.Addr().String(),
 	}
 	a.Client = agentapi.NewClient(a.Address, a.Token)
 	t.Cleanup(func() {
@@ -114,13 +122,14 @@ func (a *Agent) start(t testing.TB, ln net.Listener) {
 		t.Fatalf("testenv: agent driver: %v", err)
 	}
 	ag, err := agent.New(ctx, agent.Config{
-		StateDir: a.opts.StateDir, Driver: driver, Token: a.opts.Token, Logger: agentTestLogger(t),
+		StateDir: a.opts.StateDir, Driver: driver, Token: a.opts.Token, Logger: agentTestLogger(t), Addresses: a.opts.Addresses,
 		Capacity: agentapi.Resources{VCPUs: a.opts.VCPUs, MemoryMiB: a.opts.MemoryMiB, DiskMiB: a.opts.DiskMiB},
 	})
 	if err != nil {
 		_ = ln.Close()
 		t.Fatalf("testenv: start agent: %v", err)
 	}
+	a.PublicKey = ag.PublicKey()
 	srv := &http.Server{Handler: ag.Handler(), ReadHeaderTimeout: 10 * time.Second}
 	done := make(chan struct{})
 	go func() {
@@ -146,6 +155,24 @@ func agentTestLogger(testing.TB) *slog.Logger {
 		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	}
 	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+// AllowAddress makes the agent prove its identity also for address, e.g.
+// a proxy in front of it that a host is registered with.
+func (a *Agent) AllowAddress(t testing.TB, address string) {
+	t.Helper()
+	a.mu.Lock()
+	ag := a.ag
+	a.mu.Unlock()
+	if ag == nil {
+		t.Fatal("testenv: AllowAddress on a stopped agent")
+	}
+	if err := ag.AllowAddress(address); err != nil {
+		t.Fatalf("testenv: %v", err)
+	}
+	a.mu.Lock()
+	a.opts.Addresses = append(a.opts.Addresses, address)
+	a.mu.Unlock()
 }
 
 // Stop makes the agent stop answering. Its VMs keep running, as with a real
@@ -177,7 +204,7 @@ func (a *Agent) Restart(t testing.TB) {
 	// The port was just released; another process could take it, so fail
 	// after a few tries rather than hang.
 	for i := 0; i < 50; i++ {
-		ln, err = net.Listen("tcp", a.Address)
+		ln, err = net.Listen("tcp", a.hostport)
 		if err == nil {
 			break
 		}

@@ -1,6 +1,8 @@
 package testenv
 
 import (
+	"crypto/ed25519"
+	"crypto/rand"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -19,9 +21,11 @@ import (
 // make it fail on purpose. Tests use it where a failure must be injected
 // at one exact step; everything else runs against the real agent.
 type AgentDouble struct {
-	Address string // "127.0.0.1:port"
+	Address string // "http://127.0.0.1:port", the same as URL
 	URL     string
 	Token   string
+	// key is the double's identity key: it proves itself like an agent.
+	key ed25519.PrivateKey
 
 	mu       sync.Mutex
 	capacity agentapi.Resources
@@ -70,8 +74,12 @@ func StartAgentDouble(t testing.TB, opts AgentDoubleOptions) *AgentDouble {
 	if err != nil {
 		t.Fatalf("agent double: %v", err)
 	}
+	_, key, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		t.Fatalf("agent double: %v", err)
+	}
 	d := &AgentDouble{
-		Address: ln.Addr().String(), URL: "http://" + ln.Addr().String(), Token: opts.Token,
+		Address: "http://" + ln.Addr().String(), URL: "http://" + ln.Addr().String(), Token: opts.Token, key: key,
 		capacity: agentapi.Resources{VCPUs: opts.VCPUs, MemoryMiB: opts.MemoryMiB, DiskMiB: opts.DiskMiB},
 		images:   opts.Images, vms: map[string]agentapi.VM{}, specs: map[string]agentapi.VMSpec{}, bridges: opts.Bridges, nextPort: 20000,
 	}
@@ -134,12 +142,30 @@ func (d *AgentDouble) routes() http.Handler {
 	mux.HandleFunc("DELETE /v1/vms/{id}", d.delete)
 	mux.HandleFunc("POST /v1/vms/{id}/{action}", d.action)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodPost && r.URL.Path == "/v1/identity" {
+			d.identity(w, r)
+			return
+		}
 		if r.Header.Get("Authorization") != "Bearer "+d.Token {
 			writeAgentError(w, http.StatusUnauthorized, "unauthorized", "unauthorized")
 			return
 		}
 		mux.ServeHTTP(w, r)
 	})
+}
+
+// identity answers a challenge as an agent does (it needs no token).
+func (d *AgentDouble) identity(w http.ResponseWriter, r *http.Request) {
+	var ch agentapi.IdentityChallenge
+	if err := json.NewDecoder(r.Body).Decode(&ch); err != nil {
+		writeAgentError(w, http.StatusBadRequest, "invalid", err.Error())
+		return
+	}
+	if err := ch.Validate(); err != nil {
+		writeAgentError(w, http.StatusBadRequest, "invalid", err.Error())
+		return
+	}
+	writeAgentJSON(w, http.StatusOK, agentapi.ProveIdentity(d.key, d.Token, ch))
 }
 
 func (d *AgentDouble) info(w http.ResponseWriter, _ *http.Request) {

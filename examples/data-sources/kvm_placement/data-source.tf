@@ -11,5 +11,23 @@ output "big_vm_would_land_on" {
 }
 
 output "big_vm_rejections" {
-  value = { for r in data.kvm_placement.big.rejected : r.host => r.reason }
+  value = { for r in data.kvm_placement.big.rejected : r.host => "${r.reason}: ${r.detail}" }
+}
+
+# Would one more replica of group "db" find a rack without one?
+data "kvm_placement" "next_db" {
+  image      = "busybox"
+  vcpus      = 2
+  memory_mib = 1024
+  disk_mib   = 4096
+
+  constraints {
+    group          = "db"
+    spread_by      = "label:rack"
+    max_per_domain = 1
+  }
+}
+
+output "next_db_fits" {
+  value = data.kvm_placement.next_db.fits
 }

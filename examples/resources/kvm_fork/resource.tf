@@ -19,6 +19,19 @@ resource "kvm_fork" "workers" {
   }
 }
 
+# Three children on three different hosts: the fork's children are a group
+# of their own, capped at one per host.
+resource "kvm_fork" "replicas" {
+  source_vm_id = kvm_vm.base.id
+  child_count  = 3
+  placement    = "spread"
+
+  constraints {
+    spread_by      = "host"
+    max_per_domain = 1
+  }
+}
+
 output "worker_hosts" {
   value = { for c in kvm_fork.workers.children : c.name => c.host }
 }

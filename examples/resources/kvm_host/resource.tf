@@ -1,7 +1,9 @@
-# Register a host agent (kvmd agent --listen 10.0.0.11:8471) with the control API.
+# Register a host agent with the control API. The agent serves TLS off loopback:
+#   kvmd agent --listen 10.0.0.11:8471 --tls-cert agent.crt --tls-key agent.key --token-file agent.token
+# It proves its identity before the control plane sends it the agent token.
 resource "kvm_host" "node1" {
   name    = "node1"
-  address = "10.0.0.11:8471"
+  address = "https://10.0.0.11:8471"
   labels = {
     rack = "r1"
   }
@@ -23,6 +25,6 @@ resource "kvm_host" "node1" {
 # A host kept out of new placements while its VMs keep running.
 resource "kvm_host" "node2" {
   name        = "node2"
-  address     = "10.0.0.12:8471"
+  address     = "https://10.0.0.12:8471"
   schedulable = false
 }

@@ -1,4 +1,6 @@
-# The control API places the VM on the best host and boots it.
+# The control API places the VM on the best host and boots it. A later change
+# of vcpus or memory_mib resizes it in place (the guest restarts, its disk
+# stays); a change of name renames it in place.
 resource "kvm_vm" "web" {
   name       = "web-1"
   image      = "busybox"
@@ -38,6 +40,24 @@ resource "kvm_vm" "batch" {
   disk_mib    = 1024
   host        = "node1"
   power_state = "stopped"
+}
+
+# Three replicas of one service, never two in one rack: hosts carry a
+# rack label (kvm_host labels), and the group is capped at one per rack.
+resource "kvm_vm" "db" {
+  count      = 3
+  name       = "db-${count.index}"
+  image      = "busybox"
+  vcpus      = 2
+  memory_mib = 1024
+  disk_mib   = 4096
+
+  constraints {
+    host_labels    = { disk = "ssd" }
+    group          = "db"
+    spread_by      = "label:rack"
+    max_per_domain = 1
+  }
 }
 
 output "web_placement" {

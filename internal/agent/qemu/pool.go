@@ -17,7 +17,8 @@ import (
 )
 
 // readyLine is the line a guest prints on its serial console once it is up
-// (DESIGN.md section 2a): a warm VM is paused only after it.
+// (the busybox image of scripts/build-image.sh prints it): a warm VM is
+// paused only after it.
 const readyLine = "kvm-guest-ready"
 
 // readyPoll is how often WaitReady reads the console.

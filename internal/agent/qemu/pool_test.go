@@ -1,6 +1,6 @@
 package qemu_test
 
-// The warm pool with real guests (DESIGN.md section 8, the rules about
+// The warm pool with real guests (docs/guides/architecture.md, the rules about
 // processes): a warm create resumes a paused guest that keeps running;
 // delete destroys and the pool gets a brand-new VM; a restart destroys the
 // orphans and never a user's VM; a warm VM that cannot resume falls back to

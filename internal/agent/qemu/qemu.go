@@ -31,6 +31,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/network"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 )
 
@@ -63,6 +64,10 @@ type Driver struct {
 	log       *slog.Logger
 	// snapshotPauses counts the VM pauses of snapshots (snapshot.go).
 	snapshotPauses atomic.Int64
+	// net makes the host side of NICs (taps, bridges, leases, NAT rules);
+	// ports are the host ports of user-mode forwards (network.go).
+	net   *network.Host
+	ports hostPorts
 }
 
 var _ agent.Driver = (*Driver)(nil)
@@ -80,6 +85,7 @@ func New(ctx context.Context, opts Options) (*Driver, error) {
 	if d.log == nil {
 		d.log = slog.Default()
 	}
+	d.net = network.New(d.log)
 	var err error
 	if d.qemu, err = exec.LookPath(d.qemu); err != nil {
 		return nil, fmt.Errorf("qemu driver: %w: install qemu-system-x86", err)
@@ -124,7 +130,7 @@ func (d *Driver) CheckSpec(spec agentapi.VMSpec, img agent.Image) error {
 	if spec.MemoryMiB < min {
 		return agent.ErrInvalidSpec("memory_mib %d is too small for image %s: it needs at least %d", spec.MemoryMiB, img.Name, min)
 	}
-	return nil
+	return d.checkNICs(spec.NICs)
 }
 
 // pidfileOf is the pid file on the command line of m's QEMU: in the
@@ -176,7 +182,7 @@ func (d *Driver) Create(ctx context.Context, m *agent.Machine) error {
 // putting it through the migration stream (snapshot.go); or, for a child
 // started from a RAM image, that file mapped copy-on-write: the child
 // faults pages in as it touches them instead of loading them all first.
-func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, ramImage string) []string {
+func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, ramImage string, nics []string) []string {
 	cpu := "max"
 	if d.accel == "kvm" {
 		cpu = "host"
@@ -188,11 +194,11 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, ramI
 		"-smp", strconv.FormatInt(m.VCPUs, 10), "-m", strconv.FormatInt(m.MemoryMiB, 10) + "M",
 		"-object", ramObject(m.MemoryMiB, ramImage),
 		"-nodefaults", "-no-user-config", "-display", "none",
-		"-chardev", "file,id=console,append=on,path=" + filepath.Join(m.Dir, consoleFileName),
+		"-chardev", "file,id=console,append=on,path=" + qemuOptQuote(filepath.Join(m.Dir, consoleFileName)),
 		"-serial", "chardev:console",
 		// Relative to QEMU's working directory (the VM's): a unix socket
 		// path is limited to 108 bytes, a state directory is not.
-		"-chardev", "socket,id=qmp,server=on,wait=off,path=" + qmpFileName,
+		"-chardev", "socket,id=qmp,server=on,wait=off,path=" + qemuOptQuote(qmpFileName),
 		"-mon", "chardev=qmp,mode=control",
 		"-pidfile", pidfileOf(m),
 		"-daemonize",
@@ -217,13 +223,14 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, ramI
 		}
 	}
 	if m.DiskMiB > 0 {
-		drive := "if=none,id=disk0,format=qcow2,discard=unmap,file=" + diskPath(m)
+		drive := "if=none,id=disk0,format=qcow2,discard=unmap,file=" + qemuOptQuote(diskPath(m))
 		dev := blk + ",drive=disk0"
 		if img.Kind == agent.ImageDisk {
 			dev += ",bootindex=0"
 		}
 		args = append(args, "-drive", drive, "-device", dev)
 	}
+	args = append(args, nics...)
 	if opts.Paused || opts.Incoming != "" {
 		args = append(args, "-S")
 	}
@@ -250,8 +257,10 @@ func ramObject(memMiB int64, ramImage string) string {
 	return "memory-backend-memfd,id=" + ramObjectID + ",size=" + size + ",share=on"
 }
 
-// qemuOptQuote escapes a value for a QEMU -object option list, where a
-// comma is written as two.
+// qemuOptQuote escapes a value for a QEMU option list (-object, -drive,
+// -chardev), where a comma is written as two: every option value built
+// from a path goes through it, or a comma in a state directory would start
+// a new option.
 func qemuOptQuote(v string) string { return strings.ReplaceAll(v, ",", ",,") }
 
 // Boot starts QEMU detached: -daemonize returns once QEMU is set up (its
@@ -279,11 +288,16 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	_ = os.Remove(qmpPathOf(m))
 	_ = os.Remove(pidfileOf(m))
 
+	nics, netns, err := d.attachNICs(m, img)
+	if err != nil {
+		return fmt.Errorf("boot vm %s: %w", m.ID, err)
+	}
+
 	// The start must finish even when the caller gives up: a half-started
 	// QEMU that nobody records is worse than a finished one.
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), startTimeout)
 	defer cancel()
-	cmd := exec.CommandContext(sctx, d.qemu, d.args(m, img, opts, ramImage)...)
+	cmd := exec.CommandContext(sctx, d.qemu, d.args(m, img, opts, ramImage, nics)...)
 	cmd.Dir = m.Dir
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	var out bytes.Buffer
@@ -291,7 +305,9 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	// QEMU's daemon child points its stdio at /dev/null; should it keep
 	// our pipe, Wait must not hang on it.
 	cmd.WaitDelay = 5 * time.Second
-	if err := cmd.Run(); err != nil {
+	// A forked child's QEMU runs in the child's network namespace (its
+	// taps are there); -daemonize keeps it there.
+	if err := network.RunIn(netns, cmd.Run); err != nil {
 		d.killLeftovers(m)
 		return fmt.Errorf("start qemu for vm %s: %v: %s", m.ID, err, strings.TrimSpace(out.String()))
 	}

@@ -394,3 +394,29 @@ func TestLongStateDirectory(t *testing.T) {
 		t.Fatalf("delete: %v", err)
 	}
 }
+
+// Every QEMU option value built from a path is comma-escaped: a state
+// directory with a comma in its name boots a guest with its disk, console
+// and QMP socket there (unescaped, QEMU reads the rest of the path as
+// another option and refuses to start).
+func TestCommaInStateDirectory(t *testing.T) {
+	t.Parallel()
+	dir := filepath.Join(t.TempDir(), "state,file=x,readonly=on")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	a := testenv.StartAgent(t, testenv.AgentOptions{Driver: "qemu", StateDir: dir})
+	ctx := context.Background()
+	vm, err := a.Client.CreateVM(ctx, "comma", guest)
+	if err != nil {
+		t.Fatalf("create in a state directory with commas: %v", err)
+	}
+	t.Cleanup(func() { _ = syscall.Kill(vm.PID, syscall.SIGKILL) })
+	waitConsole(t, a, "comma", "kvm-guest-ready", 1)
+	if got, err := a.Client.Action(ctx, "comma", agentapi.ActionPause); err != nil || got.State != agentapi.StatePaused {
+		t.Fatalf("pause over qmp: %+v, %v", got, err)
+	}
+	if err := a.Client.DeleteVM(ctx, "comma"); err != nil {
+		t.Fatalf("delete: %v", err)
+	}
+}

@@ -269,7 +269,10 @@ func TestForkGuest(t *testing.T) {
 	b := startForkAgent(t, t.TempDir())
 	proxy := startTamperProxy(t, a.srv.URL)
 	remote := guest
-	remote.Snapshot = &agentapi.SnapshotSource{ID: "s1", Address: proxy.srv.URL}
+	if err := a.ag.AllowAddress(proxy.srv.URL); err != nil {
+		t.Fatal(err)
+	}
+	remote.Snapshot = &agentapi.SnapshotSource{ID: "s1", Address: proxy.srv.URL, PublicKey: agentapi.EncodeKey(a.ag.PublicKey())}
 	proxy.tamper.Store(true)
 	if _, err := b.client.CreateVM(ctx, "far", remote); err == nil || !strings.Contains(err.Error(), "sha256") {
 		t.Fatalf("child from a tampered pull: %v, want a sha256 mismatch", err)

@@ -27,6 +27,9 @@ type Options struct {
 	ImageDir string
 	// BootDelay is how long a simulated boot takes (default 0).
 	BootDelay time.Duration
+	// Bridges are the operator bridges the simulated host has, for NICs of
+	// mode bridge (nil: DefaultBridges).
+	Bridges []string
 }
 
 // Driver is the simulated VMM. It is safe for concurrent use.
@@ -35,12 +38,18 @@ type Driver struct {
 
 	mu    sync.Mutex
 	state map[string]string // VM id -> running | paused; absent: stopped
+	// ports are the simulated host ports of port forwards (network.go):
+	// port -> VM id; cursor is where the next search starts.
+	ports  map[int]string
+	cursor int
 }
 
 var _ agent.Driver = (*Driver)(nil)
 
 // New returns a simulated driver.
-func New(opts Options) *Driver { return &Driver{opts: opts, state: map[string]string{}} }
+func New(opts Options) *Driver {
+	return &Driver{opts: opts, state: map[string]string{}, ports: map[int]string{}, cursor: firstSimPort}
+}
 
 // Name is "sim".
 func (d *Driver) Name() string { return "sim" }
@@ -78,14 +87,19 @@ func (d *Driver) Image(name string) (agent.Image, error) {
 	return agent.Image{}, fmt.Errorf("image %s: %w", name, agent.ErrUnknownImage)
 }
 
-// CheckSpec accepts every shape the agent accepts.
-func (d *Driver) CheckSpec(agentapi.VMSpec, agent.Image) error { return nil }
+// CheckSpec accepts every shape the agent accepts, and NICs on the
+// simulated host's bridges.
+func (d *Driver) CheckSpec(spec agentapi.VMSpec, _ agent.Image) error { return d.checkNICs(spec.NICs) }
 
 // Create has no files to make.
 func (d *Driver) Create(context.Context, *agent.Machine) error { return nil }
 
-// Boot marks the VM running (or paused) after BootDelay.
+// Boot marks the VM running (or paused) after BootDelay, and gives its
+// port forwards simulated host ports.
 func (d *Driver) Boot(ctx context.Context, m *agent.Machine, opts agent.BootOptions) error {
+	if err := d.assignPorts(m); err != nil {
+		return err
+	}
 	if d.opts.BootDelay > 0 {
 		t := time.NewTimer(d.opts.BootDelay)
 		defer t.Stop()
@@ -162,8 +176,16 @@ func (d *Driver) Observe(_ context.Context, m *agent.Machine, last string) agent
 	return agent.Observed{State: last}
 }
 
-// Console says that there is no guest.
+// Console says that there is no guest, and what its NICs would be.
 func (d *Driver) Console(m *agent.Machine, limit int64) ([]byte, error) {
 	b := []byte("sim: vm " + m.ID + " is simulated; there is no guest and no serial console\n")
+	for _, n := range m.NICs {
+		b = fmt.Appendf(b, "sim: nic %s on network %s (%s), address %q: simulated, nothing answers there\n",
+			n.MACAddress, n.Network, n.Mode, n.IPv4Address)
+		for _, f := range n.PortForwards {
+			b = fmt.Appendf(b, "sim: port forward %s:%d -> guest port %d is simulated: no socket listens\n",
+				f.HostAddress, f.HostPort, f.GuestPort)
+		}
+	}
 	return b[max(0, int64(len(b))-limit):], nil
 }

@@ -44,6 +44,12 @@ func (d *Driver) Snapshot(_ context.Context, m *agent.Machine, dir string, opts 
 	return files, nil
 }
 
+// AdoptPulled has nothing to check: a sim disk file stands for a disk and
+// names no other file.
+func (d *Driver) AdoptPulled(context.Context, string, agent.SnapshotFiles, agent.PulledFrom) ([]string, error) {
+	return nil, nil
+}
+
 // Spawn checks that the snapshot's memory file is there and boots the VM.
 func (d *Driver) Spawn(ctx context.Context, m *agent.Machine, dir string, files agent.SnapshotFiles) error {
 	if _, err := os.Stat(filepath.Join(dir, files.Memory)); err != nil {

@@ -1,0 +1,121 @@
+package cmd
+
+import (
+	"bytes"
+	"context"
+	"net/http"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
+)
+
+// TestTokenCommands: kvmd token create/list/revoke on the database of a
+// running kvmd control: the created token works within its scope, list
+// shows it without its secret, and after a revoke the API refuses it.
+// The control API also guards /metrics with --metrics-token.
+func TestTokenCommands(t *testing.T) {
+	dataDir := filepath.Join(t.TempDir(), "data")
+	getenv := func(k string) string { return map[string]string{"KVMD_DATA_DIR": dataDir}[k] }
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	token := func(args ...string) (string, string, error) {
+		var out, errOut bytes.Buffer
+		err := Run(ctx, append([]string{"token"}, args...), getenv, &out, &errOut)
+		return out.String(), errOut.String(), err
+	}
+
+	secretOut, msg, err := token("create", "--name", "ci", "--scopes", "user", "--expires-in", "24h")
+	if err != nil {
+		t.Fatalf("token create: %v (%s)", err, msg)
+	}
+	secret := strings.TrimSpace(secretOut)
+	if !strings.HasPrefix(secret, "kvmd_") || strings.Count(secretOut, "\n") != 1 || !strings.Contains(msg, "created token") {
+		t.Fatalf("token create printed %q on stdout and %q on stderr", secretOut, msg)
+	}
+	if _, _, err := token("create", "--name", "bad", "--scopes", "root"); err == nil || !strings.Contains(err.Error(), `scope "root" is not known`) {
+		t.Errorf("token create with an unknown scope: %v", err)
+	}
+	if _, _, err := token("create", "--name", "ci2"); err != nil {
+		t.Errorf("token create with the default scope: %v", err)
+	}
+
+	var logs controlLogSink
+	addr := make(chan string, 1)
+	done := make(chan error, 1)
+	go func() {
+		done <- serveControl(ctx, controlConfig{Listen: "127.0.0.1:0", DataDir: dataDir, Token: "bootstrap-token",
+			AgentToken: "agent-token", MetricsToken: "scrape-token", SyncInterval: time.Hour},
+			newLogger(&logs, "debug"), func(a string) { addr <- a })
+	}()
+	var base string
+	select {
+	case a := <-addr:
+		base = "http://" + a
+	case err := <-done:
+		t.Fatalf("kvmd control: %v", err)
+	}
+	status := func(method, path, bearer string) int {
+		t.Helper()
+		req, _ := http.NewRequestWithContext(ctx, method, base+path, strings.NewReader(`{}`))
+		if bearer != "" {
+			req.Header.Set("Authorization", "Bearer "+bearer)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = resp.Body.Close()
+		return resp.StatusCode
+	}
+	if got := status("GET", "/v1/vms", secret); got != 200 {
+		t.Errorf("GET /v1/vms with the created user token: %d", got)
+	}
+	if got := status("PUT", "/v1/hosts/h1", secret); got != 403 {
+		t.Errorf("PUT /v1/hosts with the created user token: %d; want 403", got)
+	}
+	if got := status("GET", "/metrics", ""); got != 401 {
+		t.Errorf("/metrics without the metrics token: %d; want 401", got)
+	}
+	if got := status("GET", "/metrics", "scrape-token"); got != 200 {
+		t.Errorf("/metrics with the metrics token: %d; want 200", got)
+	}
+
+	list, _, err := token("list")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(list, "ci ") || strings.Contains(list, secret) || !strings.Contains(list, "user") {
+		t.Errorf("token list:\n%s", list)
+	}
+	var id string
+	for line := range strings.Lines(list) {
+		if f := strings.Fields(line); len(f) > 1 && f[1] == "ci" {
+			id = f[0]
+		}
+	}
+	if _, msg, err := token("revoke", id); err != nil {
+		t.Fatalf("token revoke %s: %v (%s)", id, err, msg)
+	}
+	if _, _, err := token("revoke", id); err == nil {
+		t.Error("revoking the same token twice succeeded")
+	}
+	deadline := time.Now().Add(control.TokenCacheTTL + 10*time.Second)
+	for status("GET", "/v1/vms", secret) != 401 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the API still accepts a token revoked with kvmd token revoke after %s", control.TokenCacheTTL)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Errorf("kvmd control: %v", err)
+	}
+	// The request log names the token that acted, never its secret.
+	if l := logs.String(); !strings.Contains(l, `"token":"`+id+` (ci)"`) || strings.Contains(l, secret[len("kvmd_"):]) ||
+		strings.Contains(l, "scrape-token") || strings.Contains(l, "bootstrap-token") {
+		t.Errorf("control API log: want the token id and name, no secret:\n%s", l)
+	}
+}

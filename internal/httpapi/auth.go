@@ -1,0 +1,163 @@
+package httpapi
+
+import (
+	"crypto/sha256"
+	"crypto/subtle"
+	"errors"
+	"net/http"
+	"strings"
+
+	"github.com/labstack/echo/v4"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
+)
+
+// The one place where requests are authenticated and scopes decided.
+//
+// A /v1 request carries `Authorization: Bearer <token>`: the bootstrap
+// token of --token (every scope) or a token from the database (POST
+// /v1/tokens, `kvmd token create`). No token, or one that is unknown,
+// revoked or expired: 401. A token whose scopes do not allow the route: 403.
+//
+// Scopes by route (the route pattern Echo matched):
+//   - admin: hosts, networks, images and tokens (tokens: reads too);
+//   - user:  VMs, forks and placements;
+//   - either: reads (GET, HEAD) of everything but tokens, and the answer to
+//     a path no route serves (404 no_route, after the token check).
+//
+// A route under /v1 that none of these rules names is refused with 403 for
+// every token, so a new route cannot be served without a scope decision
+// (TestScopeMatrix walks every route).
+
+// scopeRule is who may call a route: any of these scopes.
+type scopeRule []string
+
+var (
+	adminOnly   = scopeRule{api.ScopeAdmin}
+	userOnly    = scopeRule{api.ScopeUser}
+	adminOrUser = scopeRule{api.ScopeAdmin, api.ScopeUser}
+)
+
+// RouteScopes says which scopes may call method on route (an Echo route
+// pattern such as /v1/vms/:id); ok is false when no rule decides the route.
+func RouteScopes(method, route string) (scopes []string, ok bool) {
+	if route == "/v1" || route == "/v1/*" { // Echo's route-not-found routes of the group
+		return adminOrUser, true
+	}
+	rest, found := strings.CutPrefix(route, "/v1/")
+	if !found {
+		return nil, false
+	}
+	kind, _, _ := strings.Cut(rest, "/")
+	read := method == http.MethodGet || method == http.MethodHead
+	switch kind {
+	case "tokens":
+		return adminOnly, true
+	case "hosts", "networks", "images":
+		if read {
+			return adminOrUser, true
+		}
+		return adminOnly, true
+	case "vms", "forks", "placements":
+		if read {
+			return adminOrUser, true
+		}
+		return userOnly, true
+	}
+	return nil, false
+}
+
+// principalKey is where authenticate leaves the request's principal.
+const principalKey = "kvmd.principal"
+
+// authenticate checks the bearer token and then the route's scopes.
+func authenticate(svc *control.Service, bootstrap string) echo.MiddlewareFunc {
+	want := sha256.Sum256([]byte(bootstrap))
+	return func(next echo.HandlerFunc) echo.HandlerFunc {
+		return func(c echo.Context) error {
+			secret, ok := bearerToken(c.Request())
+			if !ok {
+				return unauthorized(c)
+			}
+			// The bootstrap token is compared as digests in constant time,
+			// so not even its length leaks.
+			got := sha256.Sum256([]byte(secret))
+			var p control.Principal
+			if subtle.ConstantTimeCompare(got[:], want[:]) == 1 {
+				p = control.BootstrapPrincipal()
+			} else {
+				var err error
+				if p, err = svc.Authenticate(c.Request().Context(), secret); err != nil {
+					var ce *control.Error
+					if errors.As(err, &ce) && ce.Code == api.CodeUnauthorized {
+						return unauthorized(c)
+					}
+					return err
+				}
+			}
+			c.Set(principalKey, p) // the request log names it, refused or not
+			scopes, ok := RouteScopes(c.Request().Method, c.Path())
+			if !ok || !holdsAny(p, scopes) {
+				return &control.Error{Code: api.CodeForbidden,
+					Message: "this token's scopes (" + strings.Join(p.Scopes, ", ") + ") do not allow " +
+						c.Request().Method + " " + c.Path() + "; it needs " + describeScopes(scopes, ok)}
+			}
+			return next(c)
+		}
+	}
+}
+
+// principalName says who acted, for the request log (never the secret).
+func principalName(p control.Principal) string {
+	if p.TokenID == "" {
+		return p.Name
+	}
+	return p.TokenID + " (" + p.Name + ")"
+}
+
+// bearerToken is the token of an `Authorization: Bearer <token>` header
+// (the scheme exactly as RFC 6750 writes it).
+func bearerToken(r *http.Request) (string, bool) {
+	secret, ok := strings.CutPrefix(r.Header.Get(echo.HeaderAuthorization), "Bearer ")
+	if !ok || secret == "" {
+		return "", false
+	}
+	return secret, true
+}
+
+func unauthorized(c echo.Context) error {
+	c.Response().Header().Set(echo.HeaderWWWAuthenticate, `Bearer realm="kvmd"`)
+	return &control.Error{Code: api.CodeUnauthorized, Message: "unauthorized"}
+}
+
+func holdsAny(p control.Principal, scopes []string) bool {
+	for _, s := range scopes {
+		if p.Has(s) {
+			return true
+		}
+	}
+	return false
+}
+
+func describeScopes(scopes []string, ok bool) string {
+	if !ok {
+		return "a scope decision this server does not have (report this route as a bug)"
+	}
+	return "scope " + strings.Join(scopes, " or ")
+}
+
+// metricsAuth guards /metrics with its own token when one is set.
+func metricsAuth(token string) echo.MiddlewareFunc {
+	want := sha256.Sum256([]byte(token))
+	return func(next echo.HandlerFunc) echo.HandlerFunc {
+		return func(c echo.Context) error {
+			secret, ok := bearerToken(c.Request())
+			got := sha256.Sum256([]byte(secret))
+			if subtle.ConstantTimeCompare(got[:], want[:]) != 1 || !ok {
+				return unauthorized(c)
+			}
+			return next(c)
+		}
+	}
+}

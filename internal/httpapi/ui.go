@@ -1,0 +1,335 @@
+package httpapi
+
+import (
+	"cmp"
+	"crypto/hmac"
+	"crypto/sha256"
+	"crypto/subtle"
+	"embed"
+	"encoding/hex"
+	"fmt"
+	"html/template"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/labstack/echo/v4"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
+)
+
+// The fleet page (/ui): a read-only, server-rendered view of hosts, VMs,
+// forks and warm pools for people. A browser cannot easily send a bearer
+// header, so the page takes the same API token once (a login form, or
+// ?token= in the URL) and answers with an HttpOnly session cookie. The
+// cookie holds an expiry and an HMAC keyed by the token, never the token
+// itself, so it cannot be replayed against /v1 and stops working when the
+// token changes.
+
+//go:embed ui/*.html.tmpl
+var uiFiles embed.FS
+
+const (
+	uiCookie = "kvmd_ui"
+	// uiSession is how long a session cookie is good for.
+	uiSession = 12 * time.Hour
+	// uiMaxHosts and uiMaxVMs bound the work of one page view; a larger
+	// fleet shows the first ones and says that the list is cut.
+	uiMaxHosts = 1000
+	uiMaxVMs   = 5000
+	uiMaxForks = 200
+)
+
+var uiTemplates = template.Must(template.New("ui").Funcs(template.FuncMap{
+	"gib":      func(mib int64) string { return strconv.FormatFloat(float64(mib)/1024, 'f', 1, 64) },
+	"score":    func(f float64) string { return strconv.FormatFloat(f, 'f', 3, 64) },
+	"termList": termList,
+	"count":    count,
+}).ParseFS(uiFiles, "ui/*.html.tmpl"))
+
+// uiAuth issues and checks the fleet page's session cookies.
+type uiAuth struct {
+	token string
+	now   func() time.Time
+}
+
+// valid says whether token is the API token (in constant time).
+func (a uiAuth) valid(token string) bool {
+	got, want := sha256.Sum256([]byte(token)), sha256.Sum256([]byte(a.token))
+	return subtle.ConstantTimeCompare(got[:], want[:]) == 1
+}
+
+func (a uiAuth) mac(expiry string) string {
+	m := hmac.New(sha256.New, []byte(a.token))
+	m.Write([]byte("kvmd-ui-session|" + expiry))
+	return hex.EncodeToString(m.Sum(nil))
+}
+
+func (a uiAuth) cookie(c echo.Context) *http.Cookie {
+	exp := a.now().Add(uiSession)
+	e := strconv.FormatInt(exp.Unix(), 10)
+	return &http.Cookie{
+		Name: uiCookie, Value: e + "." + a.mac(e), Path: "/ui", Expires: exp, MaxAge: int(uiSession.Seconds()),
+		HttpOnly: true, Secure: c.Scheme() == "https", SameSite: http.SameSiteStrictMode,
+	}
+}
+
+// session says whether the request carries a session cookie that this
+// token issued and that has not expired.
+func (a uiAuth) session(c echo.Context) bool {
+	ck, err := c.Cookie(uiCookie)
+	if err != nil {
+		return false
+	}
+	e, mac, ok := strings.Cut(ck.Value, ".")
+	if !ok {
+		return false
+	}
+	exp, err := strconv.ParseInt(e, 10, 64)
+	if err != nil || a.now().Unix() >= exp {
+		return false
+	}
+	return hmac.Equal([]byte(mac), []byte(a.mac(e)))
+}
+
+// bearer says whether the request carries the token in its Authorization
+// header (curl and scripts may use the page like the API).
+func (a uiAuth) bearer(c echo.Context) bool {
+	tok, ok := strings.CutPrefix(c.Request().Header.Get(echo.HeaderAuthorization), "Bearer ")
+	return ok && a.valid(tok)
+}
+
+type uiHandlers struct {
+	svc  *control.Service
+	auth uiAuth
+}
+
+func (h *handlers) uiRoutes(e *echo.Echo, token string) {
+	u := &uiHandlers{svc: h.svc, auth: uiAuth{token: token, now: time.Now}}
+	e.GET("/ui", u.fleet)
+	e.POST("/ui/login", u.login)
+	e.POST("/ui/logout", u.logout)
+}
+
+func uiHeaders(c echo.Context) {
+	hd := c.Response().Header()
+	hd.Set("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+	hd.Set("X-Content-Type-Options", "nosniff")
+	hd.Set("X-Frame-Options", "DENY")
+	hd.Set("Referrer-Policy", "no-referrer")
+	hd.Set("Cache-Control", "no-store")
+}
+
+func (u *uiHandlers) render(c echo.Context, status int, name string, data any) error {
+	uiHeaders(c)
+	var b strings.Builder
+	if err := uiTemplates.ExecuteTemplate(&b, name, data); err != nil {
+		return &control.Error{Code: api.CodeInternal, Message: "render the fleet page", Err: err}
+	}
+	return c.HTML(status, b.String())
+}
+
+// loginPage answers 401 with the login form.
+func (u *uiHandlers) loginPage(c echo.Context, msg string) error {
+	c.Response().Header().Set(echo.HeaderWWWAuthenticate, `Bearer realm="kvmd"`)
+	return u.render(c, http.StatusUnauthorized, "login.html.tmpl", map[string]string{"Message": msg})
+}
+
+func (u *uiHandlers) fleet(c echo.Context) error {
+	if tok := c.QueryParam("token"); tok != "" {
+		if !u.auth.valid(tok) {
+			return u.loginPage(c, "That token is not the control API's token.")
+		}
+		// Trade the token in the URL for a cookie, and drop it from the
+		// address bar and the history.
+		c.SetCookie(u.auth.cookie(c))
+		uiHeaders(c)
+		return c.Redirect(http.StatusSeeOther, "/ui")
+	}
+	if !u.auth.session(c) && !u.auth.bearer(c) {
+		return u.loginPage(c, "")
+	}
+	view, err := u.view(c)
+	if err != nil {
+		return err
+	}
+	return u.render(c, http.StatusOK, "fleet.html.tmpl", view)
+}
+
+func (u *uiHandlers) login(c echo.Context) error {
+	if !u.auth.valid(c.FormValue("token")) && !u.auth.bearer(c) {
+		return u.loginPage(c, "That token is not the control API's token.")
+	}
+	c.SetCookie(u.auth.cookie(c))
+	uiHeaders(c)
+	return c.Redirect(http.StatusSeeOther, "/ui")
+}
+
+func (u *uiHandlers) logout(c echo.Context) error {
+	if !u.auth.session(c) && !u.auth.bearer(c) {
+		return u.loginPage(c, "")
+	}
+	c.SetCookie(&http.Cookie{Name: uiCookie, Value: "", Path: "/ui", MaxAge: -1, HttpOnly: true,
+		Secure: c.Scheme() == "https", SameSite: http.SameSiteStrictMode})
+	uiHeaders(c)
+	return c.Redirect(http.StatusSeeOther, "/ui")
+}
+
+// usage is one capacity bar: allocated out of what the scheduler may hand
+// out (capacity times the allocation ratio, less reserved memory).
+type usage struct {
+	Used, Total int64
+	Pct         int
+}
+
+func usageOf(allocated, free int64) usage {
+	total := allocated + max(free, 0)
+	u := usage{Used: allocated, Total: total}
+	if total > 0 {
+		u.Pct = int(min(100, allocated*100/total))
+	}
+	return u
+}
+
+type uiHost struct {
+	api.Host
+	CPU, Memory, Disk usage
+	VMs               int
+}
+
+type uiWarmPool struct {
+	Host string
+	api.WarmPoolTarget
+}
+
+type uiFork struct {
+	api.Fork
+	States map[string]int
+}
+
+type fleetView struct {
+	Generated  time.Time
+	Hosts      []uiHost
+	VMs        []api.VM
+	Forks      []uiFork
+	WarmPools  []uiWarmPool
+	States     []stateCount
+	HostsCut   bool
+	VMsCut     bool
+	ForksCut   bool
+	AliveHosts int
+}
+
+type stateCount struct {
+	State string
+	N     int
+}
+
+func (u *uiHandlers) view(c echo.Context) (fleetView, error) {
+	ctx := c.Request().Context()
+	v := fleetView{Generated: time.Now().UTC()}
+	var hosts []api.Host
+	for page := (control.Page{Size: api.MaxPageSize}); ; {
+		l, err := u.svc.ListHosts(ctx, page)
+		if err != nil {
+			return v, err
+		}
+		hosts = append(hosts, l.Items...)
+		if l.NextPageToken == "" {
+			break
+		}
+		if len(hosts) >= uiMaxHosts {
+			v.HostsCut = true
+			break
+		}
+		page.Token = l.NextPageToken
+	}
+	q := control.VMQuery{Page: control.Page{Size: api.MaxPageSize}}
+	for {
+		l, err := u.svc.ListVMs(ctx, q)
+		if err != nil {
+			return v, err
+		}
+		v.VMs = append(v.VMs, l.Items...)
+		if l.NextPageToken == "" {
+			break
+		}
+		if len(v.VMs) >= uiMaxVMs {
+			v.VMsCut = true
+			break
+		}
+		q.Token = l.NextPageToken
+	}
+
+	perHost := map[string]int{}
+	states := map[string]int{}
+	var forkIDs []string
+	for _, vm := range v.VMs {
+		perHost[vm.Host]++
+		states[vm.ObservedState]++
+		if vm.ForkID != "" && !slices.Contains(forkIDs, vm.ForkID) {
+			forkIDs = append(forkIDs, vm.ForkID)
+		}
+	}
+	for s, n := range states {
+		v.States = append(v.States, stateCount{s, n})
+	}
+	slices.SortFunc(v.States, func(a, b stateCount) int { return cmp.Compare(a.State, b.State) })
+
+	for _, h := range hosts {
+		if h.Alive {
+			v.AliveHosts++
+		}
+		v.Hosts = append(v.Hosts, uiHost{
+			Host: h, VMs: perHost[h.Name],
+			CPU:    usageOf(h.Allocated.VCPUs, h.Free.VCPUs),
+			Memory: usageOf(h.Allocated.MemoryMiB, h.Free.MemoryMiB),
+			Disk:   usageOf(h.Allocated.DiskMiB, h.Free.DiskMiB),
+		})
+		for _, w := range h.WarmPool {
+			v.WarmPools = append(v.WarmPools, uiWarmPool{Host: h.Name, WarmPoolTarget: w})
+		}
+	}
+
+	if len(forkIDs) > uiMaxForks {
+		forkIDs, v.ForksCut = forkIDs[:uiMaxForks], true
+	}
+	for _, id := range forkIDs {
+		f, err := u.svc.GetFork(ctx, id)
+		if err != nil {
+			// A fork deleted between the two reads: its children go with it.
+			continue
+		}
+		uf := uiFork{Fork: f, States: map[string]int{}}
+		for _, ch := range f.Children {
+			uf.States[ch.ObservedState]++
+		}
+		v.Forks = append(v.Forks, uf)
+	}
+	return v, nil
+}
+
+// count says "1 host" or "2 hosts".
+func count(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return strconv.Itoa(n) + " " + noun + "s"
+}
+
+// termList renders a placement's score terms in a stable order.
+func termList(terms map[string]float64) string {
+	keys := make([]string, 0, len(terms))
+	for k := range terms {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	parts := make([]string, 0, len(keys))
+	for _, k := range keys {
+		parts = append(parts, fmt.Sprintf("%s %.3f", k, terms[k]))
+	}
+	return strings.Join(parts, ", ")
+}
