@@ -69,7 +69,8 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	}
 	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(svc.Registry(), promhttp.HandlerOpts{})), metricsGuard...)
 
-	v1 := e.Group("/v1", authenticate(svc, opts.Token))
+	toks := newTokens(svc, opts.Token)
+	v1 := e.Group("/v1", authenticate(toks))
 	v1.PUT("/hosts/:name", h.putHost)
 	v1.GET("/hosts", h.listHosts)
 	v1.GET("/hosts/:name", h.getHost)
@@ -89,7 +90,7 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	v1.POST("/tokens", h.createToken)
 	v1.GET("/tokens", h.listTokens)
 	v1.DELETE("/tokens/:id", h.revokeToken)
-	h.uiRoutes(e, opts.Token)
+	h.uiRoutes(e, toks, opts.Token)
 	return e, nil
 }
 
