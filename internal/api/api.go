@@ -186,6 +186,7 @@ const (
 	ReasonNotAlive      = "not_alive"
 	ReasonUnschedulable = "unschedulable"
 	ReasonNoImage       = "no_image"
+	ReasonNetwork       = "network"
 	ReasonLabels        = "labels"
 	ReasonGroupCap      = "group_cap"
 	ReasonMemory        = "memory"
