@@ -245,6 +245,7 @@ func (p *kvmProvider) Resources(_ context.Context) []func() resource.Resource {
 		NewHostResource,
 		NewVMResource,
 		NewForkResource,
+		NewNetworkResource,
 	}
 }
 
@@ -255,6 +256,7 @@ func (p *kvmProvider) DataSources(_ context.Context) []func() datasource.DataSou
 		NewVMDataSource,
 		NewPlacementDataSource,
 		NewForkDataSource,
+		NewNetworkDataSource,
 	}
 }
 
