@@ -452,7 +452,7 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 			return agentapi.VM{}, false, errConflict("vm %s exists but its metadata is corrupt (%s); delete it and create it again", id, r.Reason)
 		}
 		if r.Image != spec.Image || r.VCPUs != spec.VCPUs || r.MemoryMiB != spec.MemoryMiB || r.DiskMiB != spec.DiskMiB ||
-			!sameNICs(r.NICs, spec.NICs) {
+			!sameNICs(r.askedNICs(), spec.NICs) {
 			err := errConflict("vm %s already exists with a different shape (image %s, %d vcpus, %d MiB memory, %d MiB disk, %d nics)",
 				id, r.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, len(r.NICs))
 			err.Details = map[string]any{"id": id}

@@ -18,10 +18,12 @@ package agent
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -114,14 +116,17 @@ func (k poolKey) less(o poolKey) bool {
 
 // warmVM is one warm VM, as the registry records it.
 type warmVM struct {
-	ID        string    `json:"id"`
-	Image     string    `json:"image"`
-	VCPUs     int64     `json:"vcpus"`
-	MemoryMiB int64     `json:"memory_mib"`
-	DiskMiB   int64     `json:"disk_mib"`
-	State     string    `json:"state"` // booting or ready
-	Process   Process   `json:"process"`
-	CreatedAt time.Time `json:"created_at"`
+	ID        string `json:"id"`
+	Image     string `json:"image"`
+	VCPUs     int64  `json:"vcpus"`
+	MemoryMiB int64  `json:"memory_mib"`
+	DiskMiB   int64  `json:"disk_mib"`
+	State     string `json:"state"` // booting or ready
+	// MACAddress is the MAC of the warm VM's one user-mode NIC (poolMAC);
+	// empty for a warm VM an older agent booted without a NIC.
+	MACAddress string    `json:"mac_address,omitempty"`
+	Process    Process   `json:"process"`
+	CreatedAt  time.Time `json:"created_at"`
 }
 
 func (w *warmVM) key() poolKey { return poolKey{w.Image, w.VCPUs, w.MemoryMiB, w.DiskMiB} }
@@ -231,7 +236,30 @@ func (p *pool) warmDir(id string) string { return filepath.Join(p.dir, id) }
 
 func (p *pool) machine(w *warmVM) *Machine {
 	return &Machine{ID: w.ID, Dir: p.warmDir(w.ID), Image: w.Image, VCPUs: w.VCPUs,
-		MemoryMiB: w.MemoryMiB, DiskMiB: w.DiskMiB, Process: w.Process}
+		MemoryMiB: w.MemoryMiB, DiskMiB: w.DiskMiB, Process: w.Process, NICs: w.nics()}
+}
+
+// poolNetwork is the network name of a warm VM's NIC until it is handed
+// out (a user-mode NIC serves any user-mode network: QEMU's stack is the
+// VM's own).
+const poolNetwork = "default"
+
+// nics are the NICs a warm VM boots with: one user-mode NIC, no forwards.
+func (w *warmVM) nics() []agentapi.NIC {
+	if w.MACAddress == "" {
+		return nil
+	}
+	return []agentapi.NIC{{Network: poolNetwork, Mode: agentapi.NetworkUser, MACAddress: w.MACAddress}}
+}
+
+// poolMAC is the MAC of warm VM id's NIC: locally administered unicast
+// with first byte 0x06, so it never equals a MAC the control plane derives
+// from a VM id (first byte 0x02), and five bytes of a hash of the warm
+// VM's own random id, so two warm VMs differ. The control plane records it
+// for the VM the warm VM becomes; its unique index on MACs stays the arbiter.
+func poolMAC(id string) string {
+	sum := sha256.Sum256([]byte("kvm-warm-nic:" + id))
+	return net.HardwareAddr{0x06, sum[0], sum[1], sum[2], sum[3], sum[4]}.String()
 }
 
 // run is the filler: it boots warm VMs up to the targets, destroys surplus
@@ -337,8 +365,10 @@ func (p *pool) fill() time.Duration {
 					break
 				}
 				delete(p.short, key)
-				w := &warmVM{ID: newWarmID(), Image: key.Image, VCPUs: key.VCPUs, MemoryMiB: key.MemoryMiB,
-					DiskMiB: key.DiskMiB, State: warmBooting, CreatedAt: now.UTC().Truncate(time.Millisecond)}
+				id := newWarmID()
+				w := &warmVM{ID: id, Image: key.Image, VCPUs: key.VCPUs, MemoryMiB: key.MemoryMiB,
+					DiskMiB: key.DiskMiB, State: warmBooting, MACAddress: poolMAC(id),
+					CreatedAt: now.UTC().Truncate(time.Millisecond)}
 				p.entries[w.ID] = w
 				starts = append(starts, w)
 				c.booting++
@@ -494,12 +524,16 @@ func (p *pool) removeDir(dir string) {
 
 // take removes the oldest ready warm VM of key from the pool and the
 // registry, and returns it; nil when there is none.
-func (p *pool) take(key poolKey) *warmVM {
+func (p *pool) take(key poolKey, needNIC bool) *warmVM {
 	p.mu.Lock()
 	var w *warmVM
-	if ready := p.sortedEntries(key, warmReady, false); len(ready) > 0 {
-		w = ready[0]
+	for _, c := range p.sortedEntries(key, warmReady, false) {
+		if needNIC && c.MACAddress == "" {
+			continue // booted without a NIC by an older agent
+		}
+		w = c
 		delete(p.entries, w.ID)
+		break
 	}
 	p.mu.Unlock()
 	if w != nil {

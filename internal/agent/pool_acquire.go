@@ -14,26 +14,44 @@ import (
 // the caller gives up, so that a resumed VM is always recorded or destroyed.
 const handoverTimeout = 30 * time.Second
 
-// createWarm starts VM e.id from a warm VM matching spec. Warm VMs are
-// booted without a NIC, so they serve only creates without NICs: a VM with
-// NICs boots cold (its NICs are on QEMU's command line from the start). false means no
-// warm VM could be used: nothing of e exists yet and the caller boots cold.
-// A warm VM that fails to resume is destroyed and the next one tried. The
-// caller holds e's operation lock; r is e's record in state creating.
+// warmServes says whether a warm VM can become a VM with these NICs. Warm
+// VMs boot with one user-mode NIC without port forwards (pool.go), and NICs
+// are on QEMU's command line from the start, so they serve a create whose
+// NICs are exactly that (on any user-mode network: each VM has a user-mode
+// stack of its own), or a create without NICs (agent API only; the control
+// plane always asks for one), whose guest then has that NIC and nothing
+// outside it reaches. Other creates boot cold.
+func warmServes(nics []agentapi.NIC) bool {
+	switch len(nics) {
+	case 0:
+		return true
+	case 1:
+		return nics[0].Mode == agentapi.NetworkUser && len(nics[0].PortForwards) == 0
+	}
+	return false
+}
+
+// createWarm starts VM e.id from a warm VM matching spec (warmServes). The
+// VM's NIC keeps the MAC its warm VM booted with: it is reported, and
+// recorded with the MAC the create asked for (AskedMACs) so that a retried
+// create still matches. false means no warm VM could be used: nothing of e
+// exists yet and the caller boots cold. A warm VM that fails to resume is
+// destroyed and the next one tried. The caller holds e's operation lock; r
+// is e's record in state creating.
 func (a *Agent) createWarm(ctx context.Context, e *vmEntry, r vmRecord, spec agentapi.VMSpec) (agentapi.VM, bool) {
 	p := a.pool
-	if p.wd == nil || spec.NoWarm || spec.Stopped || spec.Snapshot != nil || len(spec.NICs) > 0 {
+	if p.wd == nil || spec.NoWarm || spec.Stopped || spec.Snapshot != nil || !warmServes(spec.NICs) {
 		return agentapi.VM{}, false
 	}
 	key := poolKey{spec.Image, spec.VCPUs, spec.MemoryMiB, spec.DiskMiB}
 	for {
-		w := p.take(key)
+		w := p.take(key, len(spec.NICs) == 1)
 		if w == nil {
 			return agentapi.VM{}, false
 		}
 		hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), handoverTimeout)
 		start := time.Now()
-		rec, resumed, victim, err := p.handover(hctx, w, r)
+		rec, resumed, victim, err := p.handover(hctx, w, withWarmNIC(r, w))
 		cancel()
 		if err != nil {
 			a.log.Warn("warm vm unusable; destroyed, trying the next or a cold boot",
@@ -97,4 +115,16 @@ func (p *pool) handover(ctx context.Context, w *warmVM, r vmRecord) (vmRecord, t
 		syncDirs(p.log, to.Dir, p.a.vmsDir(), p.dir)
 	}
 	return r, resumed, nil, nil
+}
+
+// withWarmNIC is r as the VM warm VM w becomes: its one NIC has w's MAC,
+// and the MAC the create asked for is kept in AskedMACs.
+func withWarmNIC(r vmRecord, w *warmVM) vmRecord {
+	if len(r.NICs) != 1 || w.MACAddress == "" || r.NICs[0].MACAddress == w.MACAddress {
+		return r
+	}
+	r.NICs = cloneNICs(r.NICs)
+	r.AskedMACs = []string{r.NICs[0].MACAddress}
+	r.NICs[0].MACAddress = w.MACAddress
+	return r
 }

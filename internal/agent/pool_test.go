@@ -17,6 +17,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -48,6 +49,7 @@ type poolDriver struct {
 	blockWarm chan struct{}   // non-nil: warm boots wait for it (or their context)
 	blockUser chan struct{}   // non-nil: user boots wait for it
 	events    []string
+	warmNICs  map[string][]agentapi.NIC // the NICs each warm VM booted with
 	inFlight  atomic.Int32
 	boots     atomic.Int32
 }
@@ -85,6 +87,10 @@ func (d *poolDriver) Boot(ctx context.Context, m *agent.Machine, o agent.BootOpt
 	kind := "user"
 	if isWarm(m) {
 		block, kind = d.blockWarm, "warm"
+		if d.warmNICs == nil {
+			d.warmNICs = map[string][]agentapi.NIC{}
+		}
+		d.warmNICs[m.ID] = slices.Clone(m.NICs)
 	}
 	d.mu.Unlock()
 	d.event(kind + "-boot-start")
@@ -747,5 +753,86 @@ func TestFillerWaitsForUserCreates(t *testing.T) {
 	d.mu.Unlock()
 	if !strings.HasPrefix(events, "user-boot-start user-boot-end warm-boot-start") {
 		t.Fatalf("boot order %q: a warm boot started while the user's booted", events)
+	}
+}
+
+// TestWarmVMsBootWithAUserNICAndServeCreatesOfThatNIC: warm VMs boot with
+// one user-mode NIC (a MAC of their own, no forwards); a create asking for
+// exactly one user-mode NIC without forwards takes one and reports the MAC
+// the warm VM booted with, and a retried create still matches; a create
+// with forwards or more NICs boots cold.
+func TestWarmVMsBootWithAUserNICAndServeCreatesOfThatNIC(t *testing.T) {
+	d := newPoolDriver()
+	h := startPoolAgent(t, t.TempDir(), d, agent.PoolOptions{})
+	ctx := context.Background()
+	if _, err := h.client.SetPool(ctx, "sim", poolShape(2)); err != nil {
+		t.Fatal(err)
+	}
+	waitReady(t, h, 2)
+	d.mu.Lock()
+	booted := map[string]string{} // MAC -> warm VM
+	for id, nics := range d.warmNICs {
+		if len(nics) != 1 || nics[0].Mode != agentapi.NetworkUser || len(nics[0].PortForwards) != 0 {
+			t.Errorf("warm vm %s booted with NICs %+v; want one user-mode NIC without forwards", id, nics)
+			continue
+		}
+		booted[nics[0].MACAddress] = id
+	}
+	d.mu.Unlock()
+	if len(booted) != 2 {
+		t.Fatalf("warm vms booted with MACs %v; want two distinct ones", booted)
+	}
+
+	user := func(mac string, forwards ...int) agentapi.NIC {
+		n := agentapi.NIC{Network: "lab", Mode: agentapi.NetworkUser, MACAddress: mac}
+		for _, p := range forwards {
+			n.PortForwards = append(n.PortForwards, agentapi.PortForward{GuestPort: p})
+		}
+		return n
+	}
+	withNICs := func(nics ...agentapi.NIC) agentapi.VMSpec {
+		s := poolSpec
+		s.NICs = nics
+		return s
+	}
+	for id, s := range map[string]agentapi.VMSpec{
+		"forwards": withNICs(user("02:00:00:00:00:01", 22)),
+		"two":      withNICs(user("02:00:00:00:00:02"), user("02:00:00:00:00:03")),
+	} {
+		vm, err := h.client.CreateVM(ctx, id, s)
+		if err != nil || vm.StartedFrom != agentapi.StartedCold {
+			t.Fatalf("create %s = %+v, %v; want a cold start", id, vm, err)
+		}
+	}
+	if r := poolRow(t, h.client, "sim"); r.Ready != 2 {
+		t.Fatalf("cold creates changed the pool: %+v", r)
+	}
+
+	spec := withNICs(user("02:00:00:00:00:10"))
+	vm, err := h.client.CreateVM(ctx, "u1", spec)
+	if err != nil || vm.StartedFrom != agentapi.StartedWarm {
+		t.Fatalf("create u1 = %+v, %v; want a warm start", vm, err)
+	}
+	if len(vm.NICs) != 1 || vm.NICs[0].Network != "lab" || vm.NICs[0].Mode != agentapi.NetworkUser {
+		t.Fatalf("u1 NICs = %+v; want its one user-mode NIC on lab", vm.NICs)
+	}
+	mac := vm.NICs[0].MACAddress
+	if _, ok := booted[mac]; !ok {
+		t.Fatalf("u1 reports MAC %s; want the MAC its warm vm booted with (one of %v)", mac, booted)
+	}
+	if !strings.HasPrefix(mac, "06:") {
+		t.Errorf("warm MAC %s: want the 06: prefix that control-derived MACs (02:) never have", mac)
+	}
+	again, err := h.client.CreateVM(ctx, "u1", spec)
+	if err != nil || again.NICs[0].MACAddress != mac || again.StartedFrom != agentapi.StartedWarm {
+		t.Fatalf("retried create of u1 = %+v, %v; want the same warm vm with MAC %s", again, err, mac)
+	}
+	got, err := h.client.GetVM(ctx, "u1")
+	if err != nil || len(got.NICs) != 1 || got.NICs[0].MACAddress != mac {
+		t.Fatalf("GET u1 = %+v, %v; want MAC %s", got, err, mac)
+	}
+	vm2, err := h.client.CreateVM(ctx, "u2", withNICs(user("02:00:00:00:00:11")))
+	if err != nil || vm2.StartedFrom != agentapi.StartedWarm || vm2.NICs[0].MACAddress == mac {
+		t.Fatalf("create u2 = %+v, %v; want a warm start with a MAC other than %s", vm2, err, mac)
 	}
 }

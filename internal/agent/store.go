@@ -45,6 +45,10 @@ type vmRecord struct {
 	// (Machine.GuestNICs).
 	NICs      []agentapi.NIC `json:"nics,omitempty"`
 	GuestNICs []agentapi.NIC `json:"guest_nics,omitempty"`
+	// AskedMACs are the MACs the create asked for, by NIC, when the VM
+	// runs with others: a warm pool VM keeps the MAC it booted with
+	// (pool_acquire.go). An idempotent create compares against these.
+	AskedMACs []string `json:"asked_macs,omitempty"`
 }
 
 func (r *vmRecord) wire() agentapi.VM {
@@ -187,4 +191,19 @@ func (a *Agent) loadRecords() ([]loadedVM, error) {
 		out = append(out, loadedVM{id: name, rec: &rec})
 	}
 	return out, nil
+}
+
+// askedNICs are the NICs the VM's create asked for: its NICs with the MACs
+// of AskedMACs where the agent gave others.
+func (r vmRecord) askedNICs() []agentapi.NIC {
+	if len(r.AskedMACs) == 0 {
+		return r.NICs
+	}
+	nics := cloneNICs(r.NICs)
+	for i, mac := range r.AskedMACs {
+		if i < len(nics) && mac != "" {
+			nics[i].MACAddress = mac
+		}
+	}
+	return nics
 }

@@ -189,6 +189,7 @@ const (
 	ReasonNotAlive      = "not_alive"
 	ReasonUnschedulable = "unschedulable"
 	ReasonNoImage       = "no_image"
+	ReasonNetwork       = "network"
 	ReasonLabels        = "labels"
 	ReasonGroupCap      = "group_cap"
 	ReasonMemory        = "memory"
@@ -302,6 +303,13 @@ type NetworkCreate struct {
 	Bridge string `json:"bridge,omitempty"`
 	// Hosts limits the network to these hosts; empty means every host.
 	Hosts []string `json:"hosts,omitempty"`
+}
+
+// NetworkPatch is the body of PATCH /v1/networks/{name}: what changes in
+// place. Hosts, when set, replaces the list (empty: every host); it steers
+// future placements only, VMs already placed keep their NICs.
+type NetworkPatch struct {
+	Hosts *[]string `json:"hosts,omitempty"`
 }
 
 // Network is a named network VMs attach NICs to.

@@ -25,6 +25,7 @@ var (
 	ErrNotFound     = errors.New("not found")
 	ErrConflict     = errors.New("conflict")
 	ErrNoCapacity   = errors.New("no capacity")
+	ErrNoAddress    = errors.New("no free address on the network")
 	ErrInvalid      = errors.New("invalid request")
 	ErrUnauthorized = errors.New("unauthorized")
 	// ErrForbidden: the token is valid but its scopes do not allow the call.
@@ -58,6 +59,8 @@ func (e *Error) Unwrap() error {
 	switch e.Code {
 	case api.CodeNoCapacity:
 		return ErrNoCapacity
+	case api.CodeNoAddress:
+		return ErrNoAddress
 	case api.CodeIdempotencyMismatch:
 		return ErrIdempotencyMismatch
 	case api.CodeInFlight:

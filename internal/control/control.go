@@ -88,6 +88,9 @@ type Service struct {
 	tokens tokenCache
 	// forkLocks serialises the passes of each fork (zero value ready).
 	forkLocks keyedLocks
+	// networks caches networks for creates; ipam holds the address hints.
+	networks networkCache
+	ipam     ipamHints
 
 	// reloadMu and lastReload coalesce the full reloads of placements that
 	// fall to the slow path at the same time (a burst of no_capacity).

@@ -202,18 +202,24 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 		PowerState: api.PowerRunning, ObservedState: api.StateCreating, ForkID: &forkID, ForkSlot: &slotN,
 		Labels: map[string]string{}, Constraints: f.Constraints,
 	}
+	// Each child gets NICs of its own on the source's networks: its own
+	// MACs, and addresses allocated with its reservation.
+	nics, err := s.resolveNICs(ctx, vm.ID, forkNICs(f.NICs))
+	if err != nil {
+		return store.VM{}, err
+	}
 	req := scheduler.Request{Image: f.Image, Resources: schedResources(f.Resources), Constraints: childConstraints(f)}
 	if img, ierr := s.store.GetImage(ctx, f.Image); ierr == nil {
 		req.ImageSHA256 = img.SHA256 // a registered image: any host fetches it
 	}
-	err := errNoPin
+	err = errNoPin
 	if f.Placement == api.PlacementColocate {
 		pinned := req
 		pinned.Host = f.SourceHost
-		err = s.placeAndReserve(ctx, &vm, pinned)
+		err = s.placeAndReserve(ctx, &vm, nics, pinned)
 	}
 	if isCode(err, api.CodeNoCapacity) || errors.Is(err, errNoPin) {
-		err = s.placeAndReserve(ctx, &vm, req)
+		err = s.placeAndReserve(ctx, &vm, nics, req)
 	}
 	if err != nil {
 		return store.VM{}, err
@@ -240,6 +246,20 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 }
 
 var errNoPin = errors.New("no pinned placement")
+
+// childNICs pairs a reserved child's stored NICs (MACs and addresses from
+// its reservation) with their networks, for the agent's spawn spec.
+func (s *Service) childNICs(ctx context.Context, vm store.VM) (vmNICs, error) {
+	p := vmNICs{nics: vm.NICs}
+	for _, nic := range vm.NICs {
+		n, err := s.networks.get(ctx, s.store, nic.Network)
+		if err != nil {
+			return vmNICs{}, fromStore(err, fmt.Sprintf("read network %s of child %s", nic.Network, vm.Name))
+		}
+		p.nets = append(p.nets, n)
+	}
+	return p, nil
+}
 
 // childConstraints are the scheduler constraints of f's children: the
 // fork's, in the group they name or else in a group of the fork's own
@@ -305,8 +325,12 @@ func (s *Service) startChild(ctx context.Context, crash context.CancelCauseFunc,
 		// there only once the key pinned for the source host signs.
 		src.Address, src.PublicKey = agentURL(srcAddress), s.view.agentKey(f.SourceHost)
 	}
+	nics, err := s.childNICs(ctx, vm)
+	if err != nil {
+		return s.failCreate(ctx, chain, vm, err)
+	}
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
-		DiskMiB: vm.Resources.DiskMiB, Snapshot: src}
+		DiskMiB: vm.Resources.DiskMiB, Snapshot: src, NICs: agentNICs(nics)}
 	if img, ierr := s.store.GetImage(ctx, vm.Image); ierr == nil {
 		isrc := s.imageSource(img, vm.HostName)
 		spec.ImageSource = &isrc
@@ -329,6 +353,9 @@ func (s *Service) startChild(ctx context.Context, crash context.CancelCauseFunc,
 			return ErrSimulatedCrash
 		}
 		return s.failCreate(ctx, chain, vm, internal(err, "record started child "+vm.Name))
+	}
+	if err := s.recordAgentNICs(ctx, &vm, created); err != nil {
+		return s.failCreate(ctx, chain, vm, fromStore(err, "record NICs of child "+vm.Name))
 	}
 	if err := s.store.MarkVMCreated(ctx, vm.ID, created.State, created.Reason, created.StartedFrom); err != nil {
 		return s.failCreate(ctx, chain, vm, fromStore(err, "record started child "+vm.Name))

@@ -94,7 +94,7 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 	f := store.Fork{
 		ID: newID(), SourceVMID: src.ID, SourceHost: src.HostName, Image: src.Image, Resources: src.Resources,
 		Count: in.Count, PauseSource: in.PauseSource, Placement: in.Placement, Phase: api.ForkPending,
-		Constraints: constraintsText(in.Constraints),
+		NICs: src.NICs, Constraints: constraintsText(in.Constraints),
 	}
 	if key != "" {
 		f.IdempotencyKey = &key

@@ -30,9 +30,15 @@ const (
 // (possibly stale) host view first; each lost race refreshes that host and
 // moves on to the next best. Only when that fails does it reload every
 // host and rank them all, which also yields the explanation of a 409.
-func (s *Service) placeAndReserve(ctx context.Context, vm *store.VM, req scheduler.Request) error {
+func (s *Service) placeAndReserve(ctx context.Context, vm *store.VM, p vmNICs, req scheduler.Request) error {
 	start := time.Now()
-	err := s.reserve(ctx, vm, req)
+	vm.NICs = p.nics // the same array: address changes below show in the row
+	req.NetworkHosts = networkHosts(p)
+	req.ColdOnly = !warmCapable(p)
+	err := s.assignAddresses(ctx, p, 0)
+	if err == nil {
+		err = s.reserve(ctx, vm, p, req)
+	}
 	s.metrics.placementSeconds.Observe(time.Since(start).Seconds())
 	var e *Error
 	switch {
@@ -49,7 +55,7 @@ func (s *Service) placeAndReserve(ctx context.Context, vm *store.VM, req schedul
 	return err
 }
 
-func (s *Service) reserve(ctx context.Context, vm *store.VM, req scheduler.Request) error {
+func (s *Service) reserve(ctx context.Context, vm *store.VM, p vmNICs, req scheduler.Request) error {
 	if err := s.groupFacts(ctx, &req); err != nil {
 		return err
 	}
@@ -58,7 +64,7 @@ func (s *Service) reserve(ctx context.Context, vm *store.VM, req scheduler.Reque
 		if !ok {
 			break
 		}
-		done, err := s.tryReserve(ctx, vm, &req, res, a)
+		done, err := s.tryReserve(ctx, vm, p, &req, res, a)
 		if done || err != nil {
 			return err
 		}
@@ -77,7 +83,7 @@ func (s *Service) reserve(ctx context.Context, vm *store.VM, req scheduler.Reque
 		for i := range min(len(res.Ranked), slowCandidates) {
 			a := s.view.assume(res.Ranked[i].Host, req.Resources)
 			explained := scheduler.Result{Ranked: res.Ranked[i:], Rejected: res.Rejected}
-			done, err := s.tryReserve(ctx, vm, &req, explained, a)
+			done, err := s.tryReserve(ctx, vm, p, &req, explained, a)
 			if done || err != nil {
 				return err
 			}
@@ -90,7 +96,7 @@ func (s *Service) reserve(ctx context.Context, vm *store.VM, req scheduler.Reque
 // reports done when the VM is placed; false with no error means the host
 // (or the group's slots in its domain) filled up meanwhile and the caller
 // tries the next one.
-func (s *Service) tryReserve(ctx context.Context, vm *store.VM, req *scheduler.Request, res scheduler.Result, a assumption) (bool, error) {
+func (s *Service) tryReserve(ctx context.Context, vm *store.VM, p vmNICs, req *scheduler.Request, res scheduler.Result, a assumption) (bool, error) {
 	best := res.Ranked[0]
 	vm.HostName = best.Host
 	if req.Constraints.Group != "" {
@@ -101,6 +107,16 @@ func (s *Service) tryReserve(ctx context.Context, vm *store.VM, req *scheduler.R
 	vm.Placement = placementJSONNote(*req, best, res.Rejected, joinNotes(
 		imageNote(*req, best, runnerUp, s.view.localMargin), warmNote(best, runnerUp, s.view.warmMargin)))
 	err := s.store.ReserveAndInsertVM(ctx, *vm)
+	// An address or MAC taken meanwhile: the host still fits, so try it
+	// again with new ones (the unique indexes of vm_nics decided).
+	for attempt := 0; errors.Is(err, store.ErrAddressTaken) || errors.Is(err, store.ErrMACTaken); attempt++ {
+		s.metrics.conflicts.Inc()
+		if rerr := s.retryAfterNICConflict(ctx, vm, p, err, attempt); rerr != nil {
+			s.view.undo(a)
+			return false, rerr
+		}
+		err = s.store.ReserveAndInsertVM(ctx, *vm)
+	}
 	if err == nil {
 		for _, r := range res.Rejected {
 			s.metrics.rejections.WithLabelValues(r.Reason).Inc()
@@ -239,6 +255,9 @@ type ReserveRequest struct {
 	Image     string
 	Resources api.Resources
 	Labels    map[string]string
+	// NetworkInterfaces as in a create (nil: one NIC on "default"); their
+	// addresses are allocated with the reservation.
+	NetworkInterfaces []api.NetworkInterface
 	// Constraints steer the placement as in a create.
 	Constraints *api.Constraints
 }
@@ -262,8 +281,12 @@ func (s *Service) Reserve(ctx context.Context, r ReserveRequest) (string, error)
 	vm := store.VM{ID: r.ID, Name: r.Name, Image: r.Image, Labels: r.Labels,
 		Resources:  store.Resources{VCPUs: r.Resources.VCPUs, MemoryMiB: r.Resources.MemoryMiB, DiskMiB: r.Resources.DiskMiB},
 		PowerState: api.PowerRunning, ObservedState: api.StateCreating, Constraints: constraintsText(r.Constraints)}
+	nics, err := s.resolveNICs(ctx, vm.ID, r.NetworkInterfaces)
+	if err != nil {
+		return "", err
+	}
 	req := scheduler.Request{Image: r.Image, Resources: schedResources(vm.Resources), Constraints: schedConstraints(r.Constraints)}
-	if err := s.placeAndReserve(ctx, &vm, req); err != nil {
+	if err := s.placeAndReserve(ctx, &vm, nics, req); err != nil {
 		return "", err
 	}
 	return vm.HostName, nil

@@ -20,6 +20,11 @@ func (s *Service) settleStuckCreate(ctx context.Context, host string, row store.
 	if time.Since(row.CreatedAt) < s.opts.CreateGrace || row.ForkID != nil {
 		return // its create (or its fork's pass) may still run and record the outcome
 	}
+	// The forwarded host ports the agent chose were in the answer the dead
+	// create never recorded: take them from the agent's report.
+	if err := s.recordAgentNICs(ctx, &row, a); err != nil && !errors.Is(err, store.ErrNotFound) {
+		s.log.Error("host monitor: record NICs of a stuck create", "vm", row.ID, "host", host, "err", err)
+	}
 	if err := s.store.MarkVMCreated(ctx, row.ID, a.State, a.Reason, a.StartedFrom); err != nil {
 		if !errors.Is(err, store.ErrNotFound) {
 			s.log.Error("host monitor: settle stuck create", "vm", row.ID, "host", host, "err", err)
@@ -79,6 +84,14 @@ func (s *Service) reclaimReappeared(ctx context.Context, host string, row store.
 				s.log.Error("host monitor: record reason", "vm", row.ID, "err", err)
 			}
 			s.log.Error("vm missing but running on its host, which has no room left for it", "vm", row.ID, "host", host)
+		}
+	case errors.Is(err, store.ErrAddressTaken), errors.Is(err, store.ErrMACTaken):
+		reason := fmt.Sprintf("the agent of host %s runs this VM again, but its address or MAC went to another VM meanwhile (%v); delete it", host, err)
+		if row.Reason != reason {
+			if err := s.store.SetMissingReason(ctx, row.ID, reason); err != nil {
+				s.log.Error("host monitor: record reason", "vm", row.ID, "err", err)
+			}
+			s.log.Error("vm missing but running on its host, and its address is taken", "vm", row.ID, "host", host)
 		}
 	case err != nil:
 		if !errors.Is(err, store.ErrNotFound) {

@@ -135,8 +135,14 @@ func (s *Service) Authenticate(ctx context.Context, secret string) (Principal, e
 	if !strings.HasPrefix(secret, tokenSecretPrefix) {
 		return Principal{}, badToken() // not one of ours: no lookup
 	}
+	return s.AuthenticateDigest(ctx, secretDigest(secret))
+}
+
+// AuthenticateDigest is Authenticate for the hex SHA-256 of a secret (a
+// fleet page session keeps the digest, never the secret): the token must
+// still exist and not have expired.
+func (s *Service) AuthenticateDigest(ctx context.Context, hash string) (Principal, error) {
 	t := time.Now()
-	hash := secretDigest(secret)
 	e, ok := s.tokens.get(hash, t)
 	if !ok {
 		row, err := s.store.TokenBySecretHash(ctx, hash)

@@ -67,12 +67,16 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 		PowerState: in.PowerState, ObservedState: api.StateCreating, Constraints: constraintsText(in.Constraints),
 		CreatedAt: time.Now().UTC().Truncate(time.Microsecond),
 	}
+	nics, err := s.resolveNICs(ctx, vm.ID, in.NetworkInterfaces)
+	if err != nil {
+		return api.VM{}, err
+	}
 	req := scheduler.Request{Image: in.Image, Host: in.Host, Resources: schedResources(vm.Resources),
 		Constraints: schedConstraints(in.Constraints)}
 	if img != nil {
 		req.ImageSHA256 = img.SHA256
 	}
-	if err := s.placeAndReserve(ctx, &vm, req); err != nil {
+	if err := s.placeAndReserve(ctx, &vm, nics, req); err != nil {
 		return api.VM{}, err
 	}
 	chain := &cleanup{log: s.log.With("vm", vm.ID, "host", vm.HostName)}
@@ -90,7 +94,8 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 		return err
 	})
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
-		DiskMiB: vm.Resources.DiskMiB, Stopped: in.PowerState == api.PowerStopped}
+		DiskMiB: vm.Resources.DiskMiB, Stopped: in.PowerState == api.PowerStopped,
+		NICs: agentNICs(nics), NoWarm: !warmCapable(nics)}
 	if img != nil {
 		src := s.imageSource(*img, vm.HostName)
 		spec.ImageSource = &src
@@ -103,6 +108,9 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	created, err := s.agents.createVM(ctx, agent, vm.ID, spec)
 	if err != nil {
 		return api.VM{}, s.failCreate(ctx, chain, vm, fromAgent(err, vm.HostName, "create VM "+vm.ID))
+	}
+	if err := s.recordAgentNICs(ctx, &vm, created); err != nil {
+		return api.VM{}, s.failCreate(ctx, chain, vm, fromStore(err, "record NICs of VM "+vm.ID))
 	}
 	if img != nil {
 		s.noteImageOnHost(ctx, vm.HostName, agent, *img)
@@ -119,6 +127,15 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	vm.ObservedState, vm.Reason, vm.StartedFrom = created.State, created.Reason, created.StartedFrom
 	s.log.Info("vm created", "vm", vm.ID, "name", vm.Name, "host", vm.HostName, "state", created.State)
 	return s.withConstraints(apiVM(vm, true), vm), nil
+}
+
+// recordAgentNICs stores what the agent chose for the VM's NICs (forwarded
+// host ports; the MAC of a warm VM's NIC) when it differs from the plan.
+func (s *Service) recordAgentNICs(ctx context.Context, vm *store.VM, created agentapi.VM) error {
+	if !mergeAgentNICs(vm.NICs, created.NICs) {
+		return nil
+	}
+	return s.store.SetVMNICs(ctx, vm.ID, vm.NICs)
 }
 
 // failCreate runs the cleanup chain of a failed create and returns cause.
@@ -409,6 +426,10 @@ func apiVM(vm store.VM, hostAlive bool) api.VM {
 		ID: vm.ID, Name: vm.Name, Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Host: vm.HostName, PowerState: vm.PowerState, ObservedState: vm.ObservedState,
 		Reason: vm.Reason, StartedFrom: vm.StartedFrom, Labels: vm.Labels, CreatedAt: vm.CreatedAt,
+		NetworkInterfaces: apiNICs(vm.NICs),
+	}
+	if len(out.NetworkInterfaces) > 0 {
+		out.IPv4Address = out.NetworkInterfaces[0].IPv4Address
 	}
 	if p := observedPower(vm.ObservedState); p != "" {
 		out.PowerState = p

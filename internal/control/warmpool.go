@@ -169,6 +169,9 @@ func (v *hostView) warmOf(host string) map[warmKey]int {
 // preferWarmLocked applies the warm preference to a ranking for req; v.mu
 // is held.
 func (v *hostView) preferWarmLocked(res scheduler.Result, req scheduler.Request) (scheduler.Result, bool) {
+	if req.ColdOnly {
+		return res, false
+	}
 	k := requestWarmKey(req)
 	warm := map[string]int{}
 	for _, r := range res.Ranked {
@@ -183,6 +186,9 @@ func (v *hostView) preferWarmLocked(res scheduler.Result, req scheduler.Request)
 // a burst of creates does not count the same warm VM twice before the next
 // sync reports the truth; v.mu is held.
 func (v *hostView) takeWarmLocked(host string, req scheduler.Request) {
+	if req.ColdOnly {
+		return
+	}
 	k := requestWarmKey(req)
 	if n := v.warm[host][k]; n > 0 {
 		v.warm[host][k] = n - 1

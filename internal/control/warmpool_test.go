@@ -114,6 +114,24 @@ func TestWarmPoolTargetsPushedAndCountsReported(t *testing.T) {
 		if row.StartedFrom != api.StartedWarm {
 			t.Errorf("VM row started_from = %q, want warm", row.StartedFrom)
 		}
+		// The warm VM's NIC keeps the MAC it booted with in the pool (06:,
+		// never a control-derived 02: one): the API and vm_nics, whose
+		// unique index covers it, say so.
+		if len(got.NetworkInterfaces) != 1 || !strings.HasPrefix(got.NetworkInterfaces[0].MACAddress, "06:") {
+			t.Errorf("warm VM NICs = %+v; want one NIC with the warm VM's 06: MAC", got.NetworkInterfaces)
+		} else {
+			live, err := c.Store.LiveNICs(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			found := false
+			for _, n := range live {
+				found = found || (n.VMID == warm.ID && n.MACAddress == got.NetworkInterfaces[0].MACAddress)
+			}
+			if !found {
+				t.Errorf("vm_nics has no row of %s with MAC %s: %+v", warm.ID, got.NetworkInterfaces[0].MACAddress, live)
+			}
+		}
 
 		// An agent that lost its targets (replaced, state wiped) gets them back.
 		if _, err := ag.Client.SetPool(ctx, "sim", agentapi.PoolPut{Shapes: []agentapi.PoolShape{}}); err != nil {

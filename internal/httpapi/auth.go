@@ -1,8 +1,10 @@
 package httpapi
 
 import (
+	"context"
 	"crypto/sha256"
 	"crypto/subtle"
+	"encoding/hex"
 	"errors"
 	"net/http"
 	"strings"
@@ -71,30 +73,63 @@ func RouteScopes(method, route string) (scopes []string, ok bool) {
 // principalKey is where authenticate leaves the request's principal.
 const principalKey = "kvmd.principal"
 
+// tokens tells who holds a token: the bootstrap token (--token) or a
+// token of the database. The /v1 middleware and the fleet page both ask it,
+// so a token means the same everywhere.
+type tokens struct {
+	svc       *control.Service
+	bootstrap [sha256.Size]byte
+}
+
+func newTokens(svc *control.Service, bootstrap string) tokens {
+	return tokens{svc: svc, bootstrap: sha256.Sum256([]byte(bootstrap))}
+}
+
+// authenticate returns the principal of a token secret. An unknown,
+// revoked or expired token is a control.Error with code unauthorized.
+func (t tokens) authenticate(ctx context.Context, secret string) (control.Principal, error) {
+	// The bootstrap token is compared as digests in constant time, so not
+	// even its length leaks.
+	got := sha256.Sum256([]byte(secret))
+	if subtle.ConstantTimeCompare(got[:], t.bootstrap[:]) == 1 {
+		return control.BootstrapPrincipal(), nil
+	}
+	return t.svc.Authenticate(ctx, secret)
+}
+
+// authenticateDigest is authenticate for the hex SHA-256 of a secret (what
+// a fleet page session holds): the token must still be valid.
+func (t tokens) authenticateDigest(ctx context.Context, digest string) (control.Principal, error) {
+	got, err := hex.DecodeString(digest)
+	if err == nil && subtle.ConstantTimeCompare(got, t.bootstrap[:]) == 1 {
+		return control.BootstrapPrincipal(), nil
+	}
+	if err != nil || len(got) != sha256.Size {
+		return control.Principal{}, &control.Error{Code: api.CodeUnauthorized, Message: "unauthorized"}
+	}
+	return t.svc.AuthenticateDigest(ctx, digest)
+}
+
+// isUnauthorized says whether err is a refused token (not a failure to check).
+func isUnauthorized(err error) bool {
+	var ce *control.Error
+	return errors.As(err, &ce) && ce.Code == api.CodeUnauthorized
+}
+
 // authenticate checks the bearer token and then the route's scopes.
-func authenticate(svc *control.Service, bootstrap string) echo.MiddlewareFunc {
-	want := sha256.Sum256([]byte(bootstrap))
+func authenticate(t tokens) echo.MiddlewareFunc {
 	return func(next echo.HandlerFunc) echo.HandlerFunc {
 		return func(c echo.Context) error {
 			secret, ok := bearerToken(c.Request())
 			if !ok {
 				return unauthorized(c)
 			}
-			// The bootstrap token is compared as digests in constant time,
-			// so not even its length leaks.
-			got := sha256.Sum256([]byte(secret))
-			var p control.Principal
-			if subtle.ConstantTimeCompare(got[:], want[:]) == 1 {
-				p = control.BootstrapPrincipal()
-			} else {
-				var err error
-				if p, err = svc.Authenticate(c.Request().Context(), secret); err != nil {
-					var ce *control.Error
-					if errors.As(err, &ce) && ce.Code == api.CodeUnauthorized {
-						return unauthorized(c)
-					}
-					return err
+			p, err := t.authenticate(c.Request().Context(), secret)
+			if err != nil {
+				if isUnauthorized(err) {
+					return unauthorized(c)
 				}
+				return err
 			}
 			c.Set(principalKey, p) // the request log names it, refused or not
 			scopes, ok := RouteScopes(c.Request().Method, c.Path())

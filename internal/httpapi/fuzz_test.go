@@ -184,6 +184,7 @@ var statusOfCode = map[string][]int{
 	api.CodeForbidden:           {403},
 	api.CodeConflict:            {409},
 	api.CodeNoCapacity:          {409},
+	api.CodeNoAddress:           {409},
 	api.CodeIdempotencyMismatch: {422},
 	api.CodeInFlight:            {409},
 	api.CodeTooLarge:            {413},
@@ -236,6 +237,9 @@ func FuzzCreateVM(f *testing.F) {
 	f.Add([]byte(`{"name":"fuzz-source","image":"sim","vcpus":1,"memory_mib":64,"disk_mib":64}`), "")
 	f.Add([]byte(`{"name":"vm3","image":"sim","vcpus":1000,"memory_mib":64,"disk_mib":64}`), "")
 	f.Add([]byte(`{"name":"vm4","image":"nope","vcpus":1,"memory_mib":64,"disk_mib":64,"host":"h9"}`), "k")
+	f.Add([]byte(`{"name":"vm5","image":"sim","vcpus":1,"memory_mib":64,"disk_mib":64,"network_interfaces":[{"network":"default","port_forwards":[{"guest_port":80}]}]}`), "")
+	f.Add([]byte(`{"name":"vm6","image":"sim","vcpus":1,"memory_mib":64,"disk_mib":64,"network_interfaces":[{"network":"nope","ipv4_address":"10.0.0.300"}]}`), "")
+	f.Add([]byte(`{"name":"vm7","image":"sim","vcpus":1,"memory_mib":64,"disk_mib":64,"network_interfaces":[]}`), "")
 	f.Fuzz(func(t *testing.T, body []byte, key string) {
 		h := map[string]string{}
 		if key != "" && validHeaderValue(key) {
@@ -300,6 +304,36 @@ func FuzzPutHost(f *testing.F) {
 			return
 		}
 		fc.do(t, http.MethodPut, "/v1/hosts/"+url.PathEscape(name), body, nil, true)
+	})
+}
+
+func FuzzCreateNetwork(f *testing.F) {
+	fc := newFuzzControl(f)
+	for _, s := range bodySeeds {
+		f.Add([]byte(s))
+	}
+	f.Add([]byte(`{"name":"lan","mode":"nat","cidr":"10.20.0.0/24"}`))
+	f.Add([]byte(`{"name":"lan2","mode":"nat","cidr":"10.20.0.0/16","gateway":"10.20.255.254","dhcp":false,"hosts":["h1"]}`))
+	f.Add([]byte(`{"name":"br","mode":"bridge","bridge":"br0","cidr":"192.168.1.0/30"}`))
+	f.Add([]byte(`{"name":"u","mode":"user","cidr":"10.0.0.0/8"}`))
+	f.Add([]byte(`{"name":"x","mode":"nat","cidr":"10.1.2.3/33","gateway":"::1"}`))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		fc.do(t, http.MethodPost, "/v1/networks", body, nil, false)
+	})
+}
+
+func FuzzPatchNetwork(f *testing.F) {
+	fc := newFuzzControl(f)
+	for _, s := range bodySeeds {
+		f.Add("default", []byte(s))
+	}
+	f.Add("default", []byte(`{"hosts":["h1","h2"]}`))
+	f.Add("default", []byte(`{"hosts":["h1","h1"]}`))
+	f.Add("default", []byte(`{"hosts":null}`))
+	f.Add("nope", []byte(`{"hosts":[]}`))
+	f.Add("../x", []byte(`{}`))
+	f.Fuzz(func(t *testing.T, name string, body []byte) {
+		fc.do(t, http.MethodPatch, "/v1/networks/"+url.PathEscape(name), body, nil, false)
 	})
 }
 

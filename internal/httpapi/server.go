@@ -69,7 +69,8 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	}
 	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(svc.Registry(), promhttp.HandlerOpts{})), metricsGuard...)
 
-	v1 := e.Group("/v1", authenticate(svc, opts.Token))
+	toks := newTokens(svc, opts.Token)
+	v1 := e.Group("/v1", authenticate(toks))
 	v1.PUT("/hosts/:name", h.putHost)
 	v1.GET("/hosts", h.listHosts)
 	v1.GET("/hosts/:name", h.getHost)
@@ -80,12 +81,17 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	v1.PATCH("/vms/:id", h.updateVM)
 	v1.DELETE("/vms/:id", h.deleteVM)
 	v1.POST("/placements", h.place)
+	v1.POST("/networks", h.createNetwork)
+	v1.GET("/networks", h.listNetworks)
+	v1.GET("/networks/:name", h.getNetwork)
+	v1.PATCH("/networks/:name", h.updateNetwork)
+	v1.DELETE("/networks/:name", h.deleteNetwork)
 	h.forkRoutes(v1)
 	h.imageRoutes(v1)
 	v1.POST("/tokens", h.createToken)
 	v1.GET("/tokens", h.listTokens)
 	v1.DELETE("/tokens/:id", h.revokeToken)
-	h.uiRoutes(e, opts.Token)
+	h.uiRoutes(e, toks, opts.Token)
 	return e, nil
 }
 
@@ -133,6 +139,7 @@ var statusOf = map[string]int{
 	api.CodeForbidden:           http.StatusForbidden,
 	api.CodeConflict:            http.StatusConflict,
 	api.CodeNoCapacity:          http.StatusConflict,
+	api.CodeNoAddress:           http.StatusConflict,
 	api.CodeIdempotencyMismatch: http.StatusUnprocessableEntity,
 	api.CodeInFlight:            http.StatusConflict,
 	api.CodeTooLarge:            http.StatusRequestEntityTooLarge,

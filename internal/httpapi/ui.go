@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"crypto/hmac"
 	"crypto/sha256"
-	"crypto/subtle"
 	"embed"
 	"encoding/hex"
 	"fmt"
@@ -23,11 +22,14 @@ import (
 
 // The fleet page (/ui): a read-only, server-rendered view of hosts, VMs,
 // forks and warm pools for people. A browser cannot easily send a bearer
-// header, so the page takes the same API token once (a login form, or
-// ?token= in the URL) and answers with an HttpOnly session cookie. The
-// cookie holds an expiry and an HMAC keyed by the token, never the token
-// itself, so it cannot be replayed against /v1 and stops working when the
-// token changes.
+// header, so the page takes an API token once (a login form, or ?token= in
+// the URL) and answers with an HttpOnly session cookie. Any valid token
+// will do, whatever its scopes: the page only reads. The cookie holds an
+// expiry, the SHA-256 of the token (what the database keeps, never the
+// token itself, so it cannot be replayed against /v1) and an HMAC keyed by
+// the bootstrap token; every view checks the token again, so a session
+// ends when its token is revoked or expires, and all sessions end when the
+// bootstrap token changes.
 
 //go:embed ui/*.html.tmpl
 var uiFiles embed.FS
@@ -52,54 +54,84 @@ var uiTemplates = template.Must(template.New("ui").Funcs(template.FuncMap{
 
 // uiAuth issues and checks the fleet page's session cookies.
 type uiAuth struct {
-	token string
-	now   func() time.Time
+	tokens tokens
+	key    string // the bootstrap token: the sessions' HMAC key
+	now    func() time.Time
 }
 
-// valid says whether token is the API token (in constant time).
-func (a uiAuth) valid(token string) bool {
-	got, want := sha256.Sum256([]byte(token)), sha256.Sum256([]byte(a.token))
-	return subtle.ConstantTimeCompare(got[:], want[:]) == 1
+// login returns the digest a session keeps for a token secret, or false
+// when the token is not valid. err is a failure to check it.
+func (a uiAuth) login(c echo.Context, secret string) (string, bool, error) {
+	if secret == "" {
+		return "", false, nil
+	}
+	if _, err := a.tokens.authenticate(c.Request().Context(), secret); err != nil {
+		if isUnauthorized(err) {
+			return "", false, nil
+		}
+		return "", false, err
+	}
+	sum := sha256.Sum256([]byte(secret))
+	return hex.EncodeToString(sum[:]), true, nil
 }
 
-func (a uiAuth) mac(expiry string) string {
-	m := hmac.New(sha256.New, []byte(a.token))
-	m.Write([]byte("kvmd-ui-session|" + expiry))
+func (a uiAuth) mac(expiry, digest string) string {
+	m := hmac.New(sha256.New, []byte(a.key))
+	m.Write([]byte("kvmd-ui-session|" + expiry + "|" + digest))
 	return hex.EncodeToString(m.Sum(nil))
 }
 
-func (a uiAuth) cookie(c echo.Context) *http.Cookie {
+func (a uiAuth) cookie(c echo.Context, digest string) *http.Cookie {
 	exp := a.now().Add(uiSession)
 	e := strconv.FormatInt(exp.Unix(), 10)
 	return &http.Cookie{
-		Name: uiCookie, Value: e + "." + a.mac(e), Path: "/ui", Expires: exp, MaxAge: int(uiSession.Seconds()),
-		HttpOnly: true, Secure: c.Scheme() == "https", SameSite: http.SameSiteStrictMode,
+		Name: uiCookie, Value: e + "." + digest + "." + a.mac(e, digest), Path: "/ui", Expires: exp,
+		MaxAge: int(uiSession.Seconds()), HttpOnly: true, Secure: c.Scheme() == "https", SameSite: http.SameSiteStrictMode,
 	}
 }
 
-// session says whether the request carries a session cookie that this
-// token issued and that has not expired.
-func (a uiAuth) session(c echo.Context) bool {
+// session says whether the request carries a session cookie this server
+// issued, not expired, for a token that is still valid.
+func (a uiAuth) session(c echo.Context) (bool, error) {
 	ck, err := c.Cookie(uiCookie)
 	if err != nil {
-		return false
+		return false, nil
 	}
-	e, mac, ok := strings.Cut(ck.Value, ".")
-	if !ok {
-		return false
+	parts := strings.Split(ck.Value, ".")
+	if len(parts) != 3 {
+		return false, nil
 	}
+	e, digest, mac := parts[0], parts[1], parts[2]
 	exp, err := strconv.ParseInt(e, 10, 64)
-	if err != nil || a.now().Unix() >= exp {
-		return false
+	if err != nil || a.now().Unix() >= exp || !hmac.Equal([]byte(mac), []byte(a.mac(e, digest))) {
+		return false, nil
 	}
-	return hmac.Equal([]byte(mac), []byte(a.mac(e)))
+	if _, err := a.tokens.authenticateDigest(c.Request().Context(), digest); err != nil {
+		if isUnauthorized(err) {
+			return false, nil
+		}
+		return false, err
+	}
+	return true, nil
 }
 
-// bearer says whether the request carries the token in its Authorization
-// header (curl and scripts may use the page like the API).
-func (a uiAuth) bearer(c echo.Context) bool {
-	tok, ok := strings.CutPrefix(c.Request().Header.Get(echo.HeaderAuthorization), "Bearer ")
-	return ok && a.valid(tok)
+// bearer says whether the request carries a valid token in its
+// Authorization header (curl and scripts may use the page like the API).
+func (a uiAuth) bearer(c echo.Context) (bool, error) {
+	secret, ok := bearerToken(c.Request())
+	if !ok {
+		return false, nil
+	}
+	_, ok, err := a.login(c, secret)
+	return ok, err
+}
+
+// signedIn says whether the request has a session or a bearer token.
+func (a uiAuth) signedIn(c echo.Context) (bool, error) {
+	if ok, err := a.session(c); ok || err != nil {
+		return ok, err
+	}
+	return a.bearer(c)
 }
 
 type uiHandlers struct {
@@ -107,8 +139,8 @@ type uiHandlers struct {
 	auth uiAuth
 }
 
-func (h *handlers) uiRoutes(e *echo.Echo, token string) {
-	u := &uiHandlers{svc: h.svc, auth: uiAuth{token: token, now: time.Now}}
+func (h *handlers) uiRoutes(e *echo.Echo, toks tokens, bootstrap string) {
+	u := &uiHandlers{svc: h.svc, auth: uiAuth{tokens: toks, key: bootstrap, now: time.Now}}
 	e.GET("/ui", u.fleet)
 	e.POST("/ui/login", u.login)
 	e.POST("/ui/logout", u.logout)
@@ -138,18 +170,28 @@ func (u *uiHandlers) loginPage(c echo.Context, msg string) error {
 	return u.render(c, http.StatusUnauthorized, "login.html.tmpl", map[string]string{"Message": msg})
 }
 
+// badTokenMessage is the login page's answer to a token that is not valid.
+const badTokenMessage = "That token is not the control API's token, nor a valid token of its own (it is unknown, revoked or expired)."
+
 func (u *uiHandlers) fleet(c echo.Context) error {
 	if tok := c.QueryParam("token"); tok != "" {
-		if !u.auth.valid(tok) {
-			return u.loginPage(c, "That token is not the control API's token.")
+		digest, ok, err := u.auth.login(c, tok)
+		if err != nil {
+			return err
+		}
+		if !ok {
+			return u.loginPage(c, badTokenMessage)
 		}
 		// Trade the token in the URL for a cookie, and drop it from the
 		// address bar and the history.
-		c.SetCookie(u.auth.cookie(c))
+		c.SetCookie(u.auth.cookie(c, digest))
 		uiHeaders(c)
 		return c.Redirect(http.StatusSeeOther, "/ui")
 	}
-	if !u.auth.session(c) && !u.auth.bearer(c) {
+	if ok, err := u.auth.signedIn(c); err != nil || !ok {
+		if err != nil {
+			return err
+		}
 		return u.loginPage(c, "")
 	}
 	view, err := u.view(c)
@@ -160,16 +202,27 @@ func (u *uiHandlers) fleet(c echo.Context) error {
 }
 
 func (u *uiHandlers) login(c echo.Context) error {
-	if !u.auth.valid(c.FormValue("token")) && !u.auth.bearer(c) {
-		return u.loginPage(c, "That token is not the control API's token.")
+	secret := c.FormValue("token")
+	if secret == "" {
+		secret, _ = bearerToken(c.Request())
 	}
-	c.SetCookie(u.auth.cookie(c))
+	digest, ok, err := u.auth.login(c, secret)
+	if err != nil {
+		return err
+	}
+	if !ok {
+		return u.loginPage(c, badTokenMessage)
+	}
+	c.SetCookie(u.auth.cookie(c, digest))
 	uiHeaders(c)
 	return c.Redirect(http.StatusSeeOther, "/ui")
 }
 
 func (u *uiHandlers) logout(c echo.Context) error {
-	if !u.auth.session(c) && !u.auth.bearer(c) {
+	if ok, err := u.auth.signedIn(c); err != nil || !ok {
+		if err != nil {
+			return err
+		}
 		return u.loginPage(c, "")
 	}
 	c.SetCookie(&http.Cookie{Name: uiCookie, Value: "", Path: "/ui", MaxAge: -1, HttpOnly: true,

@@ -293,3 +293,48 @@ func TestFleetPageInHeadlessChromium(t *testing.T) {
 }
 
 func itoa(n int64) string { return strconv.FormatInt(n, 10) }
+
+// Any valid token of the database opens the fleet page, whatever its
+// scopes (the page only reads), as a bearer token and through a session;
+// the session ends when its token is revoked, and a revoked token signs
+// in no more.
+func TestFleetPageTakesAnyValidToken(t *testing.T) {
+	c := testenv.StartControl(t, testenv.ControlOptions{})
+	ctx := context.Background()
+	hc := noRedirects()
+	for _, scopes := range [][]string{{api.ScopeUser}, {api.ScopeAdmin}, {api.ScopeAdmin, api.ScopeUser}} {
+		name := strings.Join(scopes, "-")
+		tok, err := c.Client.CreateToken(ctx, api.TokenCreate{Name: "ui-" + name, Scopes: scopes})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r := get(t, hc, c.URL+"/ui", map[string]string{"Authorization": "Bearer " + tok.Secret}); r.StatusCode != http.StatusOK {
+			t.Errorf("%s token: GET /ui as bearer = %d, want 200", name, r.StatusCode)
+		}
+		r := get(t, hc, c.URL+"/ui?token="+url.QueryEscape(tok.Secret), nil)
+		var session *http.Cookie
+		for _, ck := range r.Cookies() {
+			if ck.Name == "kvmd_ui" {
+				session = ck
+			}
+		}
+		if r.StatusCode != http.StatusSeeOther || session == nil || strings.Contains(session.Value, tok.Secret) {
+			t.Fatalf("%s token: GET /ui?token= = %d with session %+v; want 303 and a cookie without the token", name, r.StatusCode, session)
+		}
+		if r := get(t, hc, c.URL+"/ui", map[string]string{"Cookie": session.String()}); r.StatusCode != http.StatusOK {
+			t.Errorf("%s token: GET /ui with its session = %d, want 200", name, r.StatusCode)
+		}
+		if err := c.Client.RevokeToken(ctx, tok.ID); err != nil {
+			t.Fatal(err)
+		}
+		if r := get(t, hc, c.URL+"/ui", map[string]string{"Cookie": session.String()}); r.StatusCode != http.StatusUnauthorized {
+			t.Errorf("%s token revoked: GET /ui with its session = %d, want 401", name, r.StatusCode)
+		}
+		if r := get(t, hc, c.URL+"/ui?token="+url.QueryEscape(tok.Secret), nil); r.StatusCode != http.StatusUnauthorized || len(r.Cookies()) != 0 {
+			t.Errorf("%s token revoked: GET /ui?token= = %d with cookies %v, want 401 and none", name, r.StatusCode, r.Cookies())
+		}
+		if r := get(t, hc, c.URL+"/ui", map[string]string{"Authorization": "Bearer " + tok.Secret}); r.StatusCode != http.StatusUnauthorized {
+			t.Errorf("%s token revoked: GET /ui as bearer = %d, want 401", name, r.StatusCode)
+		}
+	}
+}

@@ -39,6 +39,11 @@ const (
 	summaryImportFork         = "Unable to Import Fork"
 	summaryForkFailed         = "Fork Failed to Become Ready"
 	summaryForkPointTaken     = "Fork Point Already Taken"
+	summaryCreateNetwork      = "Unable to Create Network"
+	summaryReadNetwork        = "Unable to Read Network"
+	summaryUpdateNetwork      = "Unable to Update Network"
+	summaryDeleteNetwork      = "Unable to Delete Network"
+	summaryAddressTaken       = "IPv4 Address Already Taken"
 	summaryConstraintsStored  = "Constraints Change Moves Nothing"
 	summaryCreateImage        = "Unable to Register Image"
 	summaryReadImage          = "Unable to Read Image"
@@ -68,6 +73,8 @@ func nextStep(err error) string {
 	case errors.Is(err, client.ErrNoCapacity):
 		return "No host can take it: free capacity, register another host (kvm_host), or choose a smaller shape." +
 			rejectionLines(err)
+	case errors.Is(err, client.ErrNoAddress):
+		return "The network has no free address left: delete VMs on it, or put the VM on a larger network."
 	case errors.Is(err, client.ErrIdempotencyMismatch):
 		return "A retry carried a different body under the same Idempotency-Key; run terraform apply again."
 	case errors.Is(err, client.ErrInFlight):
@@ -120,6 +127,17 @@ func conflictingVMID(err error) string {
 		}
 	}
 	return ""
+}
+
+// addressHolder is the VM that holds a fixed address a create asked for
+// ("" when the conflict is not about an address).
+func addressHolder(err error) string {
+	var ae *client.Error
+	if !errors.As(err, &ae) {
+		return ""
+	}
+	id, _ := ae.Details["holder_id"].(string)
+	return id
 }
 
 // providerDataFrom is the Configure of every resource and data source: the

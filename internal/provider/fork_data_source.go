@@ -62,6 +62,7 @@ func (d *forkDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, r
 					"id":             computed("ID of the child VM."),
 					"name":           computed("Name of the child VM, `<fork id>-<slot>`."),
 					"host":           computed("Host the child runs on."),
+					"ipv4_address":   computed("Address of the child's first NIC."),
 					"observed_state": computed("State the control API last observed on the child's host (see `kvm_vm`)."),
 				}},
 			},

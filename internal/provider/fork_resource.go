@@ -76,6 +76,7 @@ var forkChildAttrTypes = map[string]attr.Type{
 	"name":           types.StringType,
 	"host":           types.StringType,
 	"observed_state": types.StringType,
+	"ipv4_address":   types.StringType,
 }
 
 // fromAPI fills the attributes from a fork as the control API reports it.
@@ -113,6 +114,7 @@ func forkChildren(children []api.VM) types.List {
 			"name":           types.StringValue(vm.Name),
 			"host":           optionalString(vm.Host),
 			"observed_state": optionalString(vm.ObservedState),
+			"ipv4_address":   optionalString(vm.IPv4Address),
 		})
 	}
 	return types.ListValueMust(types.ObjectType{AttrTypes: forkChildAttrTypes}, elems)
@@ -201,6 +203,11 @@ func (r *forkResource) Schema(ctx context.Context, _ resource.SchemaRequest, res
 					"id":   schema.StringAttribute{MarkdownDescription: "ID of the child VM.", Computed: true},
 					"name": schema.StringAttribute{MarkdownDescription: "Name of the child VM, `<fork id>-<slot>`.", Computed: true},
 					"host": schema.StringAttribute{MarkdownDescription: "Host the child runs on.", Computed: true},
+					"ipv4_address": schema.StringAttribute{
+						MarkdownDescription: "Address of the child's first NIC: its own, allocated with its reservation " +
+							"(children never share the source's address).",
+						Computed: true,
+					},
 					"observed_state": schema.StringAttribute{
 						MarkdownDescription: "State the control API last observed on the child's host (see `kvm_vm`).",
 						Computed:            true,

@@ -141,6 +141,7 @@ type vmAttributes struct {
 	PlacementScore   types.Float64 `tfsdk:"placement_score"`
 	PlacementSummary types.String  `tfsdk:"placement_summary"`
 	CreatedAt        types.String  `tfsdk:"created_at"`
+	IPv4Address      types.String  `tfsdk:"ipv4_address"`
 	// Constraints is the constraints block (null when absent).
 	Constraints         types.Object `tfsdk:"constraints"`
 	ConstraintsViolated types.String `tfsdk:"constraints_violated"`
@@ -171,6 +172,7 @@ func (m *vmAttributes) fromAPI(vm api.VM, powerState string) {
 		m.PlacementSummary = types.StringValue(placementSummary(vm.Host, vm.Placement))
 	}
 	m.CreatedAt = timestamp(vm.CreatedAt)
+	m.IPv4Address = optionalString(vm.IPv4Address)
 }
 
 // desiredPowerState is the power state the control API was asked for.

@@ -134,7 +134,7 @@ func (d *placementDataSource) Schema(_ context.Context, _ datasource.SchemaReque
 					"host": schema.StringAttribute{MarkdownDescription: "Name of the host.", Computed: true},
 					"reason": schema.StringAttribute{
 						MarkdownDescription: "Why it was rejected, the first filter it failed: `not_alive`, `unschedulable`, " +
-							"`no_image`, `labels` (`host_labels` or the spread label), `group_cap` (`max_per_domain`), " +
+							"`no_image`, `network` (a `network_interface`'s network is not on the host), `labels` (`host_labels` or the spread label), `group_cap` (`max_per_domain`), " +
 							"`memory`, `cpu`, `disk`, or `not_pinned` (more may be added).",
 						Computed: true,
 					},

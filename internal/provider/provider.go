@@ -246,6 +246,7 @@ func (p *kvmProvider) Resources(_ context.Context) []func() resource.Resource {
 		NewVMResource,
 		NewForkResource,
 		NewImageResource,
+		NewNetworkResource,
 	}
 }
 
@@ -257,6 +258,7 @@ func (p *kvmProvider) DataSources(_ context.Context) []func() datasource.DataSou
 		NewPlacementDataSource,
 		NewForkDataSource,
 		NewImageDataSource,
+		NewNetworkDataSource,
 	}
 }
 

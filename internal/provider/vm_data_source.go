@@ -78,7 +78,9 @@ func (d *vmDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, res
 			},
 			"placement_summary": computed("One line on the placement: the chosen host, its score, and why other " +
 				"hosts were rejected."),
-			"created_at":  computed("When the VM was created (RFC 3339, UTC)."),
+			"created_at": computed("When the VM was created (RFC 3339, UTC)."),
+			"ipv4_address": computed("Address of the VM's first NIC (`10.0.2.15` on a user-mode network, where " +
+				"the VM is reached through port forwards); null while unknown."),
 			"constraints": constraintsComputedAttribute(),
 			"constraints_violated": computed("How the VM's host no longer meets its constraints (its labels changed " +
 				"after placement); empty when they hold. The VM is never moved for it."),

@@ -21,6 +21,7 @@ func placedVM(c *api.Constraints) vmModel {
 	m.Constraints = types.ObjectNull(constraintsAttrTypes)
 	m.fromAPI(api.VM{ID: "vm1", Name: "db-0", Image: "sim", VCPUs: 1, MemoryMiB: 512, DiskMiB: 1024, Host: "h2",
 		PowerState: api.PowerRunning, ObservedState: api.StateRunning, Constraints: c}, api.PowerRunning)
+	m.setNICs(api.VM{}, false) // no network_interface blocks: the implied default NIC
 	m.Timeouts = timeouts.Value{Object: types.ObjectNull(map[string]attr.Type{
 		"create": types.StringType, "update": types.StringType, "delete": types.StringType,
 	})}

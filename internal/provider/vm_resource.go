@@ -48,8 +48,17 @@ type vmResource struct {
 
 type vmModel struct {
 	vmAttributes
-	Timeouts timeouts.Value `tfsdk:"timeouts"`
+	NetworkInterfaces types.List     `tfsdk:"network_interface"`
+	Timeouts          timeouts.Value `tfsdk:"timeouts"`
 }
+
+// setNICs records the VM's NICs: blocks as configured (withBlocks), or
+// none for a VM that only has the implied default NIC.
+func (m *vmModel) setNICs(vm api.VM, withBlocks bool) {
+	m.NetworkInterfaces = nicsValue(vm.NetworkInterfaces, withBlocks)
+}
+
+func hasBlocks(v types.List) bool { return !v.IsNull() && !v.IsUnknown() && len(v.Elements()) > 0 }
 
 func (r *vmResource) Metadata(_ context.Context, req resource.MetadataRequest, resp *resource.MetadataResponse) {
 	resp.TypeName = req.ProviderTypeName + "_vm"
@@ -63,7 +72,8 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 			"`disk_mib` (grown only), `power_state`, `labels` and `constraints` change in place, keeping the VM's id and disk; " +
 			"a change of `vcpus` or `memory_mib` restarts a running guest (a clean power-off, then a boot in the new shape from " +
 			"the same disk); a larger `disk_mib` grows the disk without a restart; a change of `constraints` never moves the " +
-			"VM. `image` and `host` replace the VM, which destroys its disk. A refresh reports the power state the host observed, so a VM stopped behind " +
+			"VM. `image`, `host` and a change of the configured `network_interface` blocks replace the VM, which destroys " +
+			"its disk. A refresh reports the power state the host observed, so a VM stopped behind " +
 			"Terraform's back shows as a change and `terraform apply` starts it again; a VM deleted behind its back is " +
 			"planned for creation.",
 		Attributes: map[string]schema.Attribute{
@@ -161,6 +171,13 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 				Computed:            true,
 				PlanModifiers:       fixedAtCreate,
 			},
+			"ipv4_address": schema.StringAttribute{
+				MarkdownDescription: "Address of the first NIC, known right after apply: assigned by the control plane " +
+					"on `nat` networks (and `bridge` networks with a `cidr`); `10.0.2.15` on a user-mode network, where " +
+					"the VM is reached through `port_forward`s; null while unknown.",
+				Computed:      true,
+				PlanModifiers: fixedAtCreate,
+			},
 			"constraints_violated": schema.StringAttribute{
 				MarkdownDescription: "How the VM's host no longer meets its `constraints`, for example `host h1 no longer " +
 					"has label rack=a (now rack=b)` after the host's labels changed; empty while they hold. The VM is " +
@@ -169,7 +186,8 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 			},
 		},
 		Blocks: map[string]schema.Block{
-			"timeouts": timeouts.Block(ctx, timeouts.Opts{Create: true, Update: true, Delete: true}),
+			"network_interface": networkInterfaceBlock(),
+			"timeouts":          timeouts.Block(ctx, timeouts.Opts{Create: true, Update: true, Delete: true}),
 			"constraints": constraintsResourceBlock("Steers placement: `host_labels` filters hosts, `group` with "+
 				"`spread_by` and `max_per_domain` spreads VMs that belong together over failure domains. Changing "+
 				"the block never moves a running VM: the plan shows an update in place, the new constraints are "+
@@ -213,6 +231,8 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 	resp.Diagnostics.Append(diags...)
 	labels, diags := labelsFromValue(ctx, plan.Labels)
 	resp.Diagnostics.Append(diags...)
+	nics, diags := nicsOf(ctx, plan.NetworkInterfaces)
+	resp.Diagnostics.Append(diags...)
 	constraints, diags := constraintsFromObject(ctx, plan.Constraints)
 	resp.Diagnostics.Append(diags...)
 	if resp.Diagnostics.HasError() {
@@ -222,20 +242,27 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 	defer cancel()
 
 	in := api.VMCreate{
-		Constraints: constraints,
-		Name:        plan.Name.ValueString(),
-		Image:       plan.Image.ValueString(),
-		VCPUs:       plan.VCPUs.ValueInt64(),
-		MemoryMiB:   plan.MemoryMiB.ValueInt64(),
-		DiskMiB:     plan.DiskMiB.ValueInt64(),
-		Host:        plan.Host.ValueString(), // "" when unknown: the control API chooses
-		PowerState:  plan.PowerState.ValueString(),
-		Labels:      labels,
+		NetworkInterfaces: nicsToAPI(nics),
+		Constraints:       constraints,
+		Name:              plan.Name.ValueString(),
+		Image:             plan.Image.ValueString(),
+		VCPUs:             plan.VCPUs.ValueInt64(),
+		MemoryMiB:         plan.MemoryMiB.ValueInt64(),
+		DiskMiB:           plan.DiskMiB.ValueInt64(),
+		Host:              plan.Host.ValueString(), // "" when unknown: the control API chooses
+		PowerState:        plan.PowerState.ValueString(),
+		Labels:            labels,
 	}
 	subject := fmt.Sprintf("creating VM %q", in.Name)
 
 	vm, err := r.create(ctx, in)
 	if err != nil {
+		if holder := addressHolder(err); holder != "" {
+			resp.Diagnostics.AddAttributeError(path.Root("network_interface"), summaryAddressTaken, fmt.Sprintf(
+				"VM %q asks for a fixed address that VM %s holds. Choose another ipv4_address, leave it out to get a "+
+					"free one, or delete that VM.\n\nError: %s", in.Name, holder, err))
+			return
+		}
 		if errors.Is(err, client.ErrConflict) {
 			resp.Diagnostics.AddAttributeError(path.Root("name"), summaryVMNameAlreadyTaken, nameTakenDetail(in.Name, err))
 			return
@@ -247,6 +274,7 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 
 	vm, waitErr := waitForPower(ctx, r.data.client, vm, in.PowerState)
 	plan.fromAPI(vm, desiredPowerState(vm))
+	plan.setNICs(vm, len(nics) > 0)
 	// The VM exists: keep it in state even if it did not come up, so that
 	// Terraform marks it tainted and replaces it rather than leaking it.
 	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
@@ -310,6 +338,7 @@ func (r *vmResource) Read(ctx context.Context, req resource.ReadRequest, resp *r
 		return
 	}
 	state.fromAPI(vm, observedPowerState(vm))
+	state.setNICs(vm, hasBlocks(state.NetworkInterfaces))
 	resp.Diagnostics.Append(resp.State.Set(ctx, &state)...)
 }
 
@@ -383,6 +412,7 @@ func (r *vmResource) Update(ctx context.Context, req resource.UpdateRequest, res
 		return
 	}
 	plan.fromAPI(vm, desiredPowerState(vm))
+	plan.setNICs(vm, hasBlocks(plan.NetworkInterfaces))
 	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
 }
 

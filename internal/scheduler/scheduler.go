@@ -84,6 +84,17 @@ type Request struct {
 	ImageSHA256 string
 	// Constraints steer placement; the zero value places by score alone.
 	Constraints Constraints
+	// NetworkHosts are the VM's networks that exist on some hosts only.
+	NetworkHosts []NetworkHosts
+	// ColdOnly says that no warm pool VM can serve the request (its NICs
+	// differ from what pool VMs boot with), so warm VMs give no preference.
+	ColdOnly bool
+}
+
+// NetworkHosts limits a request to the hosts a network is on.
+type NetworkHosts struct {
+	Network string
+	Hosts   []string
 }
 
 // Reasons a host is rejected: named, stable, and counted by the control
@@ -94,6 +105,7 @@ const (
 	ReasonNotAlive      = "not_alive"
 	ReasonUnschedulable = "unschedulable"
 	ReasonNoImage       = "no_image"
+	ReasonNetwork       = "network"
 	ReasonLabels        = "labels"
 	ReasonGroupCap      = "group_cap"
 	ReasonMemory        = "memory"
@@ -104,7 +116,7 @@ const (
 // Reasons lists every rejection reason, in the order the filters apply.
 func Reasons() []string {
 	return []string{ReasonNotPinned, ReasonNotRegistered, ReasonNotAlive, ReasonUnschedulable, ReasonNoImage,
-		ReasonLabels, ReasonGroupCap, ReasonMemory, ReasonCPU, ReasonDisk}
+		ReasonNetwork, ReasonLabels, ReasonGroupCap, ReasonMemory, ReasonCPU, ReasonDisk}
 }
 
 // Rejection says why one host cannot take a request: Reason is one of the
@@ -166,6 +178,11 @@ func Reject(h Host, req Request) Rejection {
 	}
 	if req.Image != "" && req.ImageSHA256 == "" && !h.HasImage(req.Image) {
 		return reject(ReasonNoImage, "image: does not offer %q", req.Image)
+	}
+	for _, n := range req.NetworkHosts {
+		if !slices.Contains(n.Hosts, h.Name) {
+			return reject(ReasonNetwork, "network: %q is not on this host (its hosts: %s)", n.Network, strings.Join(n.Hosts, ", "))
+		}
 	}
 	c := req.Constraints
 	if k, ok := mismatchedLabel(h.Labels, c.HostLabels); ok {

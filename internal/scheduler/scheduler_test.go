@@ -85,6 +85,9 @@ func TestRejectReasons(t *testing.T) {
 		{"not schedulable", cordoned, req, ReasonUnschedulable, "not schedulable"},
 		{"image", base, Request{Image: "debian", Resources: req.Resources}, ReasonNoImage, `image: does not offer "debian"`},
 		{"pinned elsewhere", base, Request{Image: "busybox", Host: "h2"}, ReasonNotPinned, `not the pinned host "h2"`},
+		{"network elsewhere", base, Request{Image: "busybox", NetworkHosts: []NetworkHosts{{Network: "lan", Hosts: []string{"h2", "h3"}}}},
+			ReasonNetwork, `network: "lan" is not on this host (its hosts: h2, h3)`},
+		{"network here", base, Request{Image: "busybox", NetworkHosts: []NetworkHosts{{Network: "lan", Hosts: []string{"h1"}}}}, "", ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -111,6 +111,12 @@ func (b *reservationBatcher) commit(batch []pendingReservation) {
 			return err
 		}
 		defer func() { _ = insert.Close() }()
+		var insertNIC *sql.Stmt // prepared on the first VM with NICs
+		defer func() {
+			if insertNIC != nil {
+				_ = insertNIC.Close()
+			}
+		}()
 		for i, p := range batch {
 			// A group slot is taken first (the order of the PostgreSQL
 			// path) and given back if the host refuses.
@@ -146,6 +152,17 @@ func (b *reservationBatcher) commit(batch []pendingReservation) {
 			} else {
 				err = insertLabels(tx, p.vm.ID, p.vm.Labels)
 			}
+			if err == nil && len(p.vm.NICs) > 0 {
+				if insertNIC == nil {
+					if insertNIC, err = sqlTx.PrepareContext(ctx, insertNICSQL); err != nil {
+						return err
+					}
+				}
+				err = insertNICRows(func(args ...any) error {
+					_, err := insertNIC.ExecContext(ctx, args...)
+					return err
+				}, p.vm.ID, p.vm.NICs)
+			}
 			if err != nil {
 				results[i] = err
 				if uerr := undoReservation(tx, p.vm); uerr != nil {
@@ -167,6 +184,9 @@ func (b *reservationBatcher) commit(batch []pendingReservation) {
 // undoReservation takes back one granted reservation of a batch whose VM
 // row or labels could not be written: its rows go, its resources return.
 func undoReservation(tx *gorm.DB, vm VM) error {
+	if err := tx.Exec("DELETE FROM vm_nics WHERE vm_id = ?", vm.ID).Error; err != nil {
+		return err
+	}
 	if err := tx.Exec("DELETE FROM vm_labels WHERE vm_id = ?", vm.ID).Error; err != nil {
 		return err
 	}
@@ -182,9 +202,9 @@ func undoReservation(tx *gorm.DB, vm VM) error {
 }
 
 const insertVMSQL = `INSERT INTO vms (id, name, host_name, image, vcpus, memory_mib, disk_mib, power_state,
-	observed_state, reason, started_from, holds_capacity, fork_id, fork_slot, labels, placement,
+	observed_state, reason, started_from, holds_capacity, fork_id, fork_slot, labels, nics, placement,
 	constraints, group_name, spread_by, spread_domain, group_cap, created_at, updated_at)
-	VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`
+	VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`
 
 // insertVMPrepared writes the VM row the way gorm's Create would (labels as
 // JSON text), with a statement prepared once per batch.
@@ -193,10 +213,14 @@ func insertVMPrepared(ctx context.Context, insert *sql.Stmt, vm VM) error {
 	if err != nil {
 		return err
 	}
+	nics, err := jsonText(vm.NICs)
+	if err != nil {
+		return err
+	}
 	r := vm.Resources
 	_, err = insert.ExecContext(ctx, vm.ID, vm.Name, vm.HostName, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB,
 		vm.PowerState, vm.ObservedState, vm.Reason, vm.StartedFrom, vm.HoldsCapacity, vm.ForkID, vm.ForkSlot,
-		labels, vm.Placement, vm.Constraints, vm.Group.Name, vm.Group.SpreadBy, vm.Group.Domain, vm.Group.Cap,
+		labels, nics, vm.Placement, vm.Constraints, vm.Group.Name, vm.Group.SpreadBy, vm.Group.Domain, vm.Group.Cap,
 		vm.CreatedAt, vm.UpdatedAt)
 	return err
 }

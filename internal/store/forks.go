@@ -26,12 +26,15 @@ type Fork struct {
 	Constraints   string `gorm:"column:constraints"`
 	SnapshotTaken bool   `gorm:"column:snapshot_taken"`
 	// SnapshotHosts are the hosts that may hold the snapshot (JSON list).
-	SnapshotHosts  []string  `gorm:"column:snapshot_hosts;serializer:json"`
-	Phase          string    `gorm:"column:phase"`
-	Error          string    `gorm:"column:error"`
-	IdempotencyKey *string   `gorm:"column:idempotency_key"`
-	CreatedAt      time.Time `gorm:"column:created_at"`
-	UpdatedAt      time.Time `gorm:"column:updated_at"`
+	SnapshotHosts  []string `gorm:"column:snapshot_hosts;serializer:json"`
+	Phase          string   `gorm:"column:phase"`
+	Error          string   `gorm:"column:error"`
+	IdempotencyKey *string  `gorm:"column:idempotency_key"`
+	// NICs are the source's NICs when the fork was made: each child gets
+	// its own on the same networks.
+	NICs      []NIC     `gorm:"column:nics;serializer:json"`
+	CreatedAt time.Time `gorm:"column:created_at"`
+	UpdatedAt time.Time `gorm:"column:updated_at"`
 }
 
 // TableName is the table of Fork.
@@ -47,6 +50,9 @@ func (s *Store) InsertFork(ctx context.Context, f Fork) error {
 	f.UpdatedAt = t
 	if f.SnapshotHosts == nil {
 		f.SnapshotHosts = []string{f.SourceHost}
+	}
+	if f.NICs == nil {
+		f.NICs = []NIC{}
 	}
 	err := s.db.WithContext(ctx).Create(&f).Error
 	if isDuplicate(err) {

@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 
 	"gorm.io/gorm"
@@ -51,6 +52,11 @@ func (s *Store) ReclaimVM(ctx context.Context, id, observedState, reason, starte
 		if res.RowsAffected == 0 {
 			return fmt.Errorf("reclaim vm %s on host %s: %w", id, vm.HostName, ErrNoRoom)
 		}
+		// Its addresses and MACs come back too, unless another VM took one
+		// meanwhile (ErrAddressTaken, ErrMACTaken: nothing changes).
+		if err := insertNICRows(s.rawExec(ctx, tx, insertNICSQL), id, vm.NICs); err != nil {
+			return err
+		}
 		reclaimed = true
 		return nil
 	})
@@ -58,6 +64,19 @@ func (s *Store) ReclaimVM(ctx context.Context, id, observedState, reason, starte
 		return false, err
 	}
 	return reclaimed, nil
+}
+
+// rawExec runs query in tx without gorm's error translation, so that a
+// refusal still names the index that refused (SQLite's message; gorm keeps
+// PostgreSQL's error as it is).
+func (s *Store) rawExec(ctx context.Context, tx *gorm.DB, query string) func(args ...any) error {
+	if sqlTx, ok := tx.Statement.ConnPool.(*sql.Tx); ok && s.dialect == DialectSQLite {
+		return func(args ...any) error {
+			_, err := sqlTx.ExecContext(ctx, query, args...)
+			return err
+		}
+	}
+	return func(args ...any) error { return tx.Exec(query, args...).Error }
 }
 
 // SetMissingReason rewrites the reason of a VM that is still missing.

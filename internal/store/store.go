@@ -235,6 +235,23 @@ func isForeignKey(err error) bool {
 	return errors.Is(err, gorm.ErrForeignKeyViolated) || pgCode(err) == "23503"
 }
 
+// pgConstraint is the constraint a PostgreSQL error names ("" otherwise).
+func pgConstraint(err error) string {
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		return pg.ConstraintName
+	}
+	return ""
+}
+
+func pgDetail(err error) string {
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		return pg.Detail
+	}
+	return ""
+}
+
 func pgCode(err error) string {
 	var pg *pgconn.PgError
 	if errors.As(err, &pg) {

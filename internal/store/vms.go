@@ -27,6 +27,9 @@ type VM struct {
 	// ForkSlot is a fork child's fixed slot (unique per fork).
 	ForkSlot *int              `gorm:"column:fork_slot"`
 	Labels   map[string]string `gorm:"column:labels;serializer:json"`
+	// NICs are the VM's network interfaces; while the VM holds capacity
+	// each also has a vm_nics row (its MAC and IPAM address).
+	NICs []NIC `gorm:"column:nics;serializer:json"`
 	// Placement is the placement explanation as JSON (written by control).
 	Placement string `gorm:"column:placement"`
 	// PendingVCPUs and PendingMemoryMiB are the shape an unsettled resize
@@ -81,6 +84,9 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 	if vm.Labels == nil {
 		vm.Labels = map[string]string{}
 	}
+	if vm.NICs == nil {
+		vm.NICs = []NIC{}
+	}
 	var err error
 	if s.dialect == DialectPostgres {
 		err = s.reserveInOneStatement(ctx, vm)
@@ -88,7 +94,7 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 		err = s.batcher.reserve(ctx, vm)
 	}
 	switch {
-	case err == nil || errors.Is(err, ErrNoRoom) || errors.Is(err, ErrGroupCap):
+	case err == nil || errors.Is(err, ErrNoRoom) || errors.Is(err, ErrGroupCap) || errors.Is(err, ErrAddressTaken) || errors.Is(err, ErrMACTaken):
 		return err
 	case pgCode(err) == "23514": // group_domains_cap: the slot's CHECK
 		return fmt.Errorf("group %q already has %d VMs in %s %s: %w", vm.Group.Name, vm.Group.Cap, vm.Group.SpreadBy, vm.Group.Domain, ErrGroupCap)
@@ -128,6 +134,13 @@ func (s *Store) reserveInOneStatement(ctx context.Context, vm VM) error {
 		}
 	}
 	if err != nil {
+		// A taken address or MAC (unique indexes of vm_nics) is told
+		// apart before ReserveAndInsertVM's other classifications.
+		if pgCode(err) == "23505" {
+			if c := pgConstraint(err); strings.HasPrefix(c, "vm_nics") {
+				return classifyNICError(err, vm.ID, nicOfConstraint(err, vm.NICs))
+			}
+		}
 		return err
 	}
 	if placed != 1 {
@@ -205,6 +218,10 @@ func reserveStatement(vm VM) (string, []any, error) {
 	if err != nil {
 		return "", nil, err
 	}
+	nics, err := jsonText(vm.NICs)
+	if err != nil {
+		return "", nil, err
+	}
 	g := vm.Group
 	r := vm.Resources
 	args := []any{r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName, r.VCPUs, r.MemoryMiB, r.DiskMiB}
@@ -213,7 +230,7 @@ func reserveStatement(vm VM) (string, []any, error) {
 	}
 	args = append(args,
 		vm.ID, vm.Name, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.PowerState, vm.ObservedState, vm.Reason,
-		vm.StartedFrom, vm.ForkID, vm.ForkSlot, labels, vm.Placement, vm.Constraints, g.Name, g.SpreadBy, g.Domain, g.Cap,
+		vm.StartedFrom, vm.ForkID, vm.ForkSlot, labels, nics, vm.Placement, vm.Constraints, g.Name, g.SpreadBy, g.Domain, g.Cap,
 		vm.CreatedAt, vm.UpdatedAt)
 	var sql strings.Builder
 	sql.WriteString(`WITH reserved AS (
@@ -237,12 +254,27 @@ func reserveStatement(vm VM) (string, []any, error) {
 	}
 	sql.WriteString(`, vm AS (
 		INSERT INTO vms (id, name, host_name, image, vcpus, memory_mib, disk_mib, power_state, observed_state,
-			reason, started_from, holds_capacity, fork_id, fork_slot, labels, placement,
+			reason, started_from, holds_capacity, fork_id, fork_slot, labels, nics, placement,
 			constraints, group_name, spread_by, spread_domain, group_cap, created_at, updated_at)
-		SELECT ?, ?, name, ?, ?, ?, ?, ?, ?, ?, ?, TRUE, ?::text, ?::integer, ?, ?,
+		SELECT ?, ?, name, ?, ?, ?, ?, ?, ?, ?, ?, TRUE, ?::text, ?::integer, ?, ?, ?,
 			?, ?, ?, ?, ?::integer, ?::timestamp, ?::timestamp FROM reserved
 		RETURNING id
 	)`)
+	if len(vm.NICs) > 0 {
+		// The unique indexes of vm_nics arbitrate addresses and MACs: a
+		// taken one fails the whole statement, reservation included.
+		sql.WriteString(`, nic AS (
+		INSERT INTO vm_nics (vm_id, nic_index, network, mac_address, address)
+		SELECT vm.id, n.i, n.net, n.mac, n.addr FROM vm, (VALUES `)
+		for i, n := range vm.NICs {
+			if i > 0 {
+				sql.WriteString(", ")
+			}
+			sql.WriteString("(?::integer, ?::text, ?::text, ?::bigint)")
+			args = append(args, i, n.Network, n.MACAddress, nicAddress(n))
+		}
+		sql.WriteString(`) AS n(i, net, mac, addr) RETURNING 1)`)
+	}
 	if len(vm.Labels) > 0 {
 		sql.WriteString(`, label AS (
 		INSERT INTO vm_labels (vm_id, label_key, label_value)
@@ -276,6 +308,26 @@ func insertLabels(tx *gorm.DB, vmID string, labels map[string]string) error {
 	return nil
 }
 
+// nicOfConstraint picks the NIC a PostgreSQL unique violation names in its
+// detail ("Key (network, address)=(net, 167772162) already exists"), for
+// the error message; the first NIC when it cannot tell.
+func nicOfConstraint(err error, nics []NIC) NIC {
+	var detail string
+	if pg := pgDetail(err); pg != "" {
+		detail = pg
+	}
+	for _, n := range nics {
+		if (n.Address != 0 && strings.Contains(detail, fmt.Sprintf("(%s, %d)", n.Network, n.Address))) ||
+			strings.Contains(detail, n.MACAddress) {
+			return n
+		}
+	}
+	if len(nics) == 0 {
+		return NIC{}
+	}
+	return nics[0]
+}
+
 // releaseInTx gives the VM's resources back to its host if it still holds
 // them. The conditional UPDATE on holds_capacity makes a release happen
 // exactly once, whichever path (delete, missing, failed create) gets there.
@@ -299,6 +351,10 @@ func releaseInTx(tx *gorm.DB, vm VM) (bool, error) {
 		alloc_disk_mib = alloc_disk_mib - ? WHERE name = ?`, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName)
 	if res.Error != nil {
 		return false, fmt.Errorf("release vm %s on host %s: %w", vm.ID, vm.HostName, res.Error)
+	}
+	// Its addresses and MACs go with its capacity.
+	if err := tx.Exec("DELETE FROM vm_nics WHERE vm_id = ?", vm.ID).Error; err != nil {
+		return false, fmt.Errorf("release addresses of vm %s: %w", vm.ID, err)
 	}
 	return true, nil
 }

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net"
 	"net/http"
 	"slices"
@@ -30,9 +31,12 @@ type AgentDouble struct {
 	capacity agentapi.Resources
 	images   []string
 	vms      map[string]agentapi.VM
+	specs    map[string]agentapi.VMSpec
 	calls    []string
 	failPut  bool
 	onDelete func(id string)
+	bridges  []string
+	nextPort int
 	srv      *http.Server
 }
 
@@ -43,6 +47,9 @@ type AgentDoubleOptions struct {
 	MemoryMiB int64  // default 65536
 	DiskMiB   int64  // default 1 TiB
 	Images    []string
+	// Bridges are the bridges that exist on this host: a NIC of mode
+	// bridge on another one is refused with the agent's "invalid" error.
+	Bridges []string
 }
 
 // StartAgentDouble starts the double on 127.0.0.1; it stops at cleanup.
@@ -74,7 +81,7 @@ func StartAgentDouble(t testing.TB, opts AgentDoubleOptions) *AgentDouble {
 	d := &AgentDouble{
 		Address: "http://" + ln.Addr().String(), URL: "http://" + ln.Addr().String(), Token: opts.Token, key: key,
 		capacity: agentapi.Resources{VCPUs: opts.VCPUs, MemoryMiB: opts.MemoryMiB, DiskMiB: opts.DiskMiB},
-		images:   opts.Images, vms: map[string]agentapi.VM{},
+		images:   opts.Images, vms: map[string]agentapi.VM{}, specs: map[string]agentapi.VMSpec{}, bridges: opts.Bridges, nextPort: 20000,
 	}
 	d.srv = &http.Server{Handler: d.routes(), ReadHeaderTimeout: 5 * time.Second}
 	go func() { _ = d.srv.Serve(ln) }()
@@ -198,6 +205,7 @@ func (d *AgentDouble) put(w http.ResponseWriter, r *http.Request) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.calls = append(d.calls, "PUT "+id)
+	d.specs[id] = spec
 	if d.failPut {
 		writeAgentError(w, http.StatusInternalServerError, "internal", "injected create failure")
 		return
@@ -210,14 +218,54 @@ func (d *AgentDouble) put(w http.ResponseWriter, r *http.Request) {
 		writeAgentError(w, http.StatusBadRequest, "invalid", "unknown image "+spec.Image)
 		return
 	}
+	nics, err := d.attachNICs(spec.NICs)
+	if err != nil {
+		writeAgentError(w, http.StatusBadRequest, "invalid", err.Error())
+		return
+	}
 	state := agentapi.StateRunning
 	if spec.Stopped {
 		state = agentapi.StateStopped
 	}
 	vm := agentapi.VM{ID: id, Image: spec.Image, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB, DiskMiB: spec.DiskMiB,
-		State: state, StartedFrom: agentapi.StartedCold, CreatedAt: time.Now().UTC()}
+		State: state, StartedFrom: agentapi.StartedCold, CreatedAt: time.Now().UTC(), NICs: nics}
 	d.vms[id] = vm
 	writeAgentJSON(w, http.StatusCreated, vm)
+}
+
+// attachNICs answers NICs the way the agent contract says: bridges must
+// exist on the host (else the agent's "invalid" naming bridge and host),
+// and each forward gets 127.0.0.1 and a host port of the double's choice.
+// d.mu is held.
+func (d *AgentDouble) attachNICs(in []agentapi.NIC) ([]agentapi.NIC, error) {
+	out := make([]agentapi.NIC, 0, len(in))
+	for _, n := range in {
+		if n.Mode == agentapi.NetworkBridge && !slices.Contains(d.bridges, n.Bridge) {
+			return nil, fmt.Errorf("network %q: bridge %q does not exist on host %s; create it there or limit the network's hosts", n.Network, n.Bridge, d.Address)
+		}
+		n.PortForwards = slices.Clone(n.PortForwards)
+		for i := range n.PortForwards {
+			n.PortForwards[i].HostAddress = "127.0.0.1"
+			n.PortForwards[i].HostPort = d.nextPort
+			d.nextPort++
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
+// NICs returns the NICs the double attached to a VM, as it answered them.
+func (d *AgentDouble) NICs(id string) []agentapi.NIC {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return slices.Clone(d.vms[id].NICs)
+}
+
+// Spec returns the last create spec the double received for a VM.
+func (d *AgentDouble) Spec(id string) agentapi.VMSpec {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.specs[id]
 }
 
 func (d *AgentDouble) get(w http.ResponseWriter, r *http.Request) {

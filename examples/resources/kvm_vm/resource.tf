@@ -16,6 +16,21 @@ resource "kvm_vm" "web" {
   }
 }
 
+# A fixed address on a nat network (kvm_network "lan", cidr 10.20.0.0/24).
+# Changing network_interface blocks replaces the VM.
+resource "kvm_vm" "db" {
+  name       = "db-1"
+  image      = "busybox"
+  vcpus      = 2
+  memory_mib = 1024
+  disk_mib   = 4096
+
+  network_interface {
+    network      = "lan"
+    ipv4_address = "10.20.0.10"
+  }
+}
+
 # Pinned to one host and kept stopped; power_state and labels change in place.
 resource "kvm_vm" "batch" {
   name        = "batch-1"
@@ -47,4 +62,10 @@ resource "kvm_vm" "db" {
 
 output "web_placement" {
   value = kvm_vm.web.placement_summary
+}
+
+# Without network_interface blocks a VM has one NIC on the user-mode network
+# "default": its address is QEMU's 10.0.2.15.
+output "db_address" {
+  value = kvm_vm.db.ipv4_address
 }

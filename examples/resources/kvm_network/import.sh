@@ -1,0 +1,2 @@
+# A network is imported by its name.
+terraform import kvm_network.lan lan

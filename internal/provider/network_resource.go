@@ -1,0 +1,268 @@
+package provider
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/hashicorp/terraform-plugin-framework-validators/stringvalidator"
+	"github.com/hashicorp/terraform-plugin-framework/attr"
+	"github.com/hashicorp/terraform-plugin-framework/path"
+	"github.com/hashicorp/terraform-plugin-framework/resource"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/boolplanmodifier"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/int64planmodifier"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/planmodifier"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/setdefault"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringplanmodifier"
+	"github.com/hashicorp/terraform-plugin-framework/schema/validator"
+	"github.com/hashicorp/terraform-plugin-framework/types"
+	"github.com/hashicorp/terraform-plugin-log/tflog"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
+)
+
+var (
+	_ resource.Resource                = (*networkResource)(nil)
+	_ resource.ResourceWithConfigure   = (*networkResource)(nil)
+	_ resource.ResourceWithImportState = (*networkResource)(nil)
+)
+
+// NewNetworkResource is the kvm_network resource.
+func NewNetworkResource() resource.Resource { return &networkResource{} }
+
+type networkResource struct {
+	data *providerData
+}
+
+// networkModel is a network as kvm_network (resource and data source) stores it.
+type networkModel struct {
+	Name           types.String `tfsdk:"name"`
+	Mode           types.String `tfsdk:"mode"`
+	CIDR           types.String `tfsdk:"cidr"`
+	Gateway        types.String `tfsdk:"gateway"`
+	DHCP           types.Bool   `tfsdk:"dhcp"`
+	Bridge         types.String `tfsdk:"bridge"`
+	Hosts          types.Set    `tfsdk:"hosts"`
+	AddressesTotal types.Int64  `tfsdk:"addresses_total"`
+	AddressesUsed  types.Int64  `tfsdk:"addresses_used"`
+}
+
+func (m *networkModel) fromAPI(n api.Network) {
+	m.Name = types.StringValue(n.Name)
+	m.Mode = types.StringValue(n.Mode)
+	m.CIDR = optionalString(n.CIDR)
+	m.Gateway = optionalString(n.Gateway)
+	m.DHCP = types.BoolValue(n.DHCP)
+	m.Bridge = optionalString(n.Bridge)
+	m.Hosts = stringSet(n.Hosts)
+	m.AddressesTotal = types.Int64Value(int64(n.AddressesTotal))
+	m.AddressesUsed = types.Int64Value(int64(n.AddressesUsed))
+}
+
+func stringSet(items []string) types.Set {
+	elems := make([]attr.Value, len(items))
+	for i, s := range items {
+		elems[i] = types.StringValue(s)
+	}
+	return types.SetValueMust(types.StringType, elems)
+}
+
+func (r *networkResource) Metadata(_ context.Context, req resource.MetadataRequest, resp *resource.MetadataResponse) {
+	resp.TypeName = req.ProviderTypeName + "_network"
+}
+
+func (r *networkResource) Schema(_ context.Context, _ resource.SchemaRequest, resp *resource.SchemaResponse) {
+	replaceString := []planmodifier.String{stringplanmodifier.RequiresReplace()}
+	resp.Schema = schema.Schema{
+		MarkdownDescription: "A named network that VMs attach NICs to (`network_interface` blocks of `kvm_vm`). Modes:\n\n" +
+			"- `user`: QEMU user-mode networking, no root needed; each VM sits at `10.0.2.15` behind its own NAT and is " +
+			"reached through `port_forward`s on `127.0.0.1` of its host. A network named `default` of this mode exists " +
+			"out of the box; VMs without `network_interface` blocks get one NIC on it.\n" +
+			"- `nat`: a private network that each host's agent makes (a Linux bridge, a tap per NIC, DHCP with one " +
+			"static lease per MAC, masquerade for traffic out). The control plane assigns addresses from `cidr`.\n" +
+			"- `bridge`: taps on an existing Linux `bridge` of the hosts. With a `cidr` the control plane assigns " +
+			"addresses and the agent serves them by DHCP; without one, addresses are the bridge network's business.\n\n" +
+			"Only `hosts` changes in place; every other argument replaces the network, which the control API refuses " +
+			"while VMs have NICs on it.",
+		Attributes: map[string]schema.Attribute{
+			"name": schema.StringAttribute{
+				MarkdownDescription: "Name of the network, unique in the fleet. `terraform import` takes it.",
+				Required:            true,
+				Validators:          []validator.String{stringvalidator.LengthBetween(1, 63)},
+				PlanModifiers:       replaceString,
+			},
+			"mode": schema.StringAttribute{
+				MarkdownDescription: "`user`, `nat` or `bridge` (see above).",
+				Required:            true,
+				Validators:          []validator.String{stringvalidator.OneOf(api.NetworkUser, api.NetworkNAT, api.NetworkBridge)},
+				PlanModifiers:       replaceString,
+			},
+			"cidr": schema.StringAttribute{
+				MarkdownDescription: "IPv4 range the control plane assigns addresses from, prefix `/16` to `/30` (for " +
+					"example `10.20.0.0/24`). Required for `nat`, optional for `bridge`, not allowed for `user`. It may " +
+					"not overlap another network's.",
+				Optional:      true,
+				PlanModifiers: replaceString,
+			},
+			"gateway": schema.StringAttribute{
+				MarkdownDescription: "Gateway address inside `cidr`; defaults to its first usable address. It is never " +
+					"given to a VM.",
+				Optional:      true,
+				Computed:      true,
+				PlanModifiers: []planmodifier.String{stringplanmodifier.UseStateForUnknown(), stringplanmodifier.RequiresReplace()},
+			},
+			"dhcp": schema.BoolAttribute{
+				MarkdownDescription: "Whether the agents serve each VM its address by DHCP. Defaults to `true` where the " +
+					"network has a `cidr`.",
+				Optional:      true,
+				Computed:      true,
+				PlanModifiers: []planmodifier.Bool{boolplanmodifier.UseStateForUnknown(), boolplanmodifier.RequiresReplace()},
+			},
+			"bridge": schema.StringAttribute{
+				MarkdownDescription: "Name of the existing Linux bridge on the hosts (`bridge` mode only). A VM placed " +
+					"on a host without it fails to create with an error naming the bridge and host; limit the network " +
+					"with `hosts` to the hosts that have it.",
+				Optional:      true,
+				PlanModifiers: replaceString,
+			},
+			"hosts": schema.SetAttribute{
+				MarkdownDescription: "Hosts the network is on; VMs with a NIC on it are placed on these hosts only. " +
+					"Empty (the default) means every host. Changed in place; VMs already placed stay where they are.",
+				ElementType: types.StringType,
+				Optional:    true,
+				Computed:    true,
+				Default:     setdefault.StaticValue(stringSet(nil)),
+			},
+			"addresses_total": schema.Int64Attribute{
+				MarkdownDescription: "How many addresses the control plane can assign on the network (0 without a `cidr`).",
+				Computed:            true,
+				PlanModifiers:       []planmodifier.Int64{int64planmodifier.UseStateForUnknown()},
+			},
+			"addresses_used": schema.Int64Attribute{
+				MarkdownDescription: "How many of them VMs hold now.",
+				Computed:            true,
+			},
+		},
+	}
+}
+
+func (r *networkResource) Configure(_ context.Context, req resource.ConfigureRequest, resp *resource.ConfigureResponse) {
+	r.data = providerDataFrom(req.ProviderData, &resp.Diagnostics)
+}
+
+func hostsFromSet(ctx context.Context, v types.Set) ([]string, error) {
+	out := []string{}
+	if v.IsNull() || v.IsUnknown() {
+		return out, nil
+	}
+	if diags := v.ElementsAs(ctx, &out, false); diags.HasError() {
+		return nil, fmt.Errorf("read hosts: %v", diags)
+	}
+	return out, nil
+}
+
+func (r *networkResource) Create(ctx context.Context, req resource.CreateRequest, resp *resource.CreateResponse) {
+	var plan networkModel
+	resp.Diagnostics.Append(req.Plan.Get(ctx, &plan)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	hosts, err := hostsFromSet(ctx, plan.Hosts)
+	if err != nil {
+		resp.Diagnostics.AddAttributeError(path.Root("hosts"), summaryCreateNetwork, err.Error())
+		return
+	}
+	in := api.NetworkCreate{Name: plan.Name.ValueString(), Mode: plan.Mode.ValueString(), CIDR: plan.CIDR.ValueString(),
+		Gateway: plan.Gateway.ValueString(), Bridge: plan.Bridge.ValueString(), Hosts: hosts}
+	if !plan.DHCP.IsNull() && !plan.DHCP.IsUnknown() {
+		dhcp := plan.DHCP.ValueBool()
+		in.DHCP = &dhcp
+	}
+	n, err := r.data.client.CreateNetwork(ctx, in)
+	r.data.wrote()
+	if err != nil {
+		subject := fmt.Sprintf("creating network %q", in.Name)
+		if errors.Is(err, client.ErrConflict) {
+			resp.Diagnostics.AddError(summaryCreateNetwork, fmt.Sprintf("The control API refused network %q: its name or "+
+				"cidr is taken. To manage an existing network, import it: terraform import kvm_network.<name> %s; "+
+				"otherwise choose another name or a cidr that does not overlap.\n\nError: %s", in.Name, in.Name, err))
+			return
+		}
+		addAPIError(&resp.Diagnostics, summaryCreateNetwork, subject, err)
+		return
+	}
+	tflog.Info(ctx, "created network", map[string]any{"name": n.Name, "mode": n.Mode, "cidr": n.CIDR})
+	plan.fromAPI(n)
+	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
+}
+
+func (r *networkResource) Read(ctx context.Context, req resource.ReadRequest, resp *resource.ReadResponse) {
+	var state networkModel
+	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	name := state.Name.ValueString()
+	n, err := r.data.client.GetNetwork(ctx, name)
+	if errors.Is(err, client.ErrNotFound) {
+		tflog.Info(ctx, "network is gone from the control API; removing it from state", map[string]any{"name": name})
+		resp.State.RemoveResource(ctx)
+		return
+	}
+	if err != nil {
+		addAPIError(&resp.Diagnostics, summaryReadNetwork, fmt.Sprintf("reading network %q", name), err)
+		return
+	}
+	state.fromAPI(n)
+	resp.Diagnostics.Append(resp.State.Set(ctx, &state)...)
+}
+
+func (r *networkResource) Update(ctx context.Context, req resource.UpdateRequest, resp *resource.UpdateResponse) {
+	var plan networkModel
+	resp.Diagnostics.Append(req.Plan.Get(ctx, &plan)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	name := plan.Name.ValueString()
+	hosts, err := hostsFromSet(ctx, plan.Hosts)
+	if err != nil {
+		resp.Diagnostics.AddAttributeError(path.Root("hosts"), summaryUpdateNetwork, err.Error())
+		return
+	}
+	n, err := r.data.client.UpdateNetwork(ctx, name, api.NetworkPatch{Hosts: &hosts})
+	r.data.wrote()
+	if err != nil {
+		addAPIError(&resp.Diagnostics, summaryUpdateNetwork, fmt.Sprintf("updating network %q", name), err)
+		return
+	}
+	plan.fromAPI(n)
+	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
+}
+
+func (r *networkResource) Delete(ctx context.Context, req resource.DeleteRequest, resp *resource.DeleteResponse) {
+	var state networkModel
+	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	name := state.Name.ValueString()
+	err := r.data.client.DeleteNetwork(ctx, name)
+	r.data.wrote()
+	switch {
+	case err == nil, errors.Is(err, client.ErrNotFound):
+		return
+	case errors.Is(err, client.ErrConflict):
+		resp.Diagnostics.AddError(summaryDeleteNetwork, fmt.Sprintf(
+			"Network %q still has NICs of VMs, so the control API keeps it. Delete those VMs first (a kvm_vm whose "+
+				"network_interface names kvm_network.<name>.name is destroyed before the network), then run "+
+				"terraform destroy again.\n\nError: %s", name, err))
+	default:
+		addAPIError(&resp.Diagnostics, summaryDeleteNetwork, fmt.Sprintf("deleting network %q", name), err)
+	}
+}
+
+func (r *networkResource) ImportState(ctx context.Context, req resource.ImportStateRequest, resp *resource.ImportStateResponse) {
+	resource.ImportStatePassthroughID(ctx, path.Root("name"), req, resp)
+}
