@@ -76,6 +76,24 @@ step "what Terraform made"
 terraform state list
 terraform output
 
+step "each guest answers on its forwarded port on 127.0.0.1"
+if [[ "$driver" == sim ]]; then
+	echo "demo: the sim driver simulates NICs and forwards (no guest listens): skipped"
+else
+	# {"demo-0":"http://127.0.0.1:PORT/",...}: one "name url" line each.
+	terraform output -json http | grep -o '"[^"]*":"[^"]*"' | sed 's/^"\([^"]*\)":"\([^"]*\)"$/\1 \2/' |
+	while read -r name url; do
+		# busybox brings its NIC up right after boot: a few tries, bounded.
+		body=""
+		for _ in $(seq 30); do
+			body=$(curl -fsS --max-time 5 "$url" 2>/dev/null) && break
+			sleep 1
+		done
+		[[ -n "$body" ]] || { echo "demo: $name did not answer on $url" >&2; exit 1; }
+		echo "$name ($url): $body"
+	done
+fi
+
 step "the control API's view: hosts and VMs"
 curl -fsS -H "Authorization: Bearer $token" "http://$listen/v1/hosts" | head -c 4000; echo
 curl -fsS -H "Authorization: Bearer $token" "http://$listen/v1/vms" | head -c 4000; echo

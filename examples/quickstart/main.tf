@@ -41,6 +41,15 @@ resource "kvm_vm" "demo" {
   labels = {
     app = "quickstart"
   }
+
+  # One NIC on the user-mode network "default", with the guest's port 80
+  # forwarded to a port on 127.0.0.1 of its host that the agent picks.
+  network_interface {
+    network = "default"
+    port_forward {
+      guest_port = 80
+    }
+  }
 }
 
 # Both data sources wait for the VMs, so they show the fleet with them placed.
@@ -66,6 +75,14 @@ output "vms" {
       observed_state = vm.observed_state
       placement      = vm.placement_summary
     }
+  }
+}
+
+output "http" {
+  description = "Each VM's web server, through its forwarded port on the host's 127.0.0.1."
+  value = {
+    for vm in kvm_vm.demo : vm.name =>
+    "http://${vm.network_interface[0].port_forward[0].host_address}:${vm.network_interface[0].port_forward[0].host_port}/"
   }
 }
 
