@@ -50,3 +50,30 @@ func TestRegisteredImageSkipsImageFilter(t *testing.T) {
 		t.Fatalf("a registered image is fetched, not filtered: %+v", r)
 	}
 }
+
+// A registered image skips the no_image filter but not the network one: a
+// host that holds the image but lacks the VM's network is rejected with the
+// reason network, and the locality preference picks among the rest.
+func TestImageLocalityWithinNetworkHosts(t *testing.T) {
+	host := func(name string) Host {
+		return Host{Name: name, Alive: true, Schedulable: true, Total: Resources{8, 16384, 100000}}
+	}
+	hosts := []Host{host("a"), host("b"), host("c")}
+	req := Request{Image: "debian", ImageSHA256: strings.Repeat("ab", 32), Resources: Resources{1, 512, 1000},
+		NetworkHosts: []NetworkHosts{{Network: "lan", Hosts: []string{"b", "c"}}}}
+	res := Rank(DefaultWeights(), hosts, req)
+	if len(res.Rejected) != 1 || res.Rejected[0].Host != "a" || res.Rejected[0].Reason != ReasonNetwork ||
+		!strings.Contains(res.Rejected[0].Detail, `"lan"`) {
+		t.Fatalf("rejected %+v; want host a rejected as %s naming the network", res.Rejected, ReasonNetwork)
+	}
+	holds := map[string]bool{"a": true}
+	for _, r := range res.Ranked {
+		if r.Host != res.Ranked[0].Host {
+			holds[r.Host] = true // the host that ranks second holds it too
+		}
+	}
+	got, reordered := PreferImageLocal(res, DefaultImageMargin, holds)
+	if !reordered || got.Ranked[0].Host == "a" || !holds[got.Ranked[0].Host] || !got.Ranked[0].ImageLocal {
+		t.Fatalf("ranked %+v reordered %v; want the networked holder first, never host a", got.Ranked, reordered)
+	}
+}
