@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# deps.sh [demo|test|ci]: make sure the Debian packages a target needs are
+# deps.sh [demo|test|debian|ci]: make sure the Debian packages a target needs are
 # here. It checks for the commands on PATH; when some are missing and it runs
 # as root on a machine with apt-get, it installs their packages; otherwise it
 # prints the one command to run and exits 1, so that the caller can fall back
@@ -8,6 +8,7 @@
 #   demo: QEMU, qemu-img and the tools scripts/build-image.sh uses
 #   test: the same (PostgreSQL is optional: the tests start their own from
 #         the system's binaries, or use KVM_TEST_DATABASE_URL)
+#   debian: mmdebstrap and mkfs.ext4 for the Debian guest (make image-debian)
 #   ci:   the same plus PostgreSQL, chromium (the fleet page test),
 #         promtool (prometheus) and systemd-analyze (systemd)
 #
@@ -31,9 +32,20 @@ cmds=(qemu-system-x86_64 qemu-img cpio gzip xz apt-get dpkg-deb)
 # Packages that provide no command the scripts call by name.
 extra_pkgs=(busybox-static zstd kmod ca-certificates)
 
+debian_image() {
+	pkg_of[mmdebstrap]=mmdebstrap
+	pkg_of[mkfs.ext4]=e2fsprogs
+	cmds+=(mmdebstrap mkfs.ext4)
+}
 case "$what" in
 demo | test) ;;
+debian)
+	cmds=()
+	extra_pkgs=()
+	debian_image
+	;;
 ci)
+	debian_image
 	pkg_of[chromium]=chromium
 	pkg_of[promtool]=prometheus
 	pkg_of[systemd-analyze]=systemd
@@ -42,7 +54,7 @@ ci)
 	cmds+=(chromium promtool systemd-analyze pg_ctlcluster curl)
 	;;
 *)
-	log "usage: deps.sh demo|test|ci"
+	log "usage: deps.sh demo|test|debian|ci"
 	exit 2
 	;;
 esac

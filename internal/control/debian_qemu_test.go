@@ -42,6 +42,9 @@ func TestQEMUDebianGuestBoots(t *testing.T) {
 		t.Skip("boots a real Debian guest")
 	}
 	src := debianImageDir()
+	if src == "" && os.Getenv("KVM_REQUIRE_DEBIAN") == "1" {
+		t.Fatal("no debian-12 image, and KVM_REQUIRE_DEBIAN=1: `make test` builds it as root with mmdebstrap (make image-debian)")
+	}
 	if src == "" {
 		t.Skip("no debian-12 image: build it with `make image-debian` (IMAGE_DIR=.cache/images, or set KVM_DEBIAN_IMAGE_DIR to the folder holding debian-12)")
 	}
