@@ -5,7 +5,8 @@
 # guest needs and an /init that prints "kvm-guest-ready", whether it sees a
 # vmgenid device, the disk it sees ("disk vda <bytes>"), the marker at the
 # start of that disk if there is one, its memory and vCPUs, then "tick N"
-# every second on the serial console. With a NIC (virtio-net) it brings eth0
+# every second on the serial console (and "disk vda <bytes>" again when the
+# disk grows while the guest runs). With a NIC (virtio-net) it brings eth0
 # up by DHCP (udhcpc), prints "kvm-guest-ip <address>" once it has a lease,
 # and serves HTTP on port 80 (busybox httpd) with a page that names its
 # hostname, and /cgi-bin/get?<host[:port]>, which fetches
@@ -17,7 +18,7 @@
 set -euo pipefail
 
 # Bump when the init, the module list or the manifest changes.
-SCRIPT_VERSION=9
+SCRIPT_VERSION=11
 NAME=busybox
 # Modules the guest loads, in dependency order after resolution: virtio-mmio
 # (microvm) and virtio-pci (q35) transports, the disk, and the ACPI power
@@ -169,7 +170,10 @@ if [ -e /sys/bus/acpi/devices/QEMUVGID:00 ]; then echo "vmgenid present"; else e
 found=0
 for d in /sys/block/vd*; do
 	[ -e "$d" ] || continue
-	echo "disk ${d##*/} $(($(cat "$d/size") * 512))"
+	sectors=$(cat "$d/size")
+	echo "disk ${d##*/} $((sectors * 512))"
+	# The size printed, so that a growth is printed again (tick loop below).
+	[ "${d##*/}" = vda ] && vda=$sectors
 	# A marker a test wrote at the start of the disk (resizes keep the disk).
 	m=$(head -c 64 "/dev/${d##*/}" 2>/dev/null | tr -dc 'A-Za-z0-9:._-')
 	case $m in kvm-marker:*) echo "kvm-guest-disk-marker ${d##*/} $m" ;; esac
@@ -201,6 +205,12 @@ fi
 n=0
 while :; do
 	echo "tick $n"
+	# A disk grown while the guest runs (QMP block_resize): its new size.
+	s=$(cat /sys/block/vda/size 2>/dev/null)
+	if [ -n "$s" ] && [ "$s" != "$vda" ]; then
+		vda=$s
+		echo "disk vda $((s * 512))"
+	fi
 	n=$((n + 1))
 	sleep 1
 done
