@@ -140,12 +140,11 @@ func New(cfg Config) (*Cache, error) {
 		cfg.Logger = slog.Default()
 	}
 	c := &Cache{cfg: cfg, dir: filepath.Join(cfg.ImageDir, "sha256"), log: cfg.Logger, entries: map[string]*entry{}}
-	if err := os.MkdirAll(c.dir, 0o750); err != nil {
-		return nil, fmt.Errorf("image cache: create %s: %w", c.dir, err)
-	}
 	c.ctx, c.stop = context.WithCancel(context.Background())
+	// The folder is made by the first fetch: an agent that never fetches
+	// leaves its image directory as it found it.
 	des, err := os.ReadDir(c.dir)
-	if err != nil {
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("image cache: read %s: %w", c.dir, err)
 	}
 	for _, de := range des {

@@ -40,6 +40,9 @@ func (c *Cache) verifyPeer(ctx context.Context, p agentapi.ImagePeer) error {
 // and only the reader knows how far it got: a retry asks for the rest
 // (Range) and keeps hashing where it stopped.
 func (c *Cache) fetch(ctx context.Context, src agentapi.ImageSource) (agentapi.ImageStatus, error) {
+	if err := os.MkdirAll(c.dir, 0o750); err != nil {
+		return agentapi.ImageStatus{}, fmt.Errorf("image cache: create %s: %w", c.dir, err)
+	}
 	partial := filepath.Join(c.dir, partialPrefix+src.SHA256)
 	var errs []string
 	for _, p := range src.Peers {
