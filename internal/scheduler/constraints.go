@@ -12,7 +12,7 @@ const (
 	SpreadByLabelPrefix = "label:"
 )
 
-// Constraints steer placement (DESIGN.md section 14). HostLabels is a hard
+// Constraints steer placement (docs/guides/placement.md). HostLabels is a hard
 // filter. With a Group, the group's VMs are counted per domain (SpreadBy);
 // fewer of them in a domain scores better (a soft term), and MaxPerDomain,
 // when above 0, is a hard cap per domain.

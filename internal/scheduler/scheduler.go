@@ -256,7 +256,7 @@ func Rank(w Weights, hosts []Host, req Request) Result {
 }
 
 // score rates a host that passed the filters: the resource score of
-// DESIGN.md section 5 plus, for a group, the spread term.
+// docs/guides/placement.md plus, for a group, the spread term.
 func score(w Weights, h Host, req Request) Ranked {
 	s, terms := Score(w, h.Capacity(), h.Free(), req.Resources)
 	if c := req.Constraints; c.Group != "" {
