@@ -57,7 +57,7 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 		ID: newID(), Name: in.Name, Image: in.Image, Labels: in.Labels,
 		Resources:  store.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB},
 		PowerState: in.PowerState, ObservedState: api.StateCreating, Constraints: constraintsText(in.Constraints),
-		CreatedAt: time.Now().UTC().Truncate(time.Microsecond),
+		CreatedAt: time.Now().UTC().Truncate(time.Microsecond), Owner: &s.replicaID,
 	}
 	req := scheduler.Request{Image: in.Image, Host: in.Host, Resources: schedResources(vm.Resources),
 		Constraints: schedConstraints(in.Constraints)}

@@ -26,12 +26,14 @@ type Fork struct {
 	Constraints   string `gorm:"column:constraints"`
 	SnapshotTaken bool   `gorm:"column:snapshot_taken"`
 	// SnapshotHosts are the hosts that may hold the snapshot (JSON list).
-	SnapshotHosts  []string  `gorm:"column:snapshot_hosts;serializer:json"`
-	Phase          string    `gorm:"column:phase"`
-	Error          string    `gorm:"column:error"`
-	IdempotencyKey *string   `gorm:"column:idempotency_key"`
-	CreatedAt      time.Time `gorm:"column:created_at"`
-	UpdatedAt      time.Time `gorm:"column:updated_at"`
+	SnapshotHosts  []string `gorm:"column:snapshot_hosts;serializer:json"`
+	Phase          string   `gorm:"column:phase"`
+	Error          string   `gorm:"column:error"`
+	IdempotencyKey *string  `gorm:"column:idempotency_key"`
+	// Owner is the control replica running the fork's pass (replicas.go).
+	Owner     *string   `gorm:"column:owner_replica"`
+	CreatedAt time.Time `gorm:"column:created_at"`
+	UpdatedAt time.Time `gorm:"column:updated_at"`
 }
 
 // TableName is the table of Fork.
