@@ -78,6 +78,9 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 	if key != "" {
 		// A retry of a POST whose pass failed or was cut short: resume it.
 		if f, err := s.store.GetForkByIdempotencyKey(ctx, key); err == nil {
+			if err := sameForkRequest(f, in, key); err != nil {
+				return api.Fork{}, err
+			}
 			return s.forkPass(ctx, f.ID)
 		}
 	}
@@ -102,6 +105,9 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 	if err := s.store.InsertFork(ctx, f); err != nil {
 		if key != "" && errors.Is(err, store.ErrDuplicateName) {
 			if g, gerr := s.store.GetForkByIdempotencyKey(ctx, key); gerr == nil {
+				if err := sameForkRequest(g, in, key); err != nil {
+					return api.Fork{}, err
+				}
 				return s.forkPass(ctx, g.ID)
 			}
 		}
