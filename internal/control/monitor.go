@@ -48,6 +48,11 @@ func (s *Service) Run(ctx context.Context) error {
 			} else if n > 0 {
 				s.log.Info("deleted expired idempotency keys", "count", n)
 			}
+			if n, err := s.store.DeleteOldTombstones(ctx, tombstoneAge); err != nil {
+				s.log.Warn("delete old vm tombstones", "err", err)
+			} else if n > 0 {
+				s.log.Info("deleted old vm tombstones", "count", n)
+			}
 			lastKeyCleanup = time.Now()
 		}
 		select {

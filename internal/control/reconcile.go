@@ -41,7 +41,10 @@ func (s *Service) settleStuckCreate(ctx context.Context, host string, row store.
 // deleteOrphans deletes, on the agent, the VMs that have no row and are
 // older than OrphanGrace: nothing accounts for their capacity and no user
 // can see them (e.g. a create whose cleanup removed the row while the
-// agent was still booting the VM). The rows were read before the agent's
+// agent was still booting the VM). Only a VM whose row was deleted on
+// purpose (it has a tombstone) is deleted; any other may be an
+// acknowledged create that the database lost, and is kept for an operator
+// (deletedOnPurpose). The rows were read before the agent's
 // list, so a VM created since then is young and kept; each candidate's row
 // is looked up once more before the delete.
 func (s *Service) deleteOrphans(ctx context.Context, h store.Host, c *agentapi.Client, rows []store.VM, vms []agentapi.VM) {
@@ -49,6 +52,8 @@ func (s *Service) deleteOrphans(ctx context.Context, h store.Host, c *agentapi.C
 	for _, row := range rows {
 		known[row.ID] = true
 	}
+	unaccounted := 0
+	defer func() { s.metrics.unaccounted.WithLabelValues(h.Name).Set(float64(unaccounted)) }()
 	for _, v := range vms {
 		if known[v.ID] || v.CreatedAt.IsZero() || time.Since(v.CreatedAt) < s.opts.OrphanGrace {
 			continue
@@ -57,6 +62,10 @@ func (s *Service) deleteOrphans(ctx context.Context, h store.Host, c *agentapi.C
 			if err != nil {
 				s.log.Error("host monitor: look up orphan candidate", "vm", v.ID, "host", h.Name, "err", err)
 			}
+			continue
+		}
+		if !s.deletedOnPurpose(ctx, h.Name, v) {
+			unaccounted++
 			continue
 		}
 		if err := s.agents.deleteVM(ctx, c, v.ID); err != nil && !errors.Is(err, agentapi.ErrNotFound) {

@@ -328,7 +328,7 @@ func (s *Store) DeleteVM(ctx context.Context, id string) (VM, bool, error) {
 		if err := tx.Exec("DELETE FROM vms WHERE id = ?", id).Error; err != nil {
 			return fmt.Errorf("delete vm %s: %w", id, err)
 		}
-		return nil
+		return tombstone(tx, vm)
 	})
 	return vm, released, err
 }

@@ -12,3 +12,14 @@ CREATE TABLE replicas (
 );
 ALTER TABLE vms ADD COLUMN owner_replica TEXT NULL;
 ALTER TABLE forks ADD COLUMN owner_replica TEXT NULL;
+
+-- Tombstones of deleted VM rows. The host monitor deletes a VM that its
+-- agent runs without a row only when the row was deleted on purpose (a
+-- failed create's cleanup, a delete): a VM with neither row nor tombstone
+-- may be an acknowledged create that the database lost (a power loss with
+-- --sqlite-sync normal, a restore), and is kept for an operator instead.
+CREATE TABLE deleted_vms (
+    vm_id      TEXT PRIMARY KEY,
+    host_name  TEXT NOT NULL,
+    deleted_at TIMESTAMP NOT NULL
+);
