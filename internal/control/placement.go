@@ -179,8 +179,11 @@ func placementJSON(best scheduler.Ranked, rejected []scheduler.Rejection) string
 	return placementJSONNote(best, rejected, "")
 }
 
+// placementJSONNote is the explanation a VM row keeps: the chosen host,
+// its score and terms, and the rejections capped (storedPlacement).
 func placementJSONNote(best scheduler.Ranked, rejected []scheduler.Rejection, note string) string {
-	b, _ := json.Marshal(api.Placement{Host: best.Host, Score: best.Score, Terms: best.Terms.Map(), Rejected: apiRejections(rejected), Note: note})
+	p := api.Placement{Host: best.Host, Score: best.Score, Terms: best.Terms.Map(), Note: note}
+	b, _ := json.Marshal(capRejections(p, rejected))
 	return string(b)
 }
 
