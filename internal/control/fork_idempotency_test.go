@@ -3,10 +3,12 @@ package control_test
 import (
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
 )
 
 // An Idempotency-Key names one request. After a fork's pass fails the key
@@ -71,4 +73,61 @@ func TestForkKeyReuseWithAnotherBodyAfterAFailedPass(t *testing.T) {
 		}
 		e.checkFork(t, id, 3)
 	})
+}
+
+// A retry that meets 409 in_flight on its own key learns the fork's id
+// (details.fork_id) once the first request has recorded it, so that a
+// client that must give up waiting can keep track of the fork and delete
+// it later (the provider saves it as tainted).
+func TestForkInFlightNamesTheFork(t *testing.T) {
+	ctx := ctxT(t)
+	c := testenv.StartControl(t, testenv.ControlOptions{})
+	ag := testenv.StartSlowAgent(t, testenv.AgentOptions{}, 3*time.Second)
+	ag.Slow.Store(false)
+	c.RegisterHost(t, "h1", ag.Address)
+	src, err := c.Client.CreateVM(ctx, smallVM("src"), "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ag.Slow.Store(true) // the children's starts are slow
+	key := client.NewIdempotencyKey()
+	in := api.ForkCreate{SourceVMID: src.ID, Count: 1}
+	// Two requests with the same key race; whichever claims it runs the
+	// fork, the other meets 409 in_flight (retried until it does).
+	named := func(err error) string {
+		var ce *client.Error
+		if apiCode(err) != api.CodeInFlight || !errors.As(err, &ce) {
+			return ""
+		}
+		id, _ := ce.Details["fork_id"].(string)
+		return id
+	}
+	results := make(chan error, 2)
+	for range 2 {
+		go func() {
+			for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+				_, err := noRetry(c).CreateFork(ctx, in, key)
+				if apiCode(err) != api.CodeInFlight || named(err) != "" {
+					results <- err
+					return
+				}
+			}
+			results <- errors.New("gave up")
+		}()
+	}
+	var forkID string
+	for range 2 {
+		err := <-results
+		if id := named(err); id != "" {
+			forkID = id
+		} else if err != nil {
+			t.Errorf("create: %v", err)
+		}
+	}
+	if forkID == "" {
+		t.Fatal("no 409 in_flight named the fork while its first request ran")
+	}
+	if _, err := c.Client.GetFork(ctx, forkID); err != nil {
+		t.Errorf("the fork named by in_flight: %v", err)
+	}
 }

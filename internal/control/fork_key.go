@@ -1,6 +1,8 @@
 package control
 
 import (
+	"context"
+	"errors"
 	"fmt"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
@@ -33,4 +35,24 @@ func sameForkRequest(f store.Fork, in api.ForkCreate, key string) error {
 	return &Error{Code: api.CodeIdempotencyMismatch, Message: fmt.Sprintf(
 		"Idempotency-Key %s already made fork %s with %s; use a new key for a new request (or DELETE /v1/forks/%s first)",
 		key, f.ID, diff, f.ID), Details: map[string]any{"fork_id": f.ID}}
+}
+
+// nameInFlightFork adds details.fork_id to a 409 in_flight of a fork create
+// once the first request has recorded its fork: a client that must give up
+// waiting can still keep track of (and later delete) what it started.
+func (s *Service) nameInFlightFork(ctx context.Context, err error, key string) error {
+	var e *Error
+	if !errors.As(err, &e) || e.Code != api.CodeInFlight {
+		return err
+	}
+	f, gerr := s.store.GetForkByIdempotencyKey(ctx, key)
+	if gerr != nil {
+		return err
+	}
+	if e.Details == nil {
+		e.Details = map[string]any{}
+	}
+	e.Details["fork_id"] = f.ID
+	e.Message += fmt.Sprintf(" (fork %s)", f.ID)
+	return err
 }

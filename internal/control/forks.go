@@ -35,9 +35,10 @@ func (s *Service) CreateFork(ctx context.Context, in api.ForkCreate, idempotency
 	if idempotencyKey == "" {
 		return s.createFork(ctx, in, "")
 	}
-	return idempotent(ctx, s, idempotencyScopeForks, idempotencyKey, in, func(ctx context.Context) (api.Fork, error) {
+	f, err := idempotent(ctx, s, idempotencyScopeForks, idempotencyKey, in, func(ctx context.Context) (api.Fork, error) {
 		return s.createFork(ctx, in, idempotencyKey)
 	})
+	return f, s.nameInFlightFork(ctx, err, idempotencyKey)
 }
 
 func validateForkCreate(in api.ForkCreate) error {
