@@ -191,6 +191,10 @@ func (s *Service) reconcileVMs(ctx context.Context, host string, rows []store.VM
 			continue
 		}
 		a, ok := onAgent[row.ID]
+		if cleanupPending(row) {
+			s.finishFailedCreate(ctx, host, row, ok)
+			continue
+		}
 		if _, pending := row.Pending(); pending && ok {
 			row = s.settleResize(ctx, host, row, a, l)
 		}

@@ -107,7 +107,7 @@ func (s *Service) failCreate(ctx context.Context, chain *cleanup, vm store.VM, c
 	if undoErr == nil {
 		return cause
 	}
-	reason := fmt.Sprintf("create failed (%v) and the agent of host %s did not confirm deleting the VM, so its capacity stays reserved; DELETE /v1/vms/%s retries the cleanup", cause, vm.HostName, vm.ID)
+	reason := fmt.Sprintf(createFailedPrefix+" (%v) and the agent of host %s did not confirm deleting the VM, so its capacity stays reserved; DELETE /v1/vms/%s retries the cleanup", cause, vm.HostName, vm.ID)
 	if err := s.store.SetVMState(ctx, vm.ID, api.StateError, reason, ""); err != nil {
 		s.log.Error("record failed create", "vm", vm.ID, "err", err)
 	}

@@ -1,6 +1,8 @@
 package testenv
 
 import (
+	"bytes"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"net/http/httputil"
@@ -21,6 +23,11 @@ type SlowAgent struct {
 	// Address is the proxy's address (it shadows Agent.Address).
 	Address string
 	Slow    atomic.Bool
+	// HoldDeletes, when set, holds every VM delete (DELETE /v1/vms/{id})
+	// until it is cleared or its caller gives up: a hung agent.
+	HoldDeletes atomic.Bool
+	// Creates counts the VM creates that reached the proxy.
+	Creates atomic.Int64
 }
 
 // StartSlowAgent starts a sim agent behind a create-delaying proxy; Slow
@@ -36,9 +43,27 @@ func StartSlowAgent(t testing.TB, opts AgentOptions, delay time.Duration) *SlowA
 	s.Slow.Store(true)
 	rp := httputil.NewSingleHostReverseProxy(target)
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if s.Slow.Load() && r.Method == http.MethodPut && strings.HasPrefix(r.URL.Path, "/v1/vms/") {
+		// Read the body first: only then does the server notice a caller
+		// that gives up (and cancel r's context).
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			return
+		}
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		vmCall := strings.HasPrefix(r.URL.Path, "/v1/vms/")
+		if vmCall && r.Method == http.MethodPut {
+			s.Creates.Add(1)
+		}
+		if s.Slow.Load() && vmCall && r.Method == http.MethodPut {
 			select {
 			case <-time.After(delay):
+			case <-r.Context().Done():
+				return
+			}
+		}
+		for vmCall && r.Method == http.MethodDelete && s.HoldDeletes.Load() {
+			select {
+			case <-time.After(20 * time.Millisecond):
 			case <-r.Context().Done():
 				return
 			}
