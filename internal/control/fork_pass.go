@@ -224,7 +224,11 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 	if vm.HostName != f.SourceHost {
 		// Recorded before the child is asked to pull, so that a delete
 		// finds the copy whatever happens next.
-		if err := s.store.AddForkSnapshotHost(ctx, f.ID, vm.HostName); err != nil {
+		err := s.store.AddForkSnapshotHost(ctx, f.ID, vm.HostName)
+		if err == nil {
+			err = s.recordAncestorSnapshotHost(ctx, f, vm.HostName)
+		}
+		if err != nil {
 			if uerr := s.forgetVM(ctx, vm.ID, vm.HostName); uerr != nil {
 				s.log.Error("release child reservation", "vm", vm.ID, "err", uerr)
 			}
