@@ -23,7 +23,16 @@ var (
 	ErrConflict    = errors.New("conflict")
 	ErrInvalid     = errors.New("invalid request")
 	ErrUnavailable = errors.New("agent unavailable")
+	// ErrTimedOut (with ErrUnavailable) is an attempt that reached its
+	// timeout: the agent may have the request and still be working on it,
+	// so it is not sent again (that would only wait again).
+	ErrTimedOut = errors.New("agent call timed out")
 )
+
+// OpBound is how long an agent may take to snapshot a VM or to pull a
+// snapshot from a peer before it gives up (its own bound), plus a margin:
+// the control plane's wait for those calls covers it.
+const OpBound = 10*time.Minute + 30*time.Second
 
 // Error is an error answer of an agent.
 type Error struct {
@@ -134,7 +143,11 @@ func (c *Client) GetVM(ctx context.Context, id string) (VM, error) {
 // Booting can take a while under TCG, so the call gets a longer timeout.
 func (c *Client) CreateVM(ctx context.Context, id string, spec VMSpec) (VM, error) {
 	var out VM
-	err := c.do(ctx, http.MethodPut, "/v1/vms/"+url.PathEscape(id), spec, &out, 6*c.timeout)
+	timeout := 6 * c.timeout
+	if spec.Snapshot != nil {
+		timeout = max(timeout, OpBound) // the agent may pull the snapshot first
+	}
+	err := c.do(ctx, http.MethodPut, "/v1/vms/"+url.PathEscape(id), spec, &out, timeout)
 	return out, err
 }
 
@@ -182,7 +195,7 @@ func (c *Client) Console(ctx context.Context, id string) (string, error) {
 // CreateSnapshot takes the snapshot with this id, or returns it if it exists.
 func (c *Client) CreateSnapshot(ctx context.Context, id string, spec SnapshotSpec) (Snapshot, error) {
 	var out Snapshot
-	err := c.do(ctx, http.MethodPut, "/v1/snapshots/"+url.PathEscape(id), spec, &out, 6*c.timeout)
+	err := c.do(ctx, http.MethodPut, "/v1/snapshots/"+url.PathEscape(id), spec, &out, max(6*c.timeout, OpBound))
 	return out, err
 }
 
@@ -305,7 +318,7 @@ func (c *Client) do(ctx context.Context, method, path string, in, out any, timeo
 			}
 		}
 		lastErr = c.once(ctx, method, path, op, body, out, timeout)
-		if lastErr == nil || !errors.Is(lastErr, ErrUnavailable) || ctx.Err() != nil {
+		if lastErr == nil || !errors.Is(lastErr, ErrUnavailable) || errors.Is(lastErr, ErrTimedOut) || ctx.Err() != nil {
 			return lastErr
 		}
 	}
@@ -321,6 +334,9 @@ func (c *Client) once(ctx context.Context, method, path, op string, body []byte,
 	}
 	resp, err := c.http.Do(req)
 	if err != nil {
+		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			return fmt.Errorf("agent %s at %s: no answer within %v: %w: %w", op, c.base, timeout, ErrUnavailable, ErrTimedOut)
+		}
 		return fmt.Errorf("agent %s at %s: %w: %v", op, c.base, ErrUnavailable, err)
 	}
 	defer func() { _ = resp.Body.Close() }()

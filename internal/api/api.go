@@ -169,6 +169,11 @@ type Placement struct {
 	Score    float64            `json:"score"`
 	Terms    map[string]float64 `json:"terms"`
 	Rejected []Rejection        `json:"rejected"`
+	// RejectedCounts counts every rejected host by reason; Rejected lists
+	// the first of them only (a VM keeps at most a few dozen), and
+	// RejectedOmitted says how many more there were.
+	RejectedCounts  map[string]int `json:"rejected_counts,omitempty"`
+	RejectedOmitted int            `json:"rejected_omitted,omitempty"`
 	// Note says when something besides the score decided, e.g. the warm
 	// pool preference.
 	Note string `json:"note,omitempty"`

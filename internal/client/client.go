@@ -351,16 +351,42 @@ func (c *Client) call(ctx context.Context, method, path string, in, out any, ide
 	var err error
 	for attempt := 0; ; attempt++ {
 		err = c.once(ctx, method, path, body, out, idemKey)
-		if err == nil || !retry || !retryable(err) || attempt >= c.retries {
+		if err == nil || !retry || !retryable(err) {
 			return err
+		}
+		// 409 in_flight on the caller's own key: the first attempt is still
+		// running on the server (it outlived this client's per-attempt
+		// timeout). Failing now would leave what it makes outside the
+		// caller's hands, so wait it out until the caller's deadline,
+		// polling at most every maxInFlightPoll, without using up retries
+		// (a client made with no retries does not wait either).
+		inFlight := idemKey != "" && c.retries > 0 && errors.Is(err, ErrInFlight)
+		if !inFlight && attempt >= c.retries {
+			return err
+		}
+		if inFlight {
+			attempt--
 		}
 		select {
 		case <-ctx.Done():
 			return errors.Join(err, ctx.Err())
 		case <-time.After(wait):
 		}
-		wait *= 2
+		wait = min(wait*2, maxInFlightPoll)
 	}
+}
+
+// maxInFlightPoll caps the wait between polls of a request in flight.
+const maxInFlightPoll = 5 * time.Second
+
+// MayHaveCreated reports whether a failed create may nevertheless have made
+// its object on the server: no definitive answer came back (the service was
+// unavailable, an attempt timed out, the caller's deadline passed while the
+// request was in flight). A caller that must give up then keeps what it can
+// of the object rather than losing track of it.
+func MayHaveCreated(err error) bool {
+	return errors.Is(err, ErrUnavailable) || errors.Is(err, ErrInFlight) ||
+		errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)
 }
 
 func (c *Client) once(ctx context.Context, method, path string, body []byte, out any, idemKey string) error {

@@ -35,6 +35,8 @@ type controlConfig struct {
 	// CreateGrace and OrphanGrace tune the host monitor's reconciliation
 	// (control.Options; 0 = its defaults).
 	CreateGrace, OrphanGrace time.Duration
+	// SQLiteSync is --sqlite-sync: full (default) or normal.
+	SQLiteSync string
 }
 
 // runControl is `kvmd control`.
@@ -59,6 +61,7 @@ func runControl(ctx context.Context, args []string, getenv Env, stderr io.Writer
 	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long to wait for requests in flight at shutdown")
 	fs.StringVar(&logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.DurationVar(&cfg.CreateGrace, "create-grace", 15*time.Minute, "how long a VM may stay creating before the host monitor settles it from its agent (must exceed a create's 10 min bound)")
+	fs.StringVar(&cfg.SQLiteSync, "sqlite-sync", store.SQLiteSyncFull, "SQLite durability: full (fsync every commit; an acknowledged create survives a power loss) or normal (faster; a power loss may roll back the last commits)")
 	fs.DurationVar(&cfg.OrphanGrace, "orphan-grace", 15*time.Minute, "how old a VM on an agent without a database row must be before the host monitor deletes it")
 	if err := parseFlags(fs, args, getenv); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -96,6 +99,9 @@ func (cfg controlConfig) validate() error {
 	if cfg.SyncInterval <= 0 {
 		errs = append(errs, errors.New("--sync-interval must be positive"))
 	}
+	if _, err := store.ParseSQLiteSync(cfg.SQLiteSync); err != nil {
+		errs = append(errs, err)
+	}
 	if cfg.MetricsToken != "" && (cfg.MetricsToken == cfg.Token || cfg.MetricsToken == cfg.AgentToken) {
 		errs = append(errs, errors.New("the metrics token equals the API or agent token: give the scraper its own token, which can read only /metrics"))
 	}
@@ -116,7 +122,8 @@ func serveControl(ctx context.Context, cfg controlConfig, log *slog.Logger, read
 	if cfg.ShutdownTimeout <= 0 {
 		cfg.ShutdownTimeout = 30 * time.Second
 	}
-	st, err := store.Open(ctx, store.Config{DatabaseURL: cfg.DatabaseURL, DataDir: cfg.DataDir, Logger: log})
+	fullSync, _ := store.ParseSQLiteSync(cfg.SQLiteSync) // checked by validate
+	st, err := store.Open(ctx, store.Config{DatabaseURL: cfg.DatabaseURL, DataDir: cfg.DataDir, Logger: log, SQLiteFullSync: fullSync})
 	if err != nil {
 		return err
 	}
@@ -168,7 +175,12 @@ func serveControl(ctx context.Context, cfg controlConfig, log *slog.Logger, read
 			serveErr <- srv.Serve(ln)
 		}
 	}()
-	log.Info("control API listening", "address", ln.Addr().String(), "database", st.Dialect(), "tls", cfg.TLSCert != "")
+	syncMode, err := st.SQLiteSync(ctx)
+	if err != nil {
+		log.Warn("read the SQLite sync mode", "err", err)
+	}
+	log.Info("control API listening", "address", ln.Addr().String(), "database", st.Dialect(), "tls", cfg.TLSCert != "",
+		"sqlite_sync", syncMode)
 	if ready != nil {
 		ready(ln.Addr().String())
 	}

@@ -54,6 +54,12 @@ type Options struct {
 	// OrphanGrace is how old a VM on an agent that has no row must be before
 	// the host monitor deletes it there (default 15 min).
 	OrphanGrace time.Duration
+	// LeaseInterval is how often this replica renews its lease (default
+	// 2 s); LeaseLapse how old a replica's last renewal must be for the
+	// others to settle its unfinished creates, resizes and forks (default
+	// 10 s; at least 3 intervals). See leases.go.
+	LeaseInterval time.Duration
+	LeaseLapse    time.Duration
 }
 
 // Hooks let tests inject failures at points that are otherwise hard to reach.
@@ -91,6 +97,9 @@ type Service struct {
 	// networks caches networks for creates; ipam holds the address hints.
 	networks networkCache
 	ipam     ipamHints
+	// replicaID names this replica's lease; startedAt is when it began.
+	replicaID string
+	startedAt time.Time
 
 	// reloadMu and lastReload coalesce the full reloads of placements that
 	// fall to the slow path at the same time (a burst of no_capacity).
@@ -140,6 +149,12 @@ func New(ctx context.Context, st *store.Store, opts Options) (*Service, error) {
 	if opts.OrphanGrace <= 0 {
 		opts.OrphanGrace = createGrace
 	}
+	if opts.LeaseInterval <= 0 {
+		opts.LeaseInterval = defaultLeaseInterval
+	}
+	if opts.LeaseLapse < 3*opts.LeaseInterval {
+		opts.LeaseLapse = max(defaultLeaseLapse, 3*opts.LeaseInterval)
+	}
 	if opts.IdempotencyTTL < minIdempotencyTTL {
 		opts.IdempotencyTTL = minIdempotencyTTL
 	}
@@ -161,6 +176,10 @@ func New(ctx context.Context, st *store.Store, opts Options) (*Service, error) {
 		opts:  opts,
 		log:   opts.Logger,
 		view:  newHostView(w, opts.CandidateLimit),
+		// A new lease per process: a restarted replica does not inherit
+		// what its previous process left; it settles it like any other.
+		replicaID: "r-" + newID(),
+		startedAt: time.Now().UTC(),
 	}
 	if opts.WarmMargin != nil {
 		s.view.warmMargin = *opts.WarmMargin
@@ -170,6 +189,9 @@ func New(ctx context.Context, st *store.Store, opts Options) (*Service, error) {
 	}
 	s.metrics = newMetrics(opts.Registry)
 	s.agents = newAgentPool(opts.AgentToken, opts.AgentHTTPClient, opts.AgentTimeout, syncTimeout(opts.SyncInterval), s.metrics)
+	if err := s.startLease(ctx); err != nil {
+		return nil, err
+	}
 	if err := s.reloadView(ctx); err != nil {
 		return nil, err
 	}

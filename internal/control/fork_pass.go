@@ -93,6 +93,12 @@ func (s *Service) runForkPass(ctx context.Context, crash context.CancelCauseFunc
 	if err != nil {
 		return fromStore(err, "read fork "+id)
 	}
+	if f.Owner == nil || *f.Owner != s.replicaID {
+		// This replica runs the pass now: should it die, its lease says so.
+		if err := s.store.SetForkOwner(ctx, id, s.replicaID); err != nil {
+			return fromStore(err, "record the replica running fork "+id)
+		}
+	}
 	srcAddress, srcAlive, known := s.view.agent(f.SourceHost)
 	if !known || !srcAlive {
 		return unavailable(nil, "host %s of the source VM %s of fork %s does not answer; retry when it is back", f.SourceHost, f.SourceVMID, id)
@@ -227,7 +233,11 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 	if vm.HostName != f.SourceHost {
 		// Recorded before the child is asked to pull, so that a delete
 		// finds the copy whatever happens next.
-		if err := s.store.AddForkSnapshotHost(ctx, f.ID, vm.HostName); err != nil {
+		err := s.store.AddForkSnapshotHost(ctx, f.ID, vm.HostName)
+		if err == nil {
+			err = s.recordAncestorSnapshotHost(ctx, f, vm.HostName)
+		}
+		if err != nil {
 			if uerr := s.forgetVM(ctx, vm.ID, vm.HostName); uerr != nil {
 				s.log.Error("release child reservation", "vm", vm.ID, "err", uerr)
 			}

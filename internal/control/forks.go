@@ -35,9 +35,10 @@ func (s *Service) CreateFork(ctx context.Context, in api.ForkCreate, idempotency
 	if idempotencyKey == "" {
 		return s.createFork(ctx, in, "")
 	}
-	return idempotent(ctx, s, idempotencyScopeForks, idempotencyKey, in, func(ctx context.Context) (api.Fork, error) {
+	f, err := idempotent(ctx, s, idempotencyScopeForks, idempotencyKey, in, func(ctx context.Context) (api.Fork, error) {
 		return s.createFork(ctx, in, idempotencyKey)
 	})
+	return f, s.nameInFlightFork(ctx, err, idempotencyKey)
 }
 
 func validateForkCreate(in api.ForkCreate) error {
@@ -78,6 +79,9 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 	if key != "" {
 		// A retry of a POST whose pass failed or was cut short: resume it.
 		if f, err := s.store.GetForkByIdempotencyKey(ctx, key); err == nil {
+			if err := sameForkRequest(f, in, key); err != nil {
+				return api.Fork{}, err
+			}
 			return s.forkPass(ctx, f.ID)
 		}
 	}
@@ -94,7 +98,7 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 	f := store.Fork{
 		ID: newID(), SourceVMID: src.ID, SourceHost: src.HostName, Image: src.Image, Resources: src.Resources,
 		Count: in.Count, PauseSource: in.PauseSource, Placement: in.Placement, Phase: api.ForkPending,
-		NICs: src.NICs, Constraints: constraintsText(in.Constraints),
+		NICs: src.NICs, Constraints: constraintsText(in.Constraints), Owner: &s.replicaID,
 	}
 	if key != "" {
 		f.IdempotencyKey = &key
@@ -102,6 +106,9 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 	if err := s.store.InsertFork(ctx, f); err != nil {
 		if key != "" && errors.Is(err, store.ErrDuplicateName) {
 			if g, gerr := s.store.GetForkByIdempotencyKey(ctx, key); gerr == nil {
+				if err := sameForkRequest(g, in, key); err != nil {
+					return api.Fork{}, err
+				}
 				return s.forkPass(ctx, g.ID)
 			}
 		}
@@ -212,6 +219,10 @@ func (s *Service) DeleteFork(ctx context.Context, id string) error {
 // ready and that nobody touched since `before` (after a crash or a
 // failure); the host monitor calls it at start-up with its start time, so
 // that forks which requests of this process are working on are left to them.
+//
+// A fork whose pass another replica runs (its lease is live) is left to it;
+// one whose replica is gone is taken over first (a conditional write), so
+// that replicas starting together do not both resume it.
 func (s *Service) ResumeForks(ctx context.Context, before time.Time) {
 	forks, err := s.store.UnfinishedForks(ctx, before)
 	if err != nil {
@@ -220,9 +231,18 @@ func (s *Service) ResumeForks(ctx context.Context, before time.Time) {
 		}
 		return
 	}
+	l := s.readLeases(ctx)
 	for _, f := range forks {
 		if ctx.Err() != nil {
 			return
+		}
+		if f.Owner != nil && *f.Owner != s.replicaID {
+			if !l.lapsed(f.Owner) {
+				continue // its replica runs it, or its lease has not lapsed yet (resumeLapsedForks)
+			}
+			if took, err := s.store.TakeFork(ctx, f.ID, f.Owner, s.replicaID); err != nil || !took {
+				continue
+			}
 		}
 		s.resumeFork(ctx, f.ID)
 	}

@@ -19,6 +19,9 @@ type metrics struct {
 	agentErrors      *prometheus.CounterVec
 	rejections       *prometheus.CounterVec
 	vmStates         *vmStateCounts
+	// unaccounted counts, per host, the VMs an agent runs that have no
+	// row and that the database never deleted (orphans.go).
+	unaccounted *prometheus.GaugeVec
 }
 
 // Placement results (the label of kvmd_placements_total).
@@ -52,6 +55,10 @@ func newMetrics(reg *prometheus.Registry) *metrics {
 			Help: "Hosts rejected by placements with reservation, by reason (the first filter the host failed), as listed in each placement's explanation.",
 		}, []string{"reason"}),
 		vmStates: &vmStateCounts{},
+		unaccounted: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvmd_vms_without_row",
+			Help: "VMs an agent runs without a database row that the control plane never deleted (kept for an operator), by host.",
+		}, []string{"host"}),
 	}
 	for _, r := range scheduler.Reasons() {
 		m.rejections.WithLabelValues(r)
@@ -64,7 +71,7 @@ func newMetrics(reg *prometheus.Registry) *metrics {
 	for _, op := range []string{"info", "list_vms", "create_vm", "delete_vm", "start", "stop"} {
 		m.agentErrors.WithLabelValues(op)
 	}
-	reg.MustRegister(m.placements, m.placementSeconds, m.conflicts, m.agentSeconds, m.agentErrors, m.rejections, m.vmStates)
+	reg.MustRegister(m.placements, m.placementSeconds, m.conflicts, m.agentSeconds, m.agentErrors, m.rejections, m.vmStates, m.unaccounted)
 	return m
 }
 

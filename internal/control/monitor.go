@@ -34,16 +34,24 @@ func (s *Service) Run(ctx context.Context) error {
 	var resume sync.WaitGroup
 	defer resume.Wait()
 	started := time.Now()
+	resume.Go(func() { s.heartbeat(ctx) })
 	for first := true; ; first = false {
-		s.syncHosts(ctx, first)
+		l := s.syncHosts(ctx, first)
 		if first {
 			resume.Go(func() { s.ResumeForks(ctx, started) })
+		} else {
+			s.resumeLapsedForks(ctx, l, resume.Go)
 		}
 		if time.Since(lastKeyCleanup) >= keyCleanupEvery {
 			if n, err := s.store.DeleteExpiredIdempotencyKeys(ctx); err != nil {
 				s.log.Warn("delete expired idempotency keys", "err", err)
 			} else if n > 0 {
 				s.log.Info("deleted expired idempotency keys", "count", n)
+			}
+			if n, err := s.store.DeleteOldTombstones(ctx, tombstoneAge); err != nil {
+				s.log.Warn("delete old vm tombstones", "err", err)
+			} else if n > 0 {
+				s.log.Info("deleted old vm tombstones", "count", n)
 			}
 			lastKeyCleanup = time.Now()
 		}
@@ -58,13 +66,17 @@ func (s *Service) Run(ctx context.Context) error {
 // SyncNow runs one round of the host monitor (for tools and tests).
 func (s *Service) SyncNow(ctx context.Context) { s.syncHosts(ctx, false) }
 
-func (s *Service) syncHosts(ctx context.Context, first bool) {
+func (s *Service) syncHosts(ctx context.Context, first bool) leases {
+	// Leases are read before any host's rows: an owner live now that
+	// finishes its create meanwhile has changed the row, which the settle
+	// writes check.
+	l := s.readLeases(ctx)
 	hosts, err := s.store.AllHosts(ctx)
 	if err != nil {
 		if ctx.Err() == nil {
 			s.log.Error("host monitor: read hosts", "err", err)
 		}
-		return
+		return l
 	}
 	sem := make(chan struct{}, maxConcurrentSyncs)
 	var wg sync.WaitGroup
@@ -72,7 +84,7 @@ func (s *Service) syncHosts(ctx context.Context, first bool) {
 		wg.Go(func() {
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			s.syncHost(ctx, h, first)
+			s.syncHost(ctx, h, first, l)
 		})
 	}
 	wg.Wait()
@@ -80,9 +92,10 @@ func (s *Service) syncHosts(ctx context.Context, first bool) {
 	if err := s.reloadView(ctx); err != nil && ctx.Err() == nil {
 		s.log.Error("host monitor: reload hosts", "err", err)
 	}
+	return l
 }
 
-func (s *Service) syncHost(ctx context.Context, h store.Host, first bool) {
+func (s *Service) syncHost(ctx context.Context, h store.Host, first bool, l leases) {
 	log := s.log.With("host", h.Name, "address", h.Address)
 	// The rows are read before the agent is asked: a VM that was past
 	// "creating" here must be in the agent's list unless it is gone.
@@ -140,7 +153,7 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool) {
 	// Errors are logged inside; the next sync tries again.
 	s.syncWarmPool(ctx, h, info.Pool)
 	s.syncPrefetch(ctx, h.Name, info.ImageCache)
-	s.reconcileVMs(ctx, h.Name, rows, vms)
+	s.reconcileVMs(ctx, h.Name, rows, vms, l)
 	s.deleteOrphans(ctx, h, c, rows, vms)
 }
 
@@ -166,7 +179,7 @@ func (s *Service) joinUnpinned(ctx context.Context, h store.Host) error {
 
 // reconcileVMs records the agent's state of each VM and marks the VMs it
 // does not have as missing, releasing their capacity.
-func (s *Service) reconcileVMs(ctx context.Context, host string, rows []store.VM, vms []agentapi.VM) {
+func (s *Service) reconcileVMs(ctx context.Context, host string, rows []store.VM, vms []agentapi.VM, l leases) {
 	onAgent := make(map[string]agentapi.VM, len(vms))
 	for _, v := range vms {
 		onAgent[v.ID] = v
@@ -179,15 +192,20 @@ func (s *Service) reconcileVMs(ctx context.Context, host string, rows []store.VM
 			continue
 		}
 		a, ok := onAgent[row.ID]
+		if cleanupPending(row) {
+			s.finishFailedCreate(ctx, host, row, ok)
+			continue
+		}
 		if _, pending := row.Pending(); pending && ok {
-			row = s.settleResize(ctx, host, row, a)
+			row = s.settleResize(ctx, host, row, a, l)
 		}
 		creating := row.ObservedState == api.StateCreating
 		switch {
-		case !ok && creating && (time.Since(row.CreatedAt) < s.opts.CreateGrace || row.ForkID != nil):
-			// Its create is still running; the create records the outcome.
-			// A fork's child belongs to its fork's pass, which resumes after
-			// a crash (ResumeForks) however long the control API was down.
+		case !ok && creating && (row.ForkID != nil || !s.abandoned(l, row, time.Since(row.CreatedAt))):
+			// Its create is still running (its replica's lease is live);
+			// the create records the outcome. A fork's child belongs to its
+			// fork's pass, which resumes after a crash (ResumeForks, or
+			// resumeLapsedForks on another replica).
 		case !ok && creating:
 			s.dropUnfinishedCreate(ctx, host, row)
 		case !ok:
@@ -201,7 +219,7 @@ func (s *Service) reconcileVMs(ctx context.Context, host string, rows []store.VM
 				s.refreshHost(ctx, host)
 			}
 		case creating:
-			s.settleStuckCreate(ctx, host, row, a)
+			s.settleStuckCreate(ctx, host, row, a, l)
 		case a.State != row.ObservedState || a.Reason != row.Reason || (a.StartedFrom != "" && a.StartedFrom != row.StartedFrom):
 			if err := s.store.SetVMState(ctx, row.ID, a.State, a.Reason, a.StartedFrom); err != nil {
 				s.log.Error("host monitor: record vm state", "vm", row.ID, "err", err)

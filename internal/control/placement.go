@@ -190,8 +190,11 @@ func apiRejections(rs []scheduler.Rejection) []api.Rejection {
 	return out
 }
 
+// placementJSONNote is the explanation a VM row keeps: the chosen host,
+// its score and terms, and the rejections capped (storedPlacement).
 func placementJSONNote(req scheduler.Request, best scheduler.Ranked, rejected []scheduler.Rejection, note string) string {
-	b, _ := json.Marshal(api.Placement{Host: best.Host, Score: best.Score, Terms: placementTerms(req, best), Rejected: apiRejections(rejected), Note: note})
+	p := api.Placement{Host: best.Host, Score: best.Score, Terms: placementTerms(req, best), Note: note}
+	b, _ := json.Marshal(capRejections(p, rejected))
 	return string(b)
 }
 

@@ -7,18 +7,26 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
 )
 
 // settleStuckCreate records the agent's state of a VM whose row is still
-// "creating" past CreateGrace although its agent has it: the create that
-// made it died (its replica was killed, or its last database write failed
-// and so did the cleanup) after the agent had created the VM. The VM runs
-// and its capacity is held, so the row takes the agent's state instead of
-// staying "creating" for ever.
-func (s *Service) settleStuckCreate(ctx context.Context, host string, row store.VM, a agentapi.VM) {
-	if time.Since(row.CreatedAt) < s.opts.CreateGrace || row.ForkID != nil {
+// "creating" although its agent has it, once the replica that ran the
+// create is gone (its lease lapsed; for a row without an owner, past
+// CreateGrace): the create died (its replica was killed, or its last
+// database write failed and so did the cleanup) after the agent had created
+// the VM. The VM runs and its capacity is held, so the row takes the
+// agent's state instead of staying "creating" for ever.
+func (s *Service) settleStuckCreate(ctx context.Context, host string, row store.VM, a agentapi.VM, l leases) {
+	if row.ForkID != nil || !s.abandoned(l, row, time.Since(row.CreatedAt)) {
 		return // its create (or its fork's pass) may still run and record the outcome
+	}
+	if a.State == api.StateCreating {
+		return // the agent is still making it: the next round records what it made
+	}
+	if !s.takeOver(ctx, row) {
+		return
 	}
 	// The forwarded host ports the agent chose were in the answer the dead
 	// create never recorded: take them from the agent's report.
@@ -38,7 +46,10 @@ func (s *Service) settleStuckCreate(ctx context.Context, host string, row store.
 // deleteOrphans deletes, on the agent, the VMs that have no row and are
 // older than OrphanGrace: nothing accounts for their capacity and no user
 // can see them (e.g. a create whose cleanup removed the row while the
-// agent was still booting the VM). The rows were read before the agent's
+// agent was still booting the VM). Only a VM whose row was deleted on
+// purpose (it has a tombstone) is deleted; any other may be an
+// acknowledged create that the database lost, and is kept for an operator
+// (deletedOnPurpose). The rows were read before the agent's
 // list, so a VM created since then is young and kept; each candidate's row
 // is looked up once more before the delete.
 func (s *Service) deleteOrphans(ctx context.Context, h store.Host, c *agentapi.Client, rows []store.VM, vms []agentapi.VM) {
@@ -46,6 +57,8 @@ func (s *Service) deleteOrphans(ctx context.Context, h store.Host, c *agentapi.C
 	for _, row := range rows {
 		known[row.ID] = true
 	}
+	unaccounted := 0
+	defer func() { s.metrics.unaccounted.WithLabelValues(h.Name).Set(float64(unaccounted)) }()
 	for _, v := range vms {
 		if known[v.ID] || v.CreatedAt.IsZero() || time.Since(v.CreatedAt) < s.opts.OrphanGrace {
 			continue
@@ -54,6 +67,10 @@ func (s *Service) deleteOrphans(ctx context.Context, h store.Host, c *agentapi.C
 			if err != nil {
 				s.log.Error("host monitor: look up orphan candidate", "vm", v.ID, "host", h.Name, "err", err)
 			}
+			continue
+		}
+		if !s.deletedOnPurpose(ctx, h.Name, v) {
+			unaccounted++
 			continue
 		}
 		if err := s.agents.deleteVM(ctx, c, v.ID); err != nil && !errors.Is(err, agentapi.ErrNotFound) {
@@ -104,14 +121,25 @@ func (s *Service) reclaimReappeared(ctx context.Context, host string, row store.
 	}
 }
 
-// dropUnfinishedCreate removes the row of a create that stayed "creating"
-// past CreateGrace and that its agent does not have: the create died
+// dropUnfinishedCreate removes the row of a create whose replica is gone
+// (lease lapsed, or past CreateGrace without an owner) and that its agent
+// does not have: the create died
 // before the agent made the VM (or its cleanup could not reach the
 // database), and no caller was ever told it exists. Removing the row, as
 // the create's own cleanup would have, frees its capacity and its name
 // for the caller's retry. Should the agent still make the VM later, it is
 // a VM without a row, which deleteOrphans removes.
 func (s *Service) dropUnfinishedCreate(ctx context.Context, host string, row store.VM) {
+	if !s.takeOver(ctx, row) {
+		return
+	}
+	// The dead replica's PUT may still be finishing on the agent: delete it
+	// there first (as the create's own cleanup would), so that no VM is
+	// left running without a row.
+	if err := s.deleteOnAgent(ctx, host, row.ID); err != nil {
+		s.log.Warn("host monitor: delete unfinished create on its agent; the next round retries", "vm", row.ID, "host", host, "err", err)
+		return
+	}
 	if err := s.forgetVM(ctx, row.ID, host); err != nil {
 		s.log.Error("host monitor: drop unfinished create", "vm", row.ID, "host", host, "err", err)
 		return

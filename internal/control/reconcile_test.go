@@ -53,8 +53,17 @@ func TestMonitorReconcilesLeftoversOfACrash(t *testing.T) {
 			if err := ag.Client.DeleteVM(ctx, lost.ID); err != nil {
 				t.Fatal(err)
 			}
+			// The orphan: a VM whose row a failed create's cleanup deleted
+			// (on purpose, so with a tombstone) while its agent kept it.
 			const orphan = "0190aaaa-0000-7000-8000-000000000001"
 			if _, err := ag.Client.CreateVM(ctx, orphan, agentapi.VMSpec{Image: "sim", VCPUs: 1, MemoryMiB: 512, DiskMiB: 512}); err != nil {
+				t.Fatal(err)
+			}
+			gone, err := c.Client.CreateVM(ctx, smallVM("gone"), "")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, _, err := c.Store.DeleteVM(ctx, gone.ID); err != nil {
 				t.Fatal(err)
 			}
 			time.Sleep(5 * time.Millisecond) // let the millisecond grace pass; no timing is asserted
@@ -86,8 +95,11 @@ func TestMonitorReconcilesLeftoversOfACrash(t *testing.T) {
 				if _, err := c.Store.GetVM(ctx, lost.ID); !errors.Is(err, store.ErrNotFound) {
 					t.Errorf("the row of a create the agent never made is still there (%v); want it removed", err)
 				}
-				if onAgent[orphan] {
-					t.Errorf("the VM without a row still runs on the agent")
+				if onAgent[gone.ID] {
+					t.Errorf("the VM whose row was deleted still runs on the agent")
+				}
+				if !onAgent[orphan] {
+					t.Errorf("the VM that the database never had a row for was deleted; it must be kept for an operator")
 				}
 				vms, _ := c.Store.ListVMs(ctx, store.VMFilter{})
 				held := 0
@@ -104,7 +116,7 @@ func TestMonitorReconcilesLeftoversOfACrash(t *testing.T) {
 					t.Errorf("within the grace period the monitor settled creates that may still run: %s, %s",
 						state(stuck.ID), state(lost.ID))
 				}
-				if !onAgent[orphan] {
+				if !onAgent[orphan] || !onAgent[gone.ID] {
 					t.Errorf("within the grace period the monitor deleted a VM that may be a create in flight")
 				}
 			}

@@ -39,7 +39,7 @@ func (s *Service) resizeVM(ctx context.Context, vm store.VM, want store.Shape) e
 	if !alive {
 		return unavailable(nil, "host %s of VM %s does not answer; retry the resize when it is back", vm.HostName, vm.ID)
 	}
-	if _, err := s.store.BeginResize(ctx, vm.ID, want); err != nil {
+	if _, err := s.store.BeginResizeOwned(ctx, vm.ID, want, &s.replicaID); err != nil {
 		if errors.Is(err, store.ErrNoRoom) {
 			s.refreshHost(ctx, vm.HostName)
 			return s.noRoomToGrow(ctx, vm, want, err)
@@ -135,13 +135,14 @@ func (s *Service) settleResizeTo(ctx context.Context, vm store.VM, a agentapi.VM
 // settleResize is the host monitor's end of a resize whose request died
 // (its replica was killed between the reservation and the agent's answer):
 // the agent's shape decides. The new shape settles at once (the agent
-// records it before it boots the VM in it); the old shape only after
-// CreateGrace, since the request may still be on its way to the agent.
-func (s *Service) settleResize(ctx context.Context, host string, row store.VM, a agentapi.VM) store.VM {
+// records it before it boots the VM in it); the old shape only once the
+// replica that runs the resize is gone (its lease lapsed; without an owner,
+// after CreateGrace), since the request may still be on its way to the agent.
+func (s *Service) settleResize(ctx context.Context, host string, row store.VM, a agentapi.VM, l leases) store.VM {
 	p, _ := row.Pending()
 	applied := a.VCPUs == p.VCPUs && a.MemoryMiB == p.MemoryMiB
 	old := a.VCPUs == row.Resources.VCPUs && a.MemoryMiB == row.Resources.MemoryMiB
-	if !applied && (!old || store.ResizeAge(row) < s.opts.CreateGrace) {
+	if !applied && (!old || !s.abandoned(l, row, store.ResizeAge(row))) {
 		return row
 	}
 	settled, ok, err := s.store.FinishResize(ctx, row.ID, applied)

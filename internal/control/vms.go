@@ -65,7 +65,7 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 		ID: newID(), Name: in.Name, Image: in.Image, Labels: in.Labels,
 		Resources:  store.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB},
 		PowerState: in.PowerState, ObservedState: api.StateCreating, Constraints: constraintsText(in.Constraints),
-		CreatedAt: time.Now().UTC().Truncate(time.Microsecond),
+		CreatedAt: time.Now().UTC().Truncate(time.Microsecond), Owner: &s.replicaID,
 	}
 	nics, err := s.resolveNICs(ctx, vm.ID, in.NetworkInterfaces)
 	if err != nil {
@@ -147,7 +147,7 @@ func (s *Service) failCreate(ctx context.Context, chain *cleanup, vm store.VM, c
 	if undoErr == nil {
 		return cause
 	}
-	reason := fmt.Sprintf("create failed (%v) and the agent of host %s did not confirm deleting the VM, so its capacity stays reserved; DELETE /v1/vms/%s retries the cleanup", cause, vm.HostName, vm.ID)
+	reason := fmt.Sprintf(createFailedPrefix+" (%v) and the agent of host %s did not confirm deleting the VM, so its capacity stays reserved; DELETE /v1/vms/%s retries the cleanup", cause, vm.HostName, vm.ID)
 	if err := s.store.SetVMState(ctx, vm.ID, api.StateError, reason, ""); err != nil {
 		s.log.Error("record failed create", "vm", vm.ID, "err", err)
 	}

@@ -60,9 +60,20 @@ type kvmdControl struct {
 	done chan struct{}
 }
 
+// shortened are the flags of startKVMD: a short host monitor interval and
+// grace periods.
+var shortened = []string{"--sync-interval", "200ms", "--create-grace", "1s", "--orphan-grace", "1s"}
+
 // startKVMD starts `kvmd control` on a free port with a short host monitor
 // interval and grace periods, and waits until /readyz answers 200.
 func startKVMD(t *testing.T, bin, databaseURL, dataDir string) *kvmdControl {
+	t.Helper()
+	return startKVMDFlags(t, bin, databaseURL, dataDir, shortened)
+}
+
+// startKVMDFlags is startKVMD with the given tuning flags (nil: kvmd's
+// defaults, as an operator runs it).
+func startKVMDFlags(t *testing.T, bin, databaseURL, dataDir string, flags []string) *kvmdControl {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -70,8 +81,8 @@ func startKVMD(t *testing.T, bin, databaseURL, dataDir string) *kvmdControl {
 	}
 	addr := ln.Addr().String()
 	_ = ln.Close()
-	args := []string{"control", "--listen", addr, "--token", "control-token", "--agent-token", "agent-token",
-		"--sync-interval", "200ms", "--create-grace", "1s", "--orphan-grace", "1s", "--log-level", "warn"}
+	args := []string{"control", "--listen", addr, "--token", "control-token", "--agent-token", "agent-token", "--log-level", "warn"}
+	args = append(args, flags...)
 	if databaseURL != "" {
 		args = append(args, "--database-url", databaseURL)
 	} else {

@@ -256,6 +256,21 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 	subject := fmt.Sprintf("creating VM %q", in.Name)
 
 	vm, err := r.create(ctx, in)
+	if err != nil && client.MayHaveCreated(err) {
+		// No definitive answer: the control API may have made the VM (it
+		// keeps going after an attempt or this apply's timeout). If it did,
+		// keep it in state as tainted, so that nothing runs outside
+		// Terraform and the next apply replaces it.
+		if found, ok := vmMadeAnyway(ctx, r.data.client, in.Name); ok {
+			plan.fromAPI(found, desiredPowerState(found))
+			resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
+			resp.Diagnostics.AddError(summaryVMFailed, fmt.Sprintf(
+				"Creating VM %q got no answer in time (%s), but the control API made it: VM %s (state %s). It is kept in "+
+					"state as tainted; the next apply replaces it. Raise timeouts.create if creates take this long.",
+				in.Name, err, found.ID, found.ObservedState))
+			return
+		}
+	}
 	if err != nil {
 		if holder := addressHolder(err); holder != "" {
 			resp.Diagnostics.AddAttributeError(path.Root("network_interface"), summaryAddressTaken, fmt.Sprintf(
@@ -520,4 +535,18 @@ func findVMByName(ctx context.Context, c *client.Client, name string) (api.VM, e
 		}
 	}
 	return api.VM{}, fmt.Errorf("no VM named %q: %w", name, client.ErrNotFound)
+}
+
+// vmMadeAnyway looks up, after a create that got no definitive answer, the
+// VM the control API may have made under this name (with a fresh deadline:
+// the create's may be spent).
+func vmMadeAnyway(ctx context.Context, c *client.Client, name string) (api.VM, bool) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer cancel()
+	vm, err := findVMByName(ctx, c, name)
+	if err != nil {
+		tflog.Warn(ctx, "looking up a VM whose create got no answer", map[string]any{"name": name, "error": err.Error()})
+		return api.VM{}, false
+	}
+	return vm, true
 }

@@ -32,7 +32,9 @@ type Fork struct {
 	IdempotencyKey *string  `gorm:"column:idempotency_key"`
 	// NICs are the source's NICs when the fork was made: each child gets
 	// its own on the same networks.
-	NICs      []NIC     `gorm:"column:nics;serializer:json"`
+	NICs []NIC `gorm:"column:nics;serializer:json"`
+	// Owner is the control replica running the fork's pass (replicas.go).
+	Owner     *string   `gorm:"column:owner_replica"`
 	CreatedAt time.Time `gorm:"column:created_at"`
 	UpdatedAt time.Time `gorm:"column:updated_at"`
 }

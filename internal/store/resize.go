@@ -46,11 +46,19 @@ func (vm VM) held() Resources {
 // fit, ErrResizing when another resize is pending, ErrNotFound when there is
 // no such VM or it no longer holds capacity.
 func (s *Store) BeginResize(ctx context.Context, id string, shape Shape) (VM, error) {
+	return s.BeginResizeOwned(ctx, id, shape, nil)
+}
+
+// BeginResizeOwned is BeginResize that also records owner, the replica
+// running the resize, in the same write (nil keeps the row's owner): once
+// its lease lapses the host monitor settles the resize without waiting.
+func (s *Store) BeginResizeOwned(ctx context.Context, id string, shape Shape, owner *string) (VM, error) {
 	var vm VM
 	err := s.inTx(ctx, func(tx *gorm.DB) error {
 		t := now()
-		res := tx.Exec(`UPDATE vms SET pending_vcpus = ?, pending_memory_mib = ?, resize_started_at = ?, updated_at = ?
-			WHERE id = ? AND holds_capacity AND pending_vcpus IS NULL`, shape.VCPUs, shape.MemoryMiB, t, t, id)
+		res := tx.Exec(`UPDATE vms SET pending_vcpus = ?, pending_memory_mib = ?, resize_started_at = ?, updated_at = ?,
+			owner_replica = COALESCE(?, owner_replica)
+			WHERE id = ? AND holds_capacity AND pending_vcpus IS NULL`, shape.VCPUs, shape.MemoryMiB, t, t, owner, id)
 		if res.Error != nil {
 			return fmt.Errorf("record resize of vm %s: %w", id, res.Error)
 		}

@@ -42,7 +42,10 @@ type VM struct {
 	// Group is the slot the VM holds in group_domains while it holds
 	// capacity: its group, spread_by, domain and the cap it was placed
 	// under. Empty Group: no slot.
-	Group     GroupSlot `gorm:"embedded"`
+	Group GroupSlot `gorm:"embedded"`
+	// Owner is the control replica whose request runs the VM's create or
+	// resize (replicas.go); nil for rows written before replica leases.
+	Owner     *string   `gorm:"column:owner_replica"`
 	CreatedAt time.Time `gorm:"column:created_at"`
 	UpdatedAt time.Time `gorm:"column:updated_at"`
 }
@@ -231,7 +234,7 @@ func reserveStatement(vm VM) (string, []any, error) {
 	args = append(args,
 		vm.ID, vm.Name, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.PowerState, vm.ObservedState, vm.Reason,
 		vm.StartedFrom, vm.ForkID, vm.ForkSlot, labels, nics, vm.Placement, vm.Constraints, g.Name, g.SpreadBy, g.Domain, g.Cap,
-		vm.CreatedAt, vm.UpdatedAt)
+		vm.Owner, vm.CreatedAt, vm.UpdatedAt)
 	var sql strings.Builder
 	sql.WriteString(`WITH reserved AS (
 		UPDATE hosts SET
@@ -255,9 +258,9 @@ func reserveStatement(vm VM) (string, []any, error) {
 	sql.WriteString(`, vm AS (
 		INSERT INTO vms (id, name, host_name, image, vcpus, memory_mib, disk_mib, power_state, observed_state,
 			reason, started_from, holds_capacity, fork_id, fork_slot, labels, nics, placement,
-			constraints, group_name, spread_by, spread_domain, group_cap, created_at, updated_at)
+			constraints, group_name, spread_by, spread_domain, group_cap, owner_replica, created_at, updated_at)
 		SELECT ?, ?, name, ?, ?, ?, ?, ?, ?, ?, ?, TRUE, ?::text, ?::integer, ?, ?, ?,
-			?, ?, ?, ?, ?::integer, ?::timestamp, ?::timestamp FROM reserved
+			?, ?, ?, ?, ?::integer, ?::text, ?::timestamp, ?::timestamp FROM reserved
 		RETURNING id
 	)`)
 	if len(vm.NICs) > 0 {
@@ -381,7 +384,7 @@ func (s *Store) DeleteVM(ctx context.Context, id string) (VM, bool, error) {
 		if err := tx.Exec("DELETE FROM vms WHERE id = ?", id).Error; err != nil {
 			return fmt.Errorf("delete vm %s: %w", id, err)
 		}
-		return nil
+		return tombstone(tx, vm)
 	})
 	return vm, released, err
 }
