@@ -58,6 +58,19 @@ func addAPIError(diags *diag.Diagnostics, summary, subject string, err error) {
 	diags.AddError(summary, apiErrorDetail(subject, err))
 }
 
+// addDeleteError reports the outcome of deleting an object kept by name
+// (host, network, image): gone already (404) is done; 409 says what still
+// holds it and what to do (inUse); anything else is the API's error.
+func addDeleteError(diags *diag.Diagnostics, summary, subject string, err error, inUse string) {
+	switch {
+	case err == nil, errors.Is(err, client.ErrNotFound):
+	case errors.Is(err, client.ErrConflict):
+		diags.AddError(summary, inUse+"\n\nError: "+err.Error())
+	default:
+		addAPIError(diags, summary, subject, err)
+	}
+}
+
 func apiErrorDetail(subject string, err error) string {
 	return fmt.Sprintf("The control API failed %s. %s\n\nError: %s", subject, nextStep(err), err)
 }

@@ -259,17 +259,10 @@ func (r *hostResource) Delete(ctx context.Context, req resource.DeleteRequest, r
 	name := state.Name.ValueString()
 	err := r.data.client.DeleteHost(ctx, name)
 	r.data.wrote()
-	switch {
-	case err == nil, errors.Is(err, client.ErrNotFound):
-		return
-	case errors.Is(err, client.ErrConflict):
-		resp.Diagnostics.AddError(summaryDeleteHost, fmt.Sprintf(
-			"Host %q still has VMs placed on it, so the control API keeps it registered. Delete those VMs (or let "+
-				"Terraform destroy them first: pin them with host = kvm_host.<name>.name, or add depends_on), then run "+
-				"terraform destroy again.\n\nError: %s", name, err))
-	default:
-		addAPIError(&resp.Diagnostics, summaryDeleteHost, fmt.Sprintf("deregistering host %q", name), err)
-	}
+	addDeleteError(&resp.Diagnostics, summaryDeleteHost, fmt.Sprintf("deregistering host %q", name), err, fmt.Sprintf(
+		"Host %q still has VMs placed on it, so the control API keeps it registered. Delete those VMs (or let "+
+			"Terraform destroy them first: pin them with host = kvm_host.<name>.name, or add depends_on), then run "+
+			"terraform destroy again.", name))
 }
 
 func (r *hostResource) ImportState(ctx context.Context, req resource.ImportStateRequest, resp *resource.ImportStateResponse) {

@@ -236,17 +236,9 @@ func (r *imageResource) Delete(ctx context.Context, req resource.DeleteRequest, 
 	name := state.Name.ValueString()
 	err := r.data.client.DeleteImage(ctx, name)
 	r.data.wrote()
-	switch {
-	case err == nil, errors.Is(err, client.ErrNotFound):
-		return
-	case errors.Is(err, client.ErrConflict):
-		resp.Diagnostics.AddError(summaryDeleteImage, fmt.Sprintf(
-			"Image %q is used by VMs, so the control API keeps it. Delete those VMs first (a kvm_vm with "+
-				"image = kvm_image.<name>.name is destroyed before its image), then run terraform destroy again.\n\nError: %s",
-			name, err))
-	default:
-		addAPIError(&resp.Diagnostics, summaryDeleteImage, fmt.Sprintf("deleting image %q", name), err)
-	}
+	addDeleteError(&resp.Diagnostics, summaryDeleteImage, fmt.Sprintf("deleting image %q", name), err, fmt.Sprintf(
+		"Image %q is used by VMs, so the control API keeps it. Delete those VMs first (a kvm_vm with "+
+			"image = kvm_image.<name>.name is destroyed before its image), then run terraform destroy again.", name))
 }
 
 func (r *imageResource) ImportState(ctx context.Context, req resource.ImportStateRequest, resp *resource.ImportStateResponse) {

@@ -250,17 +250,10 @@ func (r *networkResource) Delete(ctx context.Context, req resource.DeleteRequest
 	name := state.Name.ValueString()
 	err := r.data.client.DeleteNetwork(ctx, name)
 	r.data.wrote()
-	switch {
-	case err == nil, errors.Is(err, client.ErrNotFound):
-		return
-	case errors.Is(err, client.ErrConflict):
-		resp.Diagnostics.AddError(summaryDeleteNetwork, fmt.Sprintf(
-			"Network %q still has NICs of VMs, so the control API keeps it. Delete those VMs first (a kvm_vm whose "+
-				"network_interface names kvm_network.<name>.name is destroyed before the network), then run "+
-				"terraform destroy again.\n\nError: %s", name, err))
-	default:
-		addAPIError(&resp.Diagnostics, summaryDeleteNetwork, fmt.Sprintf("deleting network %q", name), err)
-	}
+	addDeleteError(&resp.Diagnostics, summaryDeleteNetwork, fmt.Sprintf("deleting network %q", name), err, fmt.Sprintf(
+		"Network %q still has NICs of VMs, so the control API keeps it. Delete those VMs first (a kvm_vm whose "+
+			"network_interface names kvm_network.<name>.name is destroyed before the network), then run "+
+			"terraform destroy again.", name))
 }
 
 func (r *networkResource) ImportState(ctx context.Context, req resource.ImportStateRequest, resp *resource.ImportStateResponse) {
