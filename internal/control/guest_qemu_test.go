@@ -122,6 +122,27 @@ func TestQEMUBusyboxGuestReadsItsSeed(t *testing.T) {
 	if g := waitGuest(t, c.Client, vm.ID, time.Second, cloudInitDone); !same(g) {
 		t.Errorf("source after the fork: %+v", g)
 	}
+
+	// A VM without guest configuration has no seed: its guest prints none
+	// of the seed's lines, and its status stays none. (The others go first:
+	// the host's memory is the machine's.)
+	if err := c.Client.DeleteFork(ctx, f.ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Client.DeleteVM(ctx, vm.ID); err != nil {
+		t.Fatal(err)
+	}
+	plain, err := c.Client.CreateVM(ctx, api.VMCreate{Name: "plain", Image: "busybox", VCPUs: 1, MemoryMiB: 128, DiskMiB: 64}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := waitConsoleCount(t, a, plain.ID, `(?m)^tick 1\r?$`, 1, 3*time.Minute)
+	if strings.Contains(out, "kvm-guest-hostname") || strings.Contains(out, "kvm-guest-userdata-sha256") || strings.Contains(out, "Cloud-init") {
+		t.Errorf("a guest without a seed printed seed lines:\n%s", out)
+	}
+	if g, err := c.Client.VMGuest(ctx, plain.ID); err != nil || g.CloudInit != api.CloudInitNone || g.Hostname != "" || g.UserDataSHA256 != "" {
+		t.Errorf("plain guest: %+v %v", g, err)
+	}
 }
 
 // readSeedISO reads a seed ISO the way any ISO 9660 reader does (the
