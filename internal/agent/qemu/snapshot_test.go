@@ -390,3 +390,30 @@ func spawnChildren(ctx context.Context, t *testing.T, c *agentapi.Client, spec a
 		t.FailNow()
 	}
 }
+
+// TestSnapshotAndSpawnQMPSessions counts the QMP connections that one
+// snapshot (with the agent's state checks before and after it) and one
+// child's start open: one session per operation, however long the guest
+// stays paused.
+func TestSnapshotAndSpawnQMPSessions(t *testing.T) {
+	ctx := context.Background()
+	a := startForkAgent(t, t.TempDir())
+	if _, err := a.client.CreateVM(ctx, "src", guest); err != nil {
+		t.Fatalf("create source: %v", err)
+	}
+	a.waitTicks(t, "src", 1)
+	before := a.driver.QMPSessions()
+	if _, err := a.client.CreateSnapshot(ctx, "s1", agentapi.SnapshotSpec{VMID: "src"}); err != nil {
+		t.Fatalf("snapshot: %v", err)
+	}
+	snapshot := a.driver.QMPSessions() - before
+	child := guest
+	child.Snapshot = &agentapi.SnapshotSource{ID: "s1"}
+	before = a.driver.QMPSessions()
+	spawnChildren(ctx, t, a.client, child, []string{"c0"})
+	spawn := a.driver.QMPSessions() - before
+	t.Logf("qmp sessions: snapshot %d (with the agent's state check before and after), child start %d", snapshot, spawn)
+	if snapshot != 3 || spawn != 1 {
+		t.Errorf("qmp sessions: snapshot %d, child start %d; want 3 (check, snapshot, check) and 1", snapshot, spawn)
+	}
+}
