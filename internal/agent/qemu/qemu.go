@@ -282,6 +282,7 @@ func (d *Driver) Boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 // returns the QMP session that checked the new QEMU, for the caller to go
 // on with or close.
 func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOptions, ramImage string) (*monitor, error) {
+	t0 := time.Now()
 	img, err := d.loadImage(m.Image)
 	if err != nil {
 		return nil, err
@@ -315,6 +316,7 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	// QEMU's daemon child points its stdio at /dev/null; should it keep
 	// our pipe, Wait must not hang on it.
 	cmd.WaitDelay = 5 * time.Second
+	t1 := time.Now()
 	// A forked child's QEMU runs in the child's network namespace (its
 	// taps are there); -daemonize keeps it there.
 	if err := network.RunIn(netns, cmd.Run); err != nil {
@@ -337,6 +339,7 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 		return nil, fmt.Errorf("start qemu for vm %s: qemu %d exited at once; see %s: %w", m.ID, pid, filepath.Join(m.Dir, consoleFileName), err)
 	}
 	m.Process = agent.Process{PID: pid, StartTime: start}
+	t2 := time.Now()
 	q, err := d.monitor(ctx, m)
 	var st qmpStatus
 	if err == nil {
@@ -348,7 +351,8 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 		d.killLeftovers(m)
 		return nil, fmt.Errorf("start qemu for vm %s: %w", m.ID, err)
 	}
-	d.log.Info("qemu started", "vm", m.ID, "pid", pid, "status", st.Status, "accel", d.accel)
+	d.log.Info("qemu started", "vm", m.ID, "pid", pid, "status", st.Status, "accel", d.accel,
+		"prepare_ms", t1.Sub(t0).Milliseconds(), "exec_ms", t2.Sub(t1).Milliseconds(), "qmp_ms", time.Since(t2).Milliseconds())
 	return q, nil
 }
 

@@ -190,6 +190,7 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 	}
 
 	d.snapshotPauses.Add(1)
+	t0 := time.Now()
 	// From here the VM is stopped; every failure continues it if it ran.
 	fail := func(err error) (agent.SnapshotFiles, error) {
 		if wasRunning {
@@ -237,9 +238,11 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 			}
 		}
 	}
+	t1 := time.Now()
 	if err := d.saveMemory(ctx, q, m, filepath.Join(dir, memoryFileName)); err != nil {
 		return fail(err)
 	}
+	t2 := time.Now()
 	if memfd != "" {
 		digest, err := copyRAM(filepath.Join(dir, ramFileName), memfd, m.MemoryMiB<<20)
 		if err != nil {
@@ -247,11 +250,14 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 		}
 		files.RAM, files.RAMDigest = ramFileName, digest
 	}
+	t3 := time.Now()
 	if wasRunning && !opts.KeepPaused {
 		if err := q.cont(ctx); err != nil {
 			return files, fmt.Errorf("snapshot vm %s: saved, but continuing the vm failed: %w", m.ID, err)
 		}
 	}
+	d.log.Info("vm snapshotted", "vm", m.ID, "ram_mapped", memfd != "", "switch_ms", t1.Sub(t0).Milliseconds(),
+		"state_ms", t2.Sub(t1).Milliseconds(), "ram_ms", t3.Sub(t2).Milliseconds(), "cont_ms", time.Since(t3).Milliseconds())
 	return files, nil
 }
 
