@@ -129,9 +129,9 @@ func (q *monitor) exchange(ctx context.Context, timeout time.Duration, io func()
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	deadline := time.Now().Add(timeout)
+	deadline, ctxDeadline := time.Now().Add(timeout), false
 	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
-		deadline = d
+		deadline, ctxDeadline = d, true
 	}
 	if err := q.conn.SetDeadline(deadline); err != nil {
 		q.broken = err
@@ -150,7 +150,11 @@ func (q *monitor) exchange(ctx context.Context, timeout time.Duration, io func()
 	// The deadline that ctx's end set must not cut the next exchange.
 	fired.Wait()
 	if err != nil {
-		if cerr := ctx.Err(); cerr != nil {
+		cerr := ctx.Err()
+		if cerr == nil && ctxDeadline && errors.Is(err, os.ErrDeadlineExceeded) {
+			cerr = context.DeadlineExceeded // the connection's deadline was ctx's
+		}
+		if cerr != nil {
 			err = fmt.Errorf("%w (%w)", cerr, err)
 		}
 		q.broken = err
@@ -255,10 +259,12 @@ func (d *Driver) withMonitor(ctx context.Context, m *agent.Machine, fn func(*mon
 
 // rescue runs fn, a clean-up after a failure, in q, or in a new session
 // when q broke (a deadline or the caller's end cut an exchange short).
+// QEMU serves one client at a time, so the broken session is closed first.
 func (d *Driver) rescue(ctx context.Context, m *agent.Machine, q *monitor, fn func(*monitor) error) error {
 	if q.broken == nil {
 		return fn(q)
 	}
+	_ = q.Close()
 	return d.withMonitor(ctx, m, fn)
 }
 

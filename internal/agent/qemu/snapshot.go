@@ -282,7 +282,33 @@ func (d *Driver) saveMemory(ctx context.Context, q *monitor, m *agent.Machine, p
 		}
 		return fmt.Errorf("save memory to %s: migration %s: %s", path, status, info.ErrorDesc)
 	}
-	return nil
+	return waitPostmigrate(ctx, q)
+}
+
+// postmigratePoll is how often waitPostmigrate asks for the run state.
+const postmigratePoll = time.Millisecond
+
+// waitPostmigrate waits until QEMU has marked the VM postmigrate after a
+// completed migration. QEMU's migration thread announces the end (the
+// MIGRATION event) before it takes the main lock to set that run state: a
+// cont in between runs the guest, which is then marked postmigrate all
+// the same, and the next snapshot is refused as if the VM were paused.
+// QEMU sends no event for the run state, so this asks, in the same
+// session; usually the first answer is postmigrate already.
+func waitPostmigrate(ctx context.Context, q *monitor) error {
+	deadline := time.Now().Add(qmpTimeout)
+	for {
+		st, err := q.queryStatus(ctx)
+		switch {
+		case err != nil:
+			return err
+		case st.Status != "finish-migrate":
+			return nil
+		case time.Now().After(deadline):
+			return fmt.Errorf("qemu run state still %s %s after the migration completed", st.Status, qmpTimeout)
+		}
+		time.Sleep(postmigratePoll)
+	}
 }
 
 // migrationCaps are the migration capabilities of a snapshot or a child's
