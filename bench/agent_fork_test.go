@@ -53,7 +53,8 @@ func (p *pauseLog) Handle(_ context.Context, r slog.Record) error {
 }
 
 // startForkBenchAgent runs a qemu agent in process with real HTTP and kills
-// its guests at the end.
+// its guests at the end. It returns a client of the agent and the agent's
+// identity key, which a peer must be given to pull from it.
 func startForkBenchAgent(b *testing.B, log slog.Handler) (*agentapi.Client, string) {
 	dir := b.TempDir()
 	ctx := context.Background()
@@ -73,7 +74,7 @@ func startForkBenchAgent(b *testing.B, log slog.Handler) (*agentapi.Client, stri
 			_ = syscall.Kill(pid, syscall.SIGKILL)
 		}
 	})
-	return agentapi.NewClient(srv.URL, "agent-token", agentapi.WithTimeout(time.Minute)), dir
+	return agentapi.NewClient(srv.URL, "agent-token", agentapi.WithTimeout(time.Minute)), agentapi.EncodeKey(a.PublicKey())
 }
 
 // pullFiles streams every file of a snapshot into dir with the checks of an
@@ -125,7 +126,7 @@ func pullFiles(b *testing.B, c *agentapi.Client, snap agentapi.Snapshot, dir str
 //     image sends only its non-zero pages).
 func BenchmarkAgentFork(b *testing.B) {
 	pauses := &pauseLog{}
-	src, _ := startForkBenchAgent(b, pauses)
+	src, srcKey := startForkBenchAgent(b, pauses)
 	far, _ := startForkBenchAgent(b, &pauseLog{})
 	ctx := context.Background()
 	info, err := src.Info(ctx)
@@ -175,7 +176,7 @@ func BenchmarkAgentFork(b *testing.B) {
 		size = pullFiles(b, src, snap, tmp)
 		transfers = append(transfers, time.Since(t0))
 
-		child.Snapshot.Address = src.BaseURL()
+		child.Snapshot.Address, child.Snapshot.PublicKey = src.BaseURL(), srcKey
 		t0 = time.Now()
 		if vm, err := far.CreateVM(ctx, id+"-far", child); err != nil || vm.State != agentapi.StateRunning {
 			b.Fatalf("remote child: %+v, %v", vm, err)

@@ -69,10 +69,8 @@ type Agent struct {
 	started time.Time
 	handler http.Handler
 
-	mu  sync.Mutex
-	vms map[string]*vmEntry
-
-	snaps snapshotRegistry // snapshots by id (snapshot.go)
+	vms   *registry[vmRecord]        // VMs by id
+	snaps *registry[*snapshotRecord] // snapshots by id (snapshot_registry.go); a nil record until complete
 
 	images *image.Cache // registered images (images.go); nil without ImageCacheDir
 
@@ -90,53 +88,9 @@ type Agent struct {
 	closeOnce sync.Once
 }
 
-// vmEntry is one VM in the registry.
-type vmEntry struct {
-	id string
-	// op is held (one token in a channel, so that waiting honours a
-	// context) while a mutating operation of this VM runs.
-	op chan struct{}
-
-	mu      sync.Mutex // guards the fields below
-	rec     vmRecord
-	corrupt bool // the metadata could not be read: only delete works
-	gone    bool // deleted; a waiter that gets op must look again
-}
-
-func newEntry(id string) *vmEntry { return &vmEntry{id: id, op: make(chan struct{}, 1)} }
-
-func (e *vmEntry) lock(ctx context.Context) error {
-	select {
-	case e.op <- struct{}{}:
-		return nil
-	case <-ctx.Done():
-		return &Error{Status: http.StatusServiceUnavailable, Code: CodeUnavailable,
-			Message: fmt.Sprintf("vm %s is busy with another operation; retry later", e.id), Err: ctx.Err()}
-	}
-}
-
-func (e *vmEntry) tryLock() bool {
-	select {
-	case e.op <- struct{}{}:
-		return true
-	default:
-		return false
-	}
-}
-
-func (e *vmEntry) unlock() { <-e.op }
-
-func (e *vmEntry) snapshot() (vmRecord, bool, bool) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.rec, e.corrupt, e.gone
-}
-
-func (e *vmEntry) set(r vmRecord) {
-	e.mu.Lock()
-	e.rec = r
-	e.mu.Unlock()
-}
+// vmEntry is one VM in the registry. A VM whose metadata is corrupt is
+// reported in error, with the reason in its record's Reason.
+type vmEntry = entry[vmRecord]
 
 // New loads the VMs in cfg.StateDir and re-adopts those still running: it
 // never kills or forgets a VM it finds. A VM whose process is gone is
@@ -163,8 +117,8 @@ func New(ctx context.Context, cfg Config) (*Agent, error) {
 		return nil, fmt.Errorf("agent: state directory %s: %w", cfg.StateDir, err)
 	}
 	cfg.StateDir = abs
-	a := &Agent{cfg: cfg, log: cfg.Logger.With("driver", cfg.Driver.Name()), started: time.Now().UTC(), vms: map[string]*vmEntry{},
-		closing: make(chan struct{})}
+	a := &Agent{cfg: cfg, log: cfg.Logger.With("driver", cfg.Driver.Name()), started: time.Now().UTC(),
+		vms: newRegistry[vmRecord]("vm"), snaps: newRegistry[*snapshotRecord]("snapshot"), closing: make(chan struct{})}
 	if err := os.MkdirAll(a.vmsDir(), 0o750); err != nil {
 		return nil, fmt.Errorf("agent: create state directory %s: %w", a.vmsDir(), err)
 	}
@@ -208,18 +162,16 @@ func New(ctx context.Context, cfg Config) (*Agent, error) {
 // time: re-adoption checks a pid and a QMP socket per VM.
 func (a *Agent) adopt(ctx context.Context, loaded []loadedVM) {
 	for _, l := range loaded {
-		e := newEntry(l.id)
+		e := a.vms.entry(l.id)
 		if l.rec == nil {
-			e.corrupt = true
-			e.rec = vmRecord{Version: metaVersion, ID: l.id, State: agentapi.StateError, Reason: l.corrupt}
+			e.setCorrupt(vmRecord{Version: metaVersion, ID: l.id, State: agentapi.StateError, Reason: l.corrupt}, l.corrupt)
 		} else {
-			e.rec = *l.rec
+			e.set(*l.rec)
 		}
-		a.vms[l.id] = e
 	}
 	a.forEach(func(e *vmEntry) {
-		before, corrupt, _ := e.snapshot()
-		if corrupt {
+		before, corrupt, _ := e.state()
+		if corrupt != "" {
 			return
 		}
 		if !e.tryLock() {
@@ -239,12 +191,7 @@ func (a *Agent) adopt(ctx context.Context, loaded []loadedVM) {
 
 // forEach runs fn for every VM, at most 16 at once, and waits for all.
 func (a *Agent) forEach(fn func(*vmEntry)) {
-	a.mu.Lock()
-	entries := make([]*vmEntry, 0, len(a.vms))
-	for _, e := range a.vms {
-		entries = append(entries, e)
-	}
-	a.mu.Unlock()
+	entries := a.vms.all()
 	sem := make(chan struct{}, 16)
 	var wg sync.WaitGroup
 	for _, e := range entries {
@@ -292,8 +239,8 @@ func seedOf(r vmRecord) string {
 // refreshLocked asks the driver for the VM's state and records a change.
 // The caller holds e's operation lock.
 func (a *Agent) refreshLocked(ctx context.Context, e *vmEntry) vmRecord {
-	r, corrupt, gone := e.snapshot()
-	if corrupt || gone {
+	r, corrupt, gone := e.state()
+	if corrupt != "" || gone {
 		return r
 	}
 	obs := a.cfg.Driver.Observe(ctx, machineOf(a, r), r.State)
@@ -320,17 +267,32 @@ func (a *Agent) refreshLocked(ctx context.Context, e *vmEntry) vmRecord {
 // that VM is running (then its last recorded state).
 func (a *Agent) current(ctx context.Context, e *vmEntry) vmRecord {
 	if !e.tryLock() {
-		r, _, _ := e.snapshot()
+		r, _, _ := e.state()
 		return r
 	}
 	defer e.unlock()
 	return a.refreshLocked(ctx, e)
 }
 
-func (a *Agent) lookup(id string) *vmEntry {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.vms[id]
+func (a *Agent) lookup(id string) *vmEntry { return a.vms.lookup(id) }
+
+// lockVM returns VM id's entry with its operation lock held, for an
+// operation that needs its metadata (what it would do, for the message:
+// "be resized"): a 404 when there is no such VM, a 409 when its metadata is
+// corrupt.
+func (a *Agent) lockVM(ctx context.Context, id, what string) (*vmEntry, error) {
+	e, err := a.vms.acquire(ctx, id)
+	switch {
+	case err != nil:
+		return nil, err
+	case e == nil:
+		return nil, errNotFound(id)
+	}
+	if r, corrupt, _ := e.state(); corrupt != "" {
+		e.unlock()
+		return nil, errConflict("vm %s cannot %s: %s; delete it and create it again", id, what, r.Reason)
+	}
+	return e, nil
 }
 
 // GetVM returns one VM.
@@ -340,7 +302,7 @@ func (a *Agent) GetVM(ctx context.Context, id string) (agentapi.VM, error) {
 		return agentapi.VM{}, errNotFound(id)
 	}
 	r := a.current(ctx, e)
-	if _, _, gone := e.snapshot(); gone {
+	if _, _, gone := e.state(); gone {
 		return agentapi.VM{}, errNotFound(id)
 	}
 	return r.wire(), nil
@@ -352,7 +314,7 @@ func (a *Agent) ListVMs(ctx context.Context) []agentapi.VM {
 	out := []agentapi.VM{}
 	a.forEach(func(e *vmEntry) {
 		r := a.current(ctx, e)
-		if _, _, gone := e.snapshot(); gone {
+		if _, _, gone := e.state(); gone {
 			return
 		}
 		mu.Lock()
@@ -437,14 +399,7 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 				}
 				validated = true
 			}
-			a.mu.Lock()
-			if a.vms[id] == nil {
-				e = newEntry(id)
-				e.op <- struct{}{} // new and unseen: taking it cannot block
-				a.vms[id] = e
-			}
-			a.mu.Unlock()
-			if e != nil {
+			if e = a.vms.create(id); e != nil {
 				defer e.unlock()
 				vm, err := a.createLocked(ctx, e, spec)
 				return vm, true, err
@@ -454,12 +409,12 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 		if err := e.lock(ctx); err != nil {
 			return agentapi.VM{}, false, err
 		}
-		r, corrupt, gone := e.snapshot()
+		r, corrupt, gone := e.state()
 		e.unlock()
 		if gone {
 			continue // deleted (or its create failed) while we waited
 		}
-		if corrupt {
+		if corrupt != "" {
 			return agentapi.VM{}, false, errConflict("vm %s exists but its metadata is corrupt (%s); delete it and create it again", id, r.Reason)
 		}
 		if r.Image != spec.Image || r.VCPUs != spec.VCPUs || r.MemoryMiB != spec.MemoryMiB || r.DiskMiB != spec.DiskMiB ||
@@ -539,12 +494,7 @@ func (a *Agent) removeVM(ctx context.Context, e *vmEntry, m *Machine) error {
 	if err := os.RemoveAll(trash); err != nil {
 		a.log.Warn("remove files of deleted vm", "vm", e.id, "dir", trash, "err", err)
 	}
-	a.mu.Lock()
-	delete(a.vms, e.id)
-	a.mu.Unlock()
-	e.mu.Lock()
-	e.gone = true
-	e.mu.Unlock()
+	a.vms.drop(e)
 	return nil
 }
 
@@ -553,18 +503,12 @@ func (a *Agent) DeleteVM(ctx context.Context, id string) error {
 	if err := checkID(id); err != nil {
 		return err
 	}
-	e := a.lookup(id)
-	if e == nil {
-		return nil
-	}
-	if err := e.lock(ctx); err != nil {
+	e, err := a.vms.acquire(ctx, id)
+	if e == nil || err != nil {
 		return err
 	}
 	defer e.unlock()
-	r, _, gone := e.snapshot()
-	if gone {
-		return nil
-	}
+	r, _, _ := e.state()
 	if err := a.removeVM(ctx, e, machineOf(a, r)); err != nil {
 		return err
 	}
@@ -581,24 +525,14 @@ func (a *Agent) Action(ctx context.Context, id, action string) (agentapi.VM, err
 		return agentapi.VM{}, &Error{Status: http.StatusNotFound, Code: CodeNotFound,
 			Message: fmt.Sprintf("unknown power action %q: want start, stop, pause or resume", action)}
 	}
-	e := a.lookup(id)
-	if e == nil {
-		return agentapi.VM{}, errNotFound(id)
-	}
-	if err := e.lock(ctx); err != nil {
+	e, err := a.lockVM(ctx, id, action)
+	if err != nil {
 		return agentapi.VM{}, err
 	}
 	defer e.unlock()
-	if _, corrupt, gone := e.snapshot(); gone {
-		return agentapi.VM{}, errNotFound(id)
-	} else if corrupt {
-		r, _, _ := e.snapshot()
-		return agentapi.VM{}, errConflict("vm %s cannot %s: %s; delete it and create it again", id, action, r.Reason)
-	}
 	r := a.refreshLocked(ctx, e)
 	m := machineOf(a, r)
 	d := a.cfg.Driver
-	var err error
 	switch action {
 	case agentapi.ActionStart:
 		switch r.State {
@@ -670,12 +604,12 @@ func (a *Agent) Console(ctx context.Context, id string, max int64) ([]byte, erro
 	if e == nil {
 		return nil, errNotFound(id)
 	}
-	r, corrupt, gone := e.snapshot()
+	r, corrupt, gone := e.state()
 	if gone {
 		return nil, errNotFound(id)
 	}
 	m := machineOf(a, r)
-	if corrupt {
+	if corrupt != "" {
 		m.Image = ""
 	}
 	return a.cfg.Driver.Console(m, max)
@@ -699,14 +633,8 @@ func (a *Agent) Info(ctx context.Context) (agentapi.Info, error) {
 	}
 	var alloc agentapi.Resources
 	count := 0
-	a.mu.Lock()
-	entries := make([]*vmEntry, 0, len(a.vms))
-	for _, e := range a.vms {
-		entries = append(entries, e)
-	}
-	a.mu.Unlock()
-	for _, e := range entries {
-		r, _, gone := e.snapshot()
+	for _, e := range a.vms.all() {
+		r, _, gone := e.state()
 		if gone {
 			continue
 		}

@@ -19,19 +19,11 @@ type DiskResizer interface {
 // ResizeDisk grows VM id's disk to diskMiB in place. A smaller size is
 // refused; the same size changes nothing.
 func (a *Agent) ResizeDisk(ctx context.Context, id string, diskMiB int64) (agentapi.VM, error) {
-	e := a.lookup(id)
-	if e == nil {
-		return agentapi.VM{}, errNotFound(id)
-	}
-	if err := e.lock(ctx); err != nil {
+	e, err := a.lockVM(ctx, id, "grow its disk")
+	if err != nil {
 		return agentapi.VM{}, err
 	}
 	defer e.unlock()
-	if _, corrupt, gone := e.snapshot(); gone {
-		return agentapi.VM{}, errNotFound(id)
-	} else if corrupt {
-		return agentapi.VM{}, errConflict("vm %s cannot grow its disk: its metadata is corrupt; delete it and create it again", id)
-	}
 	r := a.refreshLocked(ctx, e)
 	switch {
 	case diskMiB == r.DiskMiB:

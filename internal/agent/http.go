@@ -40,9 +40,7 @@ func (a *Agent) routes() http.Handler {
 	reg.MustRegister(requests, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kvmd_agent_vms", Help: "VMs on this agent.",
 	}, func() float64 {
-		a.mu.Lock()
-		defer a.mu.Unlock()
-		return float64(len(a.vms))
+		return float64(a.vms.len())
 	}))
 
 	e.Use(middleware.Recover())

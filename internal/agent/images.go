@@ -72,14 +72,8 @@ const CodeImageFailed = "image_failed"
 func (a *Agent) imageUsers(hex string) []string {
 	ref := image.Ref(hex)
 	var users []string
-	a.mu.Lock()
-	entries := make([]*vmEntry, 0, len(a.vms))
-	for _, e := range a.vms {
-		entries = append(entries, e)
-	}
-	a.mu.Unlock()
-	for _, e := range entries {
-		if r, _, gone := e.snapshot(); !gone && r.Image == ref {
+	for _, e := range a.vms.all() {
+		if r, _, gone := e.state(); !gone && r.Image == ref {
 			users = append(users, "vm "+r.ID)
 		}
 	}
@@ -178,11 +172,9 @@ func (a *Agent) imageRoutes(v1 *echo.Group) {
 func (a *Agent) snapshotsOfImage(ref string) []string {
 	var out []string
 	for _, s := range a.snaps.all() {
-		s.mu.Lock()
-		if s.rec != nil && !s.gone && s.rec.Image == ref {
+		if rec, _, gone := s.state(); rec != nil && !gone && rec.Image == ref {
 			out = append(out, s.id)
 		}
-		s.mu.Unlock()
 	}
 	return out
 }

@@ -147,9 +147,9 @@ func (w *warmVM) validate() error {
 func (p *pool) reconcile(ctx context.Context) {
 	good, badIDs := p.loadRegistry()
 	handed := map[string]string{} // launch directory -> user VM id
-	for id, e := range p.a.vms {
-		if r, _, _ := e.snapshot(); r.Process.LaunchDir != "" {
-			handed[r.Process.LaunchDir] = id
+	for _, e := range p.a.vms.all() {
+		if r, _, _ := e.state(); r.Process.LaunchDir != "" {
+			handed[r.Process.LaunchDir] = e.id
 		}
 	}
 	seen := map[string]bool{}

@@ -25,19 +25,11 @@ func (a *Agent) ResizeVM(ctx context.Context, id string, shape agentapi.VMShape)
 	if err := checkID(id); err != nil {
 		return agentapi.VM{}, err
 	}
-	e := a.lookup(id)
-	if e == nil {
-		return agentapi.VM{}, errNotFound(id)
-	}
-	if err := e.lock(ctx); err != nil {
+	e, err := a.lockVM(ctx, id, "be resized")
+	if err != nil {
 		return agentapi.VM{}, err
 	}
 	defer e.unlock()
-	if r, corrupt, gone := e.snapshot(); gone {
-		return agentapi.VM{}, errNotFound(id)
-	} else if corrupt {
-		return agentapi.VM{}, errConflict("vm %s cannot be resized: %s; delete it and create it again", id, r.Reason)
-	}
 	r := a.refreshLocked(ctx, e)
 	if r.VCPUs == shape.VCPUs && r.MemoryMiB == shape.MemoryMiB {
 		return r.wire(), nil

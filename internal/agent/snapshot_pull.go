@@ -128,9 +128,7 @@ func (a *Agent) ensureSnapshot(ctx context.Context, id string, from *peer, chain
 			s.unlock()
 			return nil, err
 		}
-		s.mu.Lock()
-		s.rec = rec
-		s.mu.Unlock()
+		s.set(rec)
 		s.unlock()
 		return rec, nil
 	}

@@ -13,90 +13,10 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 )
-
-// snapEntry is one snapshot id in the registry. Like vmEntry, op is held
-// while the snapshot is taken, pulled or deleted.
-type snapEntry struct {
-	id string
-	op chan struct{}
-
-	mu      sync.Mutex
-	rec     *snapshotRecord // nil until complete
-	corrupt string          // its metadata cannot be read: only delete works
-	gone    bool            // dropped from the registry; a waiter must look again
-}
-
-func (s *snapEntry) lock(ctx context.Context) error {
-	select {
-	case s.op <- struct{}{}:
-		return nil
-	case <-ctx.Done():
-		return &Error{Status: http.StatusServiceUnavailable, Code: CodeUnavailable,
-			Message: fmt.Sprintf("snapshot %s is busy with another operation; retry later", s.id), Err: ctx.Err()}
-	}
-}
-
-func (s *snapEntry) unlock() { <-s.op }
-
-func (s *snapEntry) state() (*snapshotRecord, string, bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.rec, s.corrupt, s.gone
-}
-
-// snapshotRegistry holds the snapshots of an agent by id.
-type snapshotRegistry struct {
-	mu      sync.Mutex
-	entries map[string]*snapEntry
-}
-
-func (g *snapshotRegistry) lookup(id string) *snapEntry {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	return g.entries[id]
-}
-
-// entry returns the entry of id, making an empty one when there is none.
-func (g *snapshotRegistry) entry(id string) *snapEntry {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if g.entries == nil {
-		g.entries = map[string]*snapEntry{}
-	}
-	s := g.entries[id]
-	if s == nil {
-		s = &snapEntry{id: id, op: make(chan struct{}, 1)}
-		g.entries[id] = s
-	}
-	return s
-}
-
-// drop removes s from the registry. The caller holds s's lock.
-func (g *snapshotRegistry) drop(s *snapEntry) {
-	g.mu.Lock()
-	if g.entries[s.id] == s {
-		delete(g.entries, s.id)
-	}
-	g.mu.Unlock()
-	s.mu.Lock()
-	s.gone = true
-	s.mu.Unlock()
-}
-
-func (g *snapshotRegistry) all() []*snapEntry {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	out := make([]*snapEntry, 0, len(g.entries))
-	for _, s := range g.entries {
-		out = append(out, s)
-	}
-	return out
-}
 
 // loadSnapshots registers the snapshots in the state directory and removes
 // the leftovers of snapshots, pulls and deletions that a crash interrupted.
@@ -133,18 +53,19 @@ func (a *Agent) loadSnapshots() error {
 			err = rec.validate(name)
 		}
 		if err != nil {
-			s.corrupt = fmt.Sprintf("metadata %s cannot be used (%v); delete the snapshot", filepath.Join(dir, snapshotMetaFile), err)
-			a.log.Error("corrupt snapshot metadata", "snapshot", name, "reason", s.corrupt)
+			reason := fmt.Sprintf("metadata %s cannot be used (%v); delete the snapshot", filepath.Join(dir, snapshotMetaFile), err)
+			s.setCorrupt(nil, reason)
+			a.log.Error("corrupt snapshot metadata", "snapshot", name, "reason", reason)
 			continue
 		}
 		if rec.Unsynced {
 			if err := a.recoverUnsynced(dir, &rec); err != nil {
-				s.corrupt = err.Error()
-				a.log.Error("snapshot files lost", "snapshot", name, "reason", s.corrupt)
+				s.setCorrupt(nil, err.Error())
+				a.log.Error("snapshot files lost", "snapshot", name, "reason", err.Error())
 				continue
 			}
 		}
-		s.rec = &rec
+		s.set(&rec)
 	}
 	return nil
 }
@@ -204,14 +125,8 @@ func (a *Agent) openSnapshotFile(id, name string) (*os.File, agentapi.SnapshotFi
 // snapshotUsers lists what needs snapshot id's files: VMs started from it
 // (their disks sit on its frozen disk) and snapshots whose frozen disk does.
 func (a *Agent) snapshotUsers(id string) (vms, snaps []string) {
-	a.mu.Lock()
-	entries := make([]*vmEntry, 0, len(a.vms))
-	for _, e := range a.vms {
-		entries = append(entries, e)
-	}
-	a.mu.Unlock()
-	for _, e := range entries {
-		if r, _, gone := e.snapshot(); !gone && r.Snapshot == id {
+	for _, e := range a.vms.all() {
+		if r, _, gone := e.state(); !gone && r.Snapshot == id {
 			vms = append(vms, e.id)
 		}
 	}
@@ -234,16 +149,12 @@ func (a *Agent) DeleteSnapshot(ctx context.Context, id string) error {
 	if err := checkSnapshotID(id); err != nil {
 		return err
 	}
-	s := a.snaps.lookup(id)
-	if s == nil {
-		return nil
-	}
-	if err := s.lock(ctx); err != nil {
+	s, err := a.snaps.acquire(ctx, id)
+	if s == nil || err != nil {
 		return err
 	}
 	defer s.unlock()
-	rec, corrupt, gone := s.state()
-	if gone || (rec == nil && corrupt == "") {
+	if rec, corrupt, _ := s.state(); rec == nil && corrupt == "" {
 		return nil
 	}
 	if vms, snaps := a.snapshotUsers(id); len(vms)+len(snaps) > 0 {

@@ -82,9 +82,7 @@ func (a *Agent) syncSnapshot(rec *snapshotRecord) error {
 	if err := a.writeSnapshotMeta(dir, &synced); err != nil {
 		return err
 	}
-	s.mu.Lock()
-	s.rec = &synced
-	s.mu.Unlock()
+	s.set(&synced)
 	return nil
 }
 

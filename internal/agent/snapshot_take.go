@@ -62,9 +62,7 @@ func (a *Agent) CreateSnapshot(ctx context.Context, id string, spec agentapi.Sna
 			s.unlock()
 			return agentapi.Snapshot{}, false, err
 		}
-		s.mu.Lock()
-		s.rec = rec
-		s.mu.Unlock()
+		s.set(rec)
 		s.unlock()
 		return rec.wire(), true, nil
 	}
@@ -74,11 +72,8 @@ func (a *Agent) CreateSnapshot(ctx context.Context, id string, spec agentapi.Sna
 // files, writes the metadata and renames the directory into place. The
 // caller holds the snapshot's lock.
 func (a *Agent) takeSnapshot(ctx context.Context, sn Snapshotter, id string, spec agentapi.SnapshotSpec) (*snapshotRecord, error) {
-	e := a.lookup(spec.VMID)
-	if e == nil {
-		return nil, errNotFound(spec.VMID)
-	}
-	if err := e.lock(ctx); err != nil {
+	e, err := a.lockVM(ctx, spec.VMID, "be snapshotted")
+	if err != nil {
 		return nil, err
 	}
 	locked := true
@@ -87,11 +82,6 @@ func (a *Agent) takeSnapshot(ctx context.Context, sn Snapshotter, id string, spe
 			e.unlock()
 		}
 	}()
-	if r, corrupt, gone := e.snapshot(); gone {
-		return nil, errNotFound(spec.VMID)
-	} else if corrupt {
-		return nil, errConflict("vm %s cannot be snapshotted: %s; delete it and create it again", spec.VMID, r.Reason)
-	}
 	r := a.refreshLocked(ctx, e)
 	if r.State != agentapi.StateRunning && r.State != agentapi.StatePaused {
 		err := errConflict("vm %s is %s: only a running or paused vm can be snapshotted; start it first", r.ID, r.State)
@@ -114,7 +104,7 @@ func (a *Agent) takeSnapshot(ctx context.Context, sn Snapshotter, id string, spe
 	opts := SnapshotOptions{
 		KeepPaused: spec.PauseSource || r.State == agentapi.StatePaused,
 		RecordDisk: func(disk string) error {
-			next, _, _ := e.snapshot()
+			next, _, _ := e.state()
 			next.Disk = disk
 			if err := a.saveRecord(&next); err != nil {
 				return err

@@ -138,12 +138,13 @@ func SparseDigest(f *os.File, size int64) (string, error) {
 // writing only the non-zero pages, and returns the digest of the stream, as
 // SparseDigest of dst would.
 func CopySparse(dst, src *os.File, size int64) (string, error) {
-	h := sha256.New()
+	h := newPipeHash()
+	defer h.stop()
 	var head [sparseHead]byte
 	err := scanSparse(src, size, func(off int64, data []byte) error {
 		putRecordHead(&head, off, len(data))
-		h.Write(head[:])
-		h.Write(data)
+		h.add(head[:])
+		h.add(data)
 		_, err := dst.WriteAt(data, off)
 		return err
 	})
@@ -151,11 +152,11 @@ func CopySparse(dst, src *os.File, size int64) (string, error) {
 		return "", fmt.Errorf("copy %s to %s: %w", src.Name(), dst.Name(), err)
 	}
 	putRecordHead(&head, size, 0)
-	h.Write(head[:])
+	h.add(head[:])
 	if err := dst.Truncate(size); err != nil {
 		return "", err
 	}
-	return digestOf(h), nil
+	return h.sum(), nil
 }
 
 // SparseTarget is what ReadSparse writes into: an *os.File.
@@ -170,7 +171,8 @@ type SparseTarget interface {
 // returns the stream's digest and how many bytes of the stream it read. A
 // stream that breaks any rule is an error, and the caller discards dst.
 func ReadSparse(dst SparseTarget, r io.Reader, size int64) (string, int64, error) {
-	h := sha256.New()
+	h := newPipeHash()
+	defer h.stop()
 	cr := &countingReader{r: io.TeeReader(r, h)}
 	buf := make([]byte, max(0, min(size, sparseBlock)))
 	var head [sparseHead]byte
@@ -190,7 +192,7 @@ func ReadSparse(dst SparseTarget, r io.Reader, size int64) (string, int64, error
 			if err := dst.Truncate(size); err != nil {
 				return "", cr.n, err
 			}
-			return digestOf(h), cr.n, nil
+			return h.sum(), cr.n, nil
 		}
 		switch {
 		case n < 0 || off < 0:

@@ -19,7 +19,7 @@ var _ agent.DiskResizer = (*Driver)(nil)
 func (d *Driver) ResizeDisk(ctx context.Context, m *agent.Machine, online bool, diskMiB int64) error {
 	bytesSize := diskMiB << 20
 	if online {
-		if err := qmp(ctx, qmpPathOf(m), "block_resize", map[string]any{"device": "disk0", "size": bytesSize}, nil); err != nil {
+		if err := d.withMonitor(ctx, m, func(q *monitor) error { return q.blockResize(ctx, driveID, bytesSize) }); err != nil {
 			return fmt.Errorf("qmp block_resize: %w", err)
 		}
 		return nil

@@ -67,6 +67,8 @@ type Driver struct {
 	log       *slog.Logger
 	// snapshotPauses counts the VM pauses of snapshots (snapshot.go).
 	snapshotPauses atomic.Int64
+	// qmpSessions counts the QMP sessions opened (qmp.go).
+	qmpSessions atomic.Int64
 	// net makes the host side of NICs (taps, bridges, leases, NAT rules);
 	// ports are the host ports of user-mode forwards (network.go).
 	net   *network.Host
@@ -243,12 +245,11 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, ramI
 	if opts.Paused || opts.Incoming != "" {
 		args = append(args, "-S")
 	}
-	switch {
-	case opts.Incoming != "" && ramImage != "":
-		// The state is loaded by QMP (Spawn), after x-ignore-shared is set.
+	if opts.Incoming != "" {
+		// The state is loaded by QMP (Spawn), once the migration
+		// capabilities are set: the events that tell it is loaded, and
+		// x-ignore-shared with a RAM image.
 		args = append(args, "-incoming", "defer")
-	case opts.Incoming != "":
-		args = append(args, "-incoming", "exec:cat "+shellQuote(opts.Incoming))
 	}
 	return args
 }
@@ -276,20 +277,27 @@ func qemuOptQuote(v string) string { return strings.ReplaceAll(v, ",", ",,") }
 // QMP socket listens, its pid file is written) and leaves the VM running in
 // a session of its own, not a child that dies with the agent.
 func (d *Driver) Boot(ctx context.Context, m *agent.Machine, opts agent.BootOptions) error {
-	return d.boot(ctx, m, opts, "")
-}
-
-// boot is Boot, with the RAM of m mapped from ramImage when it is set.
-func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOptions, ramImage string) error {
-	img, err := d.loadImage(m.Image)
+	q, err := d.boot(ctx, m, opts, "")
 	if err != nil {
 		return err
 	}
+	return q.Close()
+}
+
+// boot is Boot, with the RAM of m mapped from ramImage when it is set. It
+// returns the QMP session that checked the new QEMU, for the caller to go
+// on with or close.
+func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOptions, ramImage string) (*monitor, error) {
+	t0 := time.Now()
+	img, err := d.loadImage(m.Image)
+	if err != nil {
+		return nil, err
+	}
 	if alive, _ := checkProcess(m.Process, pidfileOf(m)); alive {
-		return fmt.Errorf("boot vm %s: qemu process %d still runs", m.ID, m.Process.PID)
+		return nil, fmt.Errorf("boot vm %s: qemu process %d still runs", m.ID, m.Process.PID)
 	}
 	for _, p := range findProcesses(pidfileOf(m)) {
-		return fmt.Errorf("boot vm %s: an earlier qemu process %d of it still runs; delete the vm", m.ID, p.PID)
+		return nil, fmt.Errorf("boot vm %s: an earlier qemu process %d of it still runs; delete the vm", m.ID, p.PID)
 	}
 	// A new process, started in m.Dir.
 	m.Process = agent.Process{}
@@ -299,7 +307,7 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 
 	nics, netns, err := d.attachNICs(m, img)
 	if err != nil {
-		return fmt.Errorf("boot vm %s: %w", m.ID, err)
+		return nil, fmt.Errorf("boot vm %s: %w", m.ID, err)
 	}
 
 	if err := markBoot(m); err != nil {
@@ -318,35 +326,44 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	// QEMU's daemon child points its stdio at /dev/null; should it keep
 	// our pipe, Wait must not hang on it.
 	cmd.WaitDelay = 5 * time.Second
+	t1 := time.Now()
 	// A forked child's QEMU runs in the child's network namespace (its
 	// taps are there); -daemonize keeps it there.
 	if err := network.RunIn(netns, cmd.Run); err != nil {
 		d.killLeftovers(m)
-		return fmt.Errorf("start qemu for vm %s: %v: %s", m.ID, err, strings.TrimSpace(out.String()))
+		return nil, fmt.Errorf("start qemu for vm %s: %v: %s", m.ID, err, strings.TrimSpace(out.String()))
 	}
 	b, err := os.ReadFile(pidfileOf(m))
 	if err != nil {
 		d.killLeftovers(m)
-		return fmt.Errorf("start qemu for vm %s: read pid file: %w", m.ID, err)
+		return nil, fmt.Errorf("start qemu for vm %s: read pid file: %w", m.ID, err)
 	}
 	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
 	if err != nil {
 		d.killLeftovers(m)
-		return fmt.Errorf("start qemu for vm %s: pid file %q: %w", m.ID, b, err)
+		return nil, fmt.Errorf("start qemu for vm %s: pid file %q: %w", m.ID, b, err)
 	}
 	_, start, err := procStat(pid)
 	if err != nil {
 		d.killLeftovers(m)
-		return fmt.Errorf("start qemu for vm %s: qemu %d exited at once; see %s: %w", m.ID, pid, filepath.Join(m.Dir, consoleFileName), err)
+		return nil, fmt.Errorf("start qemu for vm %s: qemu %d exited at once; see %s: %w", m.ID, pid, filepath.Join(m.Dir, consoleFileName), err)
 	}
 	m.Process = agent.Process{PID: pid, StartTime: start}
+	t2 := time.Now()
+	q, err := d.monitor(ctx, m)
 	var st qmpStatus
-	if err := qmp(ctx, qmpPathOf(m), "query-status", nil, &st); err != nil {
-		d.killLeftovers(m)
-		return fmt.Errorf("start qemu for vm %s: %w", m.ID, err)
+	if err == nil {
+		if st, err = q.queryStatus(ctx); err != nil {
+			_ = q.Close()
+		}
 	}
-	d.log.Info("qemu started", "vm", m.ID, "pid", pid, "status", st.Status, "accel", d.accel)
-	return nil
+	if err != nil {
+		d.killLeftovers(m)
+		return nil, fmt.Errorf("start qemu for vm %s: %w", m.ID, err)
+	}
+	d.log.Info("qemu started", "vm", m.ID, "pid", pid, "status", st.Status, "accel", d.accel,
+		"prepare_ms", t1.Sub(t0).Milliseconds(), "exec_ms", t2.Sub(t1).Milliseconds(), "qmp_ms", time.Since(t2).Milliseconds())
+	return q, nil
 }
 
 func (d *Driver) killLeftovers(m *agent.Machine) {
@@ -366,17 +383,22 @@ func (d *Driver) Shutdown(ctx context.Context, m *agent.Machine, grace time.Dura
 		return d.Kill(ctx, m) // only leftovers found by command line, if any
 	}
 	var st qmpStatus
-	qerr := qmp(ctx, qmpPathOf(m), "query-status", nil, &st)
-	// A paused guest cannot see the power button: go straight to quit.
-	if qerr == nil && st.Running {
-		if err := qmp(ctx, qmpPathOf(m), "system_powerdown", nil, nil); err != nil {
-			d.log.Warn("acpi power-down failed", "vm", m.ID, "err", err)
-		} else if waitGone(m.Process, pidfile, grace) {
-			d.log.Info("guest powered off", "vm", m.ID)
-			return nil
+	qerr := d.withMonitor(ctx, m, func(q *monitor) error {
+		var err error
+		st, err = q.queryStatus(ctx)
+		// A paused guest cannot see the power button: go straight to quit.
+		if err == nil && st.Running {
+			if err := q.powerdown(ctx); err != nil {
+				d.log.Warn("acpi power-down failed", "vm", m.ID, "err", err)
+			}
 		}
+		return err
+	})
+	if qerr == nil && st.Running && waitGone(m.Process, pidfile, grace) {
+		d.log.Info("guest powered off", "vm", m.ID)
+		return nil
 	}
-	if err := qmp(ctx, qmpPathOf(m), "quit", nil, nil); err != nil {
+	if err := d.withMonitor(ctx, m, func(q *monitor) error { return q.quit(ctx) }); err != nil {
 		d.log.Warn("qmp quit failed", "vm", m.ID, "err", err)
 	}
 	if waitGone(m.Process, pidfile, 5*time.Second) {
@@ -412,12 +434,12 @@ func (d *Driver) Kill(_ context.Context, m *agent.Machine) error {
 
 // Pause stops the vCPUs (QMP stop).
 func (d *Driver) Pause(ctx context.Context, m *agent.Machine) error {
-	return qmp(ctx, qmpPathOf(m), "stop", nil, nil)
+	return d.withMonitor(ctx, m, func(q *monitor) error { return q.stop(ctx) })
 }
 
 // Resume continues the vCPUs (QMP cont).
 func (d *Driver) Resume(ctx context.Context, m *agent.Machine) error {
-	return qmp(ctx, qmpPathOf(m), "cont", nil, nil)
+	return d.withMonitor(ctx, m, func(q *monitor) error { return q.cont(ctx) })
 }
 
 // Observe checks that the VM's QEMU is alive and is that VM's (pid, start
@@ -445,7 +467,7 @@ func (d *Driver) Observe(ctx context.Context, m *agent.Machine, last string) age
 			Reason: why + " (crashed, killed, or powered off from inside); start the vm to boot it again"}
 	}
 	var st qmpStatus
-	if err := qmp(ctx, qmpPathOf(m), "query-status", nil, &st); err != nil {
+	if err := d.withMonitor(ctx, m, func(q *monitor) (err error) { st, err = q.queryStatus(ctx); return err }); err != nil {
 		return agent.Observed{State: agentapi.StateError, Process: found,
 			Reason: fmt.Sprintf("qemu process %d runs but its qmp socket does not answer: %v", m.Process.PID, err)}
 	}

@@ -1,5 +1,15 @@
 package qemu
 
+// QMP: a session on a VM's monitor socket that stays open for one operation
+// (a snapshot, a child's start, a state check), with named commands
+// (qmp_commands.go) and waits on QEMU's events instead of polling, after
+// Incus's qmp package (monitor.go, commands.go). Unlike Incus's monitor it
+// is not kept for the VM's life: QEMU serves one client at a time on the
+// socket, the agent runs one operation of a VM at a time, and nothing stays
+// open between them (a restarted agent finds nothing to take over). One
+// goroutine uses a session: replies are read in line, and the events read
+// while waiting for one are kept for a later wait.
+
 import (
 	"context"
 	"encoding/json"
@@ -8,29 +18,53 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
+	"sync"
 	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
 )
 
-// qmpTimeout bounds one QMP exchange (connect, negotiate, one command).
+// qmpTimeout bounds connecting, negotiating and one command's answer.
 const qmpTimeout = 5 * time.Second
 
-// qmpConn is one QMP session on a VM's monitor socket. QEMU serves one
-// client at a time on it; the agent never runs two operations of one VM at
-// once, so a session per call is enough and leaves nothing open.
-type qmpConn struct {
+// maxQueuedEvents bounds the events a session keeps for a later wait.
+const maxQueuedEvents = 256
+
+// monitor is one QMP session on a VM's monitor socket.
+type monitor struct {
+	path string
 	conn net.Conn
 	dec  *json.Decoder
+	// events were read while waiting for a reply; a wait looks here first.
+	events []qmpEvent
+	// broken is set once an exchange failed half way (a deadline, a
+	// closed socket): the stream may be out of step, so nothing more is
+	// sent on it.
+	broken error
+}
+
+// qmpEvent is an asynchronous message from QEMU.
+type qmpEvent struct {
+	Event string          `json:"event"`
+	Data  json.RawMessage `json:"data"`
 }
 
 type qmpMessage struct {
 	Event  string          `json:"event"`
+	Data   json.RawMessage `json:"data"`
 	Return json.RawMessage `json:"return"`
-	Error  *struct {
-		Class string `json:"class"`
-		Desc  string `json:"desc"`
-	} `json:"error"`
-	QMP json.RawMessage `json:"QMP"`
+	Error  *qmpError       `json:"error"`
+	QMP    json.RawMessage `json:"QMP"`
 }
+
+// qmpError is QEMU's answer to a command that failed.
+type qmpError struct {
+	Class string `json:"class"`
+	Desc  string `json:"desc"`
+}
+
+func (e *qmpError) Error() string { return e.Class + ": " + e.Desc }
 
 // dialUnix connects to a unix socket whose path may be longer than the
 // 108 bytes a sockaddr holds: it then goes through /proc/self/fd/N/<name>
@@ -48,75 +82,192 @@ func dialUnix(ctx context.Context, path string) (net.Conn, error) {
 	return d.DialContext(ctx, "unix", fmt.Sprintf("/proc/self/fd/%d/%s", dir.Fd(), filepath.Base(path)))
 }
 
-func dialQMP(ctx context.Context, path string) (*qmpConn, error) {
-	ctx, cancel := context.WithTimeout(ctx, qmpTimeout)
+// monitor opens a QMP session on m's monitor socket: connect, greeting,
+// capabilities negotiation. The caller closes it.
+func (d *Driver) monitor(ctx context.Context, m *agent.Machine) (*monitor, error) {
+	d.qmpSessions.Add(1)
+	return openMonitor(ctx, qmpPathOf(m))
+}
+
+func openMonitor(ctx context.Context, path string) (*monitor, error) {
+	dctx, cancel := context.WithTimeout(ctx, qmpTimeout)
 	defer cancel()
-	conn, err := dialUnix(ctx, path)
+	conn, err := dialUnix(dctx, path)
 	if err != nil {
 		return nil, fmt.Errorf("connect to qmp socket %s: %w", path, err)
 	}
-	deadline, _ := ctx.Deadline()
-	_ = conn.SetDeadline(deadline)
-	q := &qmpConn{conn: conn, dec: json.NewDecoder(conn)}
-	var greeting qmpMessage
-	if err := q.dec.Decode(&greeting); err != nil || greeting.QMP == nil {
-		_ = conn.Close()
-		return nil, fmt.Errorf("qmp greeting on %s: %v", path, errors.Join(err, errors.New("no QMP greeting")))
+	q := &monitor{path: path, conn: conn, dec: json.NewDecoder(conn)}
+	err = q.exchange(ctx, qmpTimeout, func() error {
+		var greeting qmpMessage
+		if err := q.dec.Decode(&greeting); err != nil {
+			return err
+		}
+		if greeting.QMP == nil {
+			return errors.New("no QMP greeting")
+		}
+		return nil
+	})
+	if err == nil {
+		err = q.run(ctx, "qmp_capabilities", nil, nil)
 	}
-	if err := q.execute("qmp_capabilities", nil, nil); err != nil {
+	if err != nil {
 		_ = conn.Close()
-		return nil, err
+		return nil, fmt.Errorf("qmp session on %s: %w", path, err)
 	}
 	return q, nil
 }
 
-func (q *qmpConn) Close() error { return q.conn.Close() }
+func (q *monitor) Close() error { return q.conn.Close() }
 
-// execute runs one command and decodes its return value into out.
-// Asynchronous events that arrive in between are skipped.
-func (q *qmpConn) execute(cmd string, args, out any) error {
-	req := map[string]any{"execute": cmd}
-	if args != nil {
-		req["arguments"] = args
+// exchange runs io on the connection with a deadline of timeout from now,
+// or ctx's when sooner; ctx's end cuts it short. A failure leaves the
+// session broken.
+func (q *monitor) exchange(ctx context.Context, timeout time.Duration, io func() error) error {
+	if q.broken != nil {
+		return fmt.Errorf("the qmp session broke earlier: %w", q.broken)
 	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	deadline, ctxDeadline := time.Now().Add(timeout), false
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline, ctxDeadline = d, true
+	}
+	if err := q.conn.SetDeadline(deadline); err != nil {
+		q.broken = err
+		return err
+	}
+	var fired sync.WaitGroup
+	fired.Add(1)
+	stop := context.AfterFunc(ctx, func() {
+		defer fired.Done()
+		_ = q.conn.SetDeadline(time.Now())
+	})
+	err := io()
+	if stop() {
+		fired.Done()
+	}
+	// The deadline that ctx's end set must not cut the next exchange.
+	fired.Wait()
+	if err != nil {
+		cerr := ctx.Err()
+		if cerr == nil && ctxDeadline && errors.Is(err, os.ErrDeadlineExceeded) {
+			cerr = context.DeadlineExceeded // the connection's deadline was ctx's
+		}
+		if cerr != nil {
+			err = fmt.Errorf("%w (%w)", cerr, err)
+		}
+		q.broken = err
+	}
+	return err
+}
+
+// read decodes the next message from QEMU.
+func (q *monitor) read() (qmpMessage, error) {
+	var msg qmpMessage
+	err := q.dec.Decode(&msg)
+	return msg, err
+}
+
+// keep queues an event for a later wait, dropping the oldest beyond the bound.
+func (q *monitor) keep(msg qmpMessage) {
+	if len(q.events) >= maxQueuedEvents {
+		q.events = slices.Delete(q.events, 0, 1)
+	}
+	q.events = append(q.events, qmpEvent{Event: msg.Event, Data: msg.Data})
+}
+
+// run executes one command and decodes its return value into out. Events
+// that arrive before the answer are kept for waitEvent.
+func (q *monitor) run(ctx context.Context, cmd string, args, out any) error {
+	req := struct {
+		Execute   string `json:"execute"`
+		Arguments any    `json:"arguments,omitempty"`
+	}{cmd, args}
 	b, err := json.Marshal(req)
 	if err != nil {
 		return err
 	}
-	if _, err := q.conn.Write(b); err != nil {
-		return fmt.Errorf("qmp %s: %w", cmd, err)
-	}
-	for {
-		var m qmpMessage
-		if err := q.dec.Decode(&m); err != nil {
-			return fmt.Errorf("qmp %s: read answer: %w", cmd, err)
+	var answer qmpMessage
+	err = q.exchange(ctx, qmpTimeout, func() error {
+		if _, err := q.conn.Write(b); err != nil {
+			return err
 		}
-		switch {
-		case m.Event != "":
-			continue
-		case m.Error != nil:
-			return fmt.Errorf("qmp %s: %s: %s", cmd, m.Error.Class, m.Error.Desc)
-		case m.Return != nil:
-			if out != nil {
-				return json.Unmarshal(m.Return, out)
+		for {
+			msg, err := q.read()
+			if err != nil {
+				return fmt.Errorf("read answer: %w", err)
 			}
+			if msg.Event != "" {
+				q.keep(msg)
+				continue
+			}
+			answer = msg
 			return nil
 		}
+	})
+	switch {
+	case err != nil:
+		return fmt.Errorf("qmp %s: %w", cmd, err)
+	case answer.Error != nil:
+		return fmt.Errorf("qmp %s: %w", cmd, answer.Error)
+	case out != nil && answer.Return != nil:
+		return json.Unmarshal(answer.Return, out)
 	}
+	return nil
 }
 
-// qmp runs one command in a session of its own.
-func qmp(ctx context.Context, path, cmd string, args, out any) error {
-	q, err := dialQMP(ctx, path)
+// waitEvent returns the first event, kept or new, for which match is true,
+// waiting up to timeout (or ctx's end). Events before it that do not match
+// are dropped.
+func (q *monitor) waitEvent(ctx context.Context, timeout time.Duration, match func(qmpEvent) bool) (qmpEvent, error) {
+	for i, e := range q.events {
+		if match(e) {
+			q.events = slices.Delete(q.events, 0, i+1)
+			return e, nil
+		}
+	}
+	q.events = q.events[:0]
+	var found qmpEvent
+	err := q.exchange(ctx, timeout, func() error {
+		for {
+			msg, err := q.read()
+			if err != nil {
+				return err
+			}
+			if msg.Event == "" {
+				continue // an answer nobody waits for
+			}
+			if e := (qmpEvent{Event: msg.Event, Data: msg.Data}); match(e) {
+				found = e
+				return nil
+			}
+		}
+	})
+	return found, err
+}
+
+// withMonitor runs fn in a session of its own on m's monitor socket.
+func (d *Driver) withMonitor(ctx context.Context, m *agent.Machine, fn func(*monitor) error) error {
+	q, err := d.monitor(ctx, m)
 	if err != nil {
 		return err
 	}
 	defer func() { _ = q.Close() }()
-	return q.execute(cmd, args, out)
+	return fn(q)
 }
 
-// qmpStatus is the answer of query-status.
-type qmpStatus struct {
-	Running bool   `json:"running"`
-	Status  string `json:"status"`
+// rescue runs fn, a clean-up after a failure, in q, or in a new session
+// when q broke (a deadline or the caller's end cut an exchange short).
+// QEMU serves one client at a time, so the broken session is closed first.
+func (d *Driver) rescue(ctx context.Context, m *agent.Machine, q *monitor, fn func(*monitor) error) error {
+	if q.broken == nil {
+		return fn(q)
+	}
+	_ = q.Close()
+	return d.withMonitor(ctx, m, fn)
 }
+
+// QMPSessions is how many QMP sessions the driver opened: one per
+// operation, so tests can count them.
+func (d *Driver) QMPSessions() int64 { return d.qmpSessions.Load() }

@@ -15,7 +15,8 @@ package qemu
 //     snapshot directory (same names, so relative backing names resolve);
 //  5. QMP migrate to "exec:cat > memory.state" saves the device state; with
 //     the migration capability x-ignore-shared, it leaves out the RAM,
-//     which QEMU maps shared from a memfd (qemu.go);
+//     which QEMU maps shared from a memfd (qemu.go); the MIGRATION event
+//     (capability "events") tells when it is done;
 //  6. the memfd, opened through /proc/<pid>/fd, is copied into memory.ram,
 //     a sparse file of its non-zero pages (agent.CopySparse);
 //  7. QMP cont, unless the source is to stay paused.
@@ -27,7 +28,9 @@ package qemu
 // line (same machine, memory, devices) with its own disk, its RAM mapped
 // copy-on-write from memory.ram, -S and -incoming defer; QMP sets
 // x-ignore-shared and migrate-incoming "exec:cat memory.state" loads the
-// device state, and the child is continued. It never reads its RAM up
+// device state, and once the MIGRATION event says it is loaded the child is
+// continued. One QMP session serves a whole snapshot, and one a child's
+// start (qmp.go). It never reads its RAM up
 // front: pages come in from the page cache as the guest touches them, and
 // the children of one host share the pages they only read.
 //
@@ -64,7 +67,6 @@ const (
 	// default): the target is a local file and the vCPUs are stopped, so
 	// the fastest copy is the shortest pause.
 	migrateBandwidth = 64 << 30
-	migratePoll      = 2 * time.Millisecond
 	// driveID is the -drive id of a VM's disk (args in qemu.go).
 	driveID = "disk0"
 )
@@ -101,18 +103,9 @@ func (d *Driver) SnapshotPauses() int64 { return d.snapshotPauses.Load() }
 
 // activeDisk asks QEMU which generation of the disk chain the guest writes
 // to: QEMU is the truth, also when the agent died before recording a switch.
-func (d *Driver) activeDisk(ctx context.Context, m *agent.Machine) (int, int64, error) {
-	var blocks []struct {
-		Device   string `json:"device"`
-		Inserted *struct {
-			NodeName string `json:"node-name"`
-			File     string `json:"file"`
-			Image    struct {
-				VirtualSize int64 `json:"virtual-size"`
-			} `json:"image"`
-		} `json:"inserted"`
-	}
-	if err := qmp(ctx, qmpPathOf(m), "query-block", nil, &blocks); err != nil {
+func (d *Driver) activeDisk(ctx context.Context, q *monitor, m *agent.Machine) (int, int64, error) {
+	blocks, err := q.queryBlock(ctx)
+	if err != nil {
 		return 0, 0, err
 	}
 	for _, b := range blocks {
@@ -154,9 +147,13 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 	if alive, why := checkProcess(m.Process, pidfileOf(m)); !alive {
 		return files, fmt.Errorf("snapshot vm %s: %s", m.ID, why)
 	}
-	sock := qmpPathOf(m)
-	var st qmpStatus
-	if err := qmp(ctx, sock, "query-status", nil, &st); err != nil {
+	q, err := d.monitor(ctx, m)
+	if err != nil {
+		return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
+	}
+	defer func() { _ = q.Close() }()
+	st, err := q.queryStatus(ctx)
+	if err != nil {
 		return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
 	}
 	if st.Status == "postmigrate" {
@@ -164,20 +161,20 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 		return files, agent.ErrSnapshotConflict("vm %s is still paused by an earlier snapshot that kept it paused; resume it before taking another snapshot", m.ID)
 	}
 	wasRunning := st.Running
-	if err := qmp(ctx, sock, "migrate-set-parameters", map[string]any{"max-bandwidth": migrateBandwidth}, nil); err != nil {
+	if err := q.migrateSetMaxBandwidth(ctx, migrateBandwidth); err != nil {
 		return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
 	}
 	memfd, err := ramMemfd(m.Process.PID)
 	if err != nil {
 		return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
 	}
-	if err := setIgnoreShared(ctx, sock, memfd != ""); err != nil {
+	if err := q.migrateSetCapabilities(ctx, migrationCaps(memfd != "")...); err != nil {
 		return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
 	}
 
 	gen, next := -1, ""
 	if m.DiskMiB > 0 {
-		g, size, err := d.activeDisk(ctx, m)
+		g, size, err := d.activeDisk(ctx, q, m)
 		if err != nil {
 			return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
 		}
@@ -193,10 +190,12 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 	}
 
 	d.snapshotPauses.Add(1)
+	t0 := time.Now()
 	// From here the VM is stopped; every failure continues it if it ran.
 	fail := func(err error) (agent.SnapshotFiles, error) {
 		if wasRunning {
-			if cerr := qmp(context.WithoutCancel(ctx), sock, "cont", nil, nil); cerr != nil {
+			cctx := context.WithoutCancel(ctx)
+			if cerr := d.rescue(cctx, m, q, func(q *monitor) error { return q.cont(cctx) }); cerr != nil {
 				err = errors.Join(err, fmt.Errorf("continue the vm: %w", cerr))
 			}
 		}
@@ -215,15 +214,11 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 		}
 		return fail(err)
 	}
-	if err := qmp(ctx, sock, "stop", nil, nil); err != nil {
+	if err := q.stop(ctx); err != nil {
 		return unswitch(err)
 	}
 	if m.DiskMiB > 0 {
-		err := qmp(ctx, sock, "blockdev-snapshot-sync", map[string]any{
-			"device": driveID, "snapshot-file": filepath.Join(m.Dir, next),
-			"snapshot-node-name": fmt.Sprintf("disk-g%d", gen+1), "format": "qcow2", "mode": "existing",
-		}, nil)
-		if err != nil {
+		if err := q.blockdevSnapshotSync(ctx, driveID, filepath.Join(m.Dir, next), fmt.Sprintf("disk-g%d", gen+1)); err != nil {
 			return unswitch(err)
 		}
 		m.Disk = next
@@ -243,9 +238,11 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 			}
 		}
 	}
-	if err := d.saveMemory(ctx, sock, filepath.Join(dir, memoryFileName)); err != nil {
+	t1 := time.Now()
+	if err := d.saveMemory(ctx, q, m, filepath.Join(dir, memoryFileName)); err != nil {
 		return fail(err)
 	}
+	t2 := time.Now()
 	if memfd != "" {
 		digest, err := copyRAM(filepath.Join(dir, ramFileName), memfd, m.MemoryMiB<<20)
 		if err != nil {
@@ -253,49 +250,73 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 		}
 		files.RAM, files.RAMDigest = ramFileName, digest
 	}
+	t3 := time.Now()
 	if wasRunning && !opts.KeepPaused {
-		if err := qmp(ctx, sock, "cont", nil, nil); err != nil {
+		if err := q.cont(ctx); err != nil {
 			return files, fmt.Errorf("snapshot vm %s: saved, but continuing the vm failed: %w", m.ID, err)
 		}
 	}
+	d.log.Info("vm snapshotted", "vm", m.ID, "ram_mapped", memfd != "", "switch_ms", t1.Sub(t0).Milliseconds(),
+		"state_ms", t2.Sub(t1).Milliseconds(), "ram_ms", t3.Sub(t2).Milliseconds(), "cont_ms", time.Since(t3).Milliseconds())
 	return files, nil
 }
 
-// saveMemory migrates the stopped VM into the file path and waits until the
-// migration is complete.
-func (d *Driver) saveMemory(ctx context.Context, sock, path string) error {
-	if err := qmp(ctx, sock, "migrate", map[string]any{"uri": "exec:cat > " + shellQuote(path)}, nil); err != nil {
+// saveMemory migrates the stopped VM into the file path and waits for the
+// MIGRATION event that ends it.
+func (d *Driver) saveMemory(ctx context.Context, q *monitor, m *agent.Machine, path string) error {
+	if err := q.migrate(ctx, "exec:cat > "+shellQuote(path)); err != nil {
 		return err
 	}
-	deadline := time.Now().Add(migrateTimeout)
+	status, err := q.waitMigration(ctx, migrateTimeout)
+	if err != nil {
+		cctx := context.WithoutCancel(ctx)
+		if cerr := d.rescue(cctx, m, q, func(q *monitor) error { return q.migrateCancel(cctx) }); cerr != nil {
+			err = errors.Join(err, fmt.Errorf("cancel the migration: %w", cerr))
+		}
+		return fmt.Errorf("save memory to %s (cancelled): %w", path, err)
+	}
+	if status != "completed" {
+		info, err := q.queryMigrate(ctx)
+		if err != nil {
+			return fmt.Errorf("save memory to %s: migration %s (%w)", path, status, err)
+		}
+		return fmt.Errorf("save memory to %s: migration %s: %s", path, status, info.ErrorDesc)
+	}
+	return waitPostmigrate(ctx, q)
+}
+
+// postmigratePoll is how often waitPostmigrate asks for the run state.
+const postmigratePoll = time.Millisecond
+
+// waitPostmigrate waits until QEMU has marked the VM postmigrate after a
+// completed migration. QEMU's migration thread announces the end (the
+// MIGRATION event) before it takes the main lock to set that run state: a
+// cont in between runs the guest, which is then marked postmigrate all
+// the same, and the next snapshot is refused as if the VM were paused.
+// QEMU sends no event for the run state, so this asks, in the same
+// session; usually the first answer is postmigrate already.
+func waitPostmigrate(ctx context.Context, q *monitor) error {
+	deadline := time.Now().Add(qmpTimeout)
 	for {
-		var info struct {
-			Status    string `json:"status"`
-			ErrorDesc string `json:"error-desc"`
-		}
-		if err := qmp(ctx, sock, "query-migrate", nil, &info); err != nil {
+		st, err := q.queryStatus(ctx)
+		switch {
+		case err != nil:
 			return err
-		}
-		switch info.Status {
-		case "completed":
+		case st.Status != "finish-migrate":
 			return nil
-		case "failed", "cancelled":
-			return fmt.Errorf("save memory to %s: migration %s: %s", path, info.Status, info.ErrorDesc)
+		case time.Now().After(deadline):
+			return fmt.Errorf("qemu run state still %s %s after the migration completed", st.Status, qmpTimeout)
 		}
-		if time.Now().After(deadline) || ctx.Err() != nil {
-			_ = qmp(context.WithoutCancel(ctx), sock, "migrate_cancel", nil, nil)
-			return fmt.Errorf("save memory to %s: not done after %s (status %s): cancelled", path, migrateTimeout, info.Status)
-		}
-		time.Sleep(migratePoll)
+		time.Sleep(postmigratePoll)
 	}
 }
 
-// setIgnoreShared turns the migration capability x-ignore-shared on or off:
-// on, a migration leaves out RAM that QEMU maps shared.
-func setIgnoreShared(ctx context.Context, sock string, on bool) error {
-	return qmp(ctx, sock, "migrate-set-capabilities", map[string]any{
-		"capabilities": []map[string]any{{"capability": "x-ignore-shared", "state": on}},
-	}, nil)
+// migrationCaps are the migration capabilities of a snapshot or a child's
+// start: events, so that the MIGRATION event tells when the state is saved
+// or loaded, and x-ignore-shared on when the RAM is a file of its own (a
+// migration then leaves out RAM that QEMU maps shared).
+func migrationCaps(ignoreShared bool) []migrationCapability {
+	return []migrationCapability{{Capability: "events", State: true}, {Capability: "x-ignore-shared", State: ignoreShared}}
 }
 
 // memfdLink is how /proc/<pid>/fd shows the memfd of a VM's RAM object.
@@ -367,27 +388,26 @@ func (d *Driver) Spawn(ctx context.Context, m *agent.Machine, dir string, files 
 	if files.RAM != "" {
 		ram = filepath.Join(dir, files.RAM)
 	}
-	if err := d.boot(ctx, m, agent.BootOptions{Incoming: state}, ram); err != nil {
+	q, err := d.boot(ctx, m, agent.BootOptions{Incoming: state}, ram)
+	if err != nil {
 		return err
 	}
-	if ram != "" {
-		sock := qmpPathOf(m)
-		err := setIgnoreShared(ctx, sock, true)
-		if err == nil {
-			err = qmp(ctx, sock, "migrate-incoming", map[string]any{"uri": "exec:cat " + shellQuote(state)}, nil)
-		}
-		if err != nil {
-			d.killLeftovers(m)
-			return fmt.Errorf("start vm %s: load the snapshot's device state: %w", m.ID, err)
-		}
+	defer func() { _ = q.Close() }()
+	err = q.migrateSetCapabilities(ctx, migrationCaps(ram != "")...)
+	if err == nil {
+		err = q.migrateIncoming(ctx, "exec:cat "+shellQuote(state))
+	}
+	if err != nil {
+		d.killLeftovers(m)
+		return fmt.Errorf("start vm %s: load the snapshot's device state: %w", m.ID, err)
 	}
 	t2 := time.Now()
-	if err := d.waitIncoming(ctx, m); err != nil {
+	if err := d.waitIncoming(ctx, q, m); err != nil {
 		d.killLeftovers(m)
 		return err
 	}
 	t3 := time.Now()
-	if err := qmp(ctx, qmpPathOf(m), "cont", nil, nil); err != nil {
+	if err := q.cont(ctx); err != nil {
 		d.killLeftovers(m)
 		return fmt.Errorf("start vm %s: continue after loading the snapshot: %w", m.ID, err)
 	}
@@ -396,26 +416,27 @@ func (d *Driver) Spawn(ctx context.Context, m *agent.Machine, dir string, files 
 	return nil
 }
 
-// waitIncoming waits until QEMU has loaded the memory state (QEMU exits if
-// the state does not load).
-func (d *Driver) waitIncoming(ctx context.Context, m *agent.Machine) error {
-	deadline := time.Now().Add(migrateTimeout)
-	for {
-		var st qmpStatus
-		err := qmp(ctx, qmpPathOf(m), "query-status", nil, &st)
-		switch {
-		case err != nil:
-			if alive, why := checkProcess(m.Process, pidfileOf(m)); !alive {
-				return fmt.Errorf("start vm %s: loading the snapshot failed: %s", m.ID, why)
-			}
-			return fmt.Errorf("start vm %s: %w", m.ID, err)
-		case st.Status == "paused":
-			return nil
-		case st.Status != "inmigrate":
-			return fmt.Errorf("start vm %s: qemu run state %s after loading the snapshot, want paused", m.ID, st.Status)
-		case time.Now().After(deadline) || ctx.Err() != nil:
-			return fmt.Errorf("start vm %s: the snapshot did not load within %s", m.ID, migrateTimeout)
+// waitIncoming waits for the MIGRATION event that says QEMU loaded the
+// memory state (QEMU exits if the state does not load), then checks that
+// the VM is paused, ready to continue.
+func (d *Driver) waitIncoming(ctx context.Context, q *monitor, m *agent.Machine) error {
+	status, err := q.waitMigration(ctx, migrateTimeout)
+	if err != nil {
+		if waitGone(m.Process, pidfileOf(m), time.Second) {
+			_, why := checkProcess(m.Process, pidfileOf(m))
+			return fmt.Errorf("start vm %s: loading the snapshot failed: %s; see %s", m.ID, why, filepath.Join(m.Dir, consoleFileName))
 		}
-		time.Sleep(migratePoll)
+		return fmt.Errorf("start vm %s: the snapshot did not load: %w", m.ID, err)
 	}
+	if status != "completed" {
+		return fmt.Errorf("start vm %s: loading the snapshot ended %s", m.ID, status)
+	}
+	st, err := q.queryStatus(ctx)
+	switch {
+	case err != nil:
+		return fmt.Errorf("start vm %s: %w", m.ID, err)
+	case st.Status != "paused":
+		return fmt.Errorf("start vm %s: qemu run state %s after loading the snapshot, want paused", m.ID, st.Status)
+	}
+	return nil
 }

@@ -390,3 +390,60 @@ func spawnChildren(ctx context.Context, t *testing.T, c *agentapi.Client, spec a
 		t.FailNow()
 	}
 }
+
+// TestSnapshotAndSpawnQMPSessions counts the QMP connections that one
+// snapshot (with the agent's state checks before and after it) and one
+// child's start open: one session per operation, however long the guest
+// stays paused.
+func TestSnapshotAndSpawnQMPSessions(t *testing.T) {
+	ctx := context.Background()
+	a := startForkAgent(t, t.TempDir())
+	if _, err := a.client.CreateVM(ctx, "src", guest); err != nil {
+		t.Fatalf("create source: %v", err)
+	}
+	a.waitTicks(t, "src", 1)
+	before := a.driver.QMPSessions()
+	if _, err := a.client.CreateSnapshot(ctx, "s1", agentapi.SnapshotSpec{VMID: "src"}); err != nil {
+		t.Fatalf("snapshot: %v", err)
+	}
+	snapshot := a.driver.QMPSessions() - before
+	child := guest
+	child.Snapshot = &agentapi.SnapshotSource{ID: "s1"}
+	before = a.driver.QMPSessions()
+	spawnChildren(ctx, t, a.client, child, []string{"c0"})
+	spawn := a.driver.QMPSessions() - before
+	t.Logf("qmp sessions: snapshot %d (with the agent's state check before and after), child start %d", snapshot, spawn)
+	if snapshot != 3 || spawn != 1 {
+		t.Errorf("qmp sessions: snapshot %d, child start %d; want 3 (check, snapshot, check) and 1", snapshot, spawn)
+	}
+}
+
+// TestRepeatedSnapshotsKeepAChildRunning snapshots a child (its RAM is not
+// a memfd, so the VM is continued right after its state is saved) again and
+// again: every snapshot must leave it running, and the next one must not
+// find it marked paused by the last one's migration.
+func TestRepeatedSnapshotsKeepAChildRunning(t *testing.T) {
+	ctx := context.Background()
+	a := startForkAgent(t, t.TempDir())
+	spec := guest
+	spec.DiskMiB = 0
+	if _, err := a.client.CreateVM(ctx, "src", spec); err != nil {
+		t.Fatalf("create source: %v", err)
+	}
+	a.waitTicks(t, "src", 1)
+	if _, err := a.client.CreateSnapshot(ctx, "base", agentapi.SnapshotSpec{VMID: "src"}); err != nil {
+		t.Fatalf("snapshot of the source: %v", err)
+	}
+	child := spec
+	child.Snapshot = &agentapi.SnapshotSource{ID: "base"}
+	spawnChildren(ctx, t, a.client, child, []string{"c"})
+	for i := range 20 {
+		id := "c-" + strconv.Itoa(i)
+		if _, err := a.client.CreateSnapshot(ctx, id, agentapi.SnapshotSpec{VMID: "c"}); err != nil {
+			t.Fatalf("snapshot %d of the child: %v", i, err)
+		}
+		if vm, err := a.client.GetVM(ctx, "c"); err != nil || vm.State != agentapi.StateRunning {
+			t.Fatalf("child after snapshot %d = %+v, %v; want running", i, vm, err)
+		}
+	}
+}
