@@ -311,7 +311,7 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	}
 
 	if err := markBoot(m); err != nil {
-		return fmt.Errorf("boot vm %s: %w", m.ID, err)
+		return nil, fmt.Errorf("boot vm %s: %w", m.ID, err)
 	}
 
 	// The start must finish even when the caller gives up: a half-started
