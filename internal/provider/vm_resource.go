@@ -58,8 +58,6 @@ func (m *vmModel) setNICs(vm api.VM, withBlocks bool) {
 	m.NetworkInterfaces = nicsValue(vm.NetworkInterfaces, withBlocks)
 }
 
-func hasBlocks(v types.List) bool { return !v.IsNull() && !v.IsUnknown() && len(v.Elements()) > 0 }
-
 func (r *vmResource) Metadata(_ context.Context, req resource.MetadataRequest, resp *resource.MetadataResponse) {
 	resp.TypeName = req.ProviderTypeName + "_vm"
 }
@@ -464,63 +462,6 @@ func (r *vmResource) ImportState(ctx context.Context, req resource.ImportStateRe
 		return
 	}
 	resource.ImportStatePassthroughID(ctx, path.Root("id"), req, resp)
-}
-
-// pollInterval is how long the provider waits between reads while a VM
-// settles; it doubles up to maxPollInterval.
-const (
-	pollInterval    = 100 * time.Millisecond
-	maxPollInterval = 2 * time.Second
-)
-
-// waitForPower reads the VM until the host observes the wanted power state,
-// the VM fails, or ctx ends. The control API answers a create or power change
-// once the agent has acted, so this usually returns at once.
-func waitForPower(ctx context.Context, c *client.Client, vm api.VM, want string) (api.VM, error) {
-	wait := pollInterval
-	for {
-		switch vm.ObservedState {
-		case want:
-			return vm, nil
-		case api.StateError, api.StateMissing:
-			reason := vm.Reason
-			if reason == "" {
-				reason = "no reason given"
-			}
-			return vm, fmt.Errorf("host %s reports it %s (%s)", vm.Host, vm.ObservedState, reason)
-		}
-		select {
-		case <-ctx.Done():
-			return vm, fmt.Errorf("still %q when the timeout ended: %w", vm.ObservedState, ctx.Err())
-		case <-time.After(wait):
-		}
-		wait = min(2*wait, maxPollInterval)
-		next, err := c.GetVM(ctx, vm.ID)
-		if err != nil {
-			return vm, fmt.Errorf("reading VM %s: %w", vm.ID, err)
-		}
-		vm = next
-	}
-}
-
-// waitForGone reads the VM until the control API says it does not exist.
-func waitForGone(ctx context.Context, c *client.Client, id string) error {
-	wait := pollInterval
-	for {
-		_, err := c.GetVM(ctx, id)
-		if errors.Is(err, client.ErrNotFound) {
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("checking that VM %s is gone: %w", id, err)
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("VM %s still exists when the delete timeout ended: %w", id, ctx.Err())
-		case <-time.After(wait):
-		}
-		wait = min(2*wait, maxPollInterval)
-	}
 }
 
 // findVMByName returns the VM holding name, or ErrNotFound.
