@@ -105,7 +105,40 @@ type VMCreate struct {
 	NetworkInterfaces []NetworkInterface `json:"network_interfaces,omitempty"`
 	// Constraints steer placement; nil places by score alone.
 	Constraints *Constraints `json:"constraints,omitempty"`
+	// Guest configuration (cloud-init NoCloud seed). Any of these makes the
+	// VM boot cold with a seed disk of its own. It is immutable: a PATCH
+	// never changes it.
+	//
+	// UserData is raw cloud-init user data, at most MaxUserDataBytes.
+	UserData string `json:"user_data,omitempty"`
+	// SSHAuthorizedKeys are OpenSSH authorized keys (at most
+	// MaxSSHAuthorizedKeys), each one key.
+	SSHAuthorizedKeys []string `json:"ssh_authorized_keys,omitempty"`
+	// MetaData are extra NoCloud meta-data keys; local-hostname sets the
+	// guest's hostname. instance-id and public-keys are reserved.
+	MetaData map[string]string `json:"meta_data,omitempty"`
+	// NetworkConfig is cloud-init network-config (v1 or v2, YAML or JSON),
+	// at most MaxNetworkConfigBytes; empty: generated from the VM's NICs.
+	NetworkConfig string `json:"network_config,omitempty"`
 }
+
+// Limits of a VM's guest configuration.
+const (
+	MaxUserDataBytes      = 64 << 10
+	MaxNetworkConfigBytes = 64 << 10
+	MaxSSHAuthorizedKeys  = 32
+	// MaxMetaDataKeys bounds meta_data; each key is at most 255 bytes and
+	// each value at most MaxMetaDataValueBytes.
+	MaxMetaDataKeys       = 64
+	MaxMetaDataValueBytes = 4096
+)
+
+// Meta-data keys the product sets itself.
+const (
+	MetaInstanceID    = "instance-id"
+	MetaPublicKeys    = "public-keys"
+	MetaLocalHostname = "local-hostname"
+)
 
 // VMPatch is the body of PATCH /v1/vms/{id}. Only the fields that are set change.
 // A new vcpus or memory_mib restarts a running guest on its own disk (the
@@ -159,8 +192,41 @@ type VM struct {
 	// ConstraintsViolated says, when not empty, how the VM's host no
 	// longer meets its constraints (its labels changed after placement).
 	// The VM is never moved for it.
-	ConstraintsViolated string    `json:"constraints_violated,omitempty"`
-	CreatedAt           time.Time `json:"created_at"`
+	ConstraintsViolated string `json:"constraints_violated,omitempty"`
+	// UserDataSHA256 is the hex SHA-256 of the VM's user data ("" for
+	// none); the user data itself is never returned.
+	UserDataSHA256    string            `json:"user_data_sha256"`
+	SSHAuthorizedKeys []string          `json:"ssh_authorized_keys"`
+	MetaData          map[string]string `json:"meta_data"`
+	// NetworkConfig is the user-given network-config ("" when generated).
+	NetworkConfig string `json:"network_config"`
+	// Hostname is the guest's effective local-hostname ("" for a VM
+	// without guest configuration).
+	Hostname  string    `json:"hostname"`
+	CreatedAt time.Time `json:"created_at"`
+}
+
+// Cloud-init states of GuestStatus.
+const (
+	CloudInitNone    = "none"
+	CloudInitRunning = "running"
+	CloudInitDone    = "done"
+	CloudInitError   = "error"
+)
+
+// GuestStatus is what a VM's guest reported on its serial console during
+// its current boot: the answer of GET /v1/vms/{id}/guest.
+type GuestStatus struct {
+	// CloudInit is none (no seed, or nothing seen yet), running, done or
+	// error.
+	CloudInit string `json:"cloud_init"`
+	// IPv4Addresses are the addresses the guest reported (no prefix, no
+	// loopback).
+	IPv4Addresses []string `json:"ipv4_addresses"`
+	// Hostname and UserDataSHA256 are what the guest reported (the busybox
+	// guest does; Debian's cloud-init does not print them).
+	Hostname       string `json:"hostname,omitempty"`
+	UserDataSHA256 string `json:"user_data_sha256,omitempty"`
 }
 
 // Placement explains why a VM went where it did.

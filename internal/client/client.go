@@ -194,6 +194,27 @@ func (c *Client) GetVM(ctx context.Context, id string) (api.VM, error) {
 	return out, err
 }
 
+// VMConsole returns the last n bytes of a VM's serial console (n 0: the
+// server's default, 64 KiB; at most 1 MiB), read from its host's agent.
+func (c *Client) VMConsole(ctx context.Context, id string, n int64) (string, error) {
+	path := "/v1/vms/" + url.PathEscape(id) + "/console"
+	if n > 0 {
+		path += "?bytes=" + strconv.FormatInt(n, 10)
+	}
+	var out string
+	err := c.call(ctx, http.MethodGet, path, nil, &out, "", true)
+	return out, err
+}
+
+// VMGuest returns what a VM's guest reported on its console during its
+// current boot: cloud-init's state, its addresses, and (busybox guests)
+// the hostname and user-data digest it read from its seed.
+func (c *Client) VMGuest(ctx context.Context, id string) (api.GuestStatus, error) {
+	var out api.GuestStatus
+	err := c.call(ctx, http.MethodGet, "/v1/vms/"+url.PathEscape(id)+"/guest", nil, &out, "", true)
+	return out, err
+}
+
 // ListOptions filter and page a list.
 type ListOptions struct {
 	PageSize  int
@@ -432,6 +453,15 @@ func (c *Client) once(ctx context.Context, method, path string, body []byte, out
 	}
 	if out == nil {
 		_, _ = io.Copy(io.Discard, resp.Body)
+		return nil
+	}
+	if text, ok := out.(*string); ok {
+		// A text answer (the console): read as it is, bounded.
+		b, err := io.ReadAll(io.LimitReader(resp.Body, 2<<20))
+		if err != nil {
+			return fmt.Errorf("%s %s: read answer: %w: %v", method, path, ErrUnavailable, err)
+		}
+		*text = string(b)
 		return nil
 	}
 	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {

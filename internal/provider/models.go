@@ -81,6 +81,13 @@ type vmAttributes struct {
 	// Constraints is the constraints block (null when absent).
 	Constraints         types.Object `tfsdk:"constraints"`
 	ConstraintsViolated types.String `tfsdk:"constraints_violated"`
+	// Guest configuration the control API reports (the user data itself
+	// it never returns).
+	SSHAuthorizedKeys types.List   `tfsdk:"ssh_authorized_keys"`
+	MetaData          types.Map    `tfsdk:"meta_data"`
+	NetworkConfig     types.String `tfsdk:"network_config"`
+	Hostname          types.String `tfsdk:"hostname"`
+	UserDataSHA256    types.String `tfsdk:"user_data_sha256"`
 }
 
 // fromAPI fills the attributes from vm, with powerState as the value of
@@ -109,6 +116,7 @@ func (m *vmAttributes) fromAPI(vm api.VM, powerState string) {
 	}
 	m.CreatedAt = timestamp(vm.CreatedAt)
 	m.IPv4Address = optionalString(vm.IPv4Address)
+	m.guestFromAPI(vm)
 }
 
 // desiredPowerState is the power state the control API was asked for.

@@ -43,7 +43,8 @@ func modifyVMPlan(t *testing.T, state, plan vmModel) diag.Diagnostics {
 		t.Fatalf("plan: %v", d)
 	}
 	resp := resource.ModifyPlanResponse{Plan: pl}
-	NewVMResource().(*vmResource).ModifyPlan(ctx, resource.ModifyPlanRequest{State: st, Plan: pl}, &resp)
+	cfg := tfsdk.Config{Schema: sr.Schema, Raw: pl.Raw}
+	NewVMResource().(*vmResource).ModifyPlan(ctx, resource.ModifyPlanRequest{State: st, Plan: pl, Config: cfg}, &resp)
 	return resp.Diagnostics
 }
 
