@@ -82,6 +82,39 @@ type VMSpec struct {
 	// into its cache (from a peer, else the source) before it boots the VM,
 	// and Image is only its name.
 	ImageSource *ImageSource `json:"image_source,omitempty"`
+	// Seed, when set, is the VM's NoCloud seed: the agent builds seed.iso in
+	// the VM's directory and attaches it read-only as a virtio disk after
+	// the VM's own disk. Nil: no seed disk.
+	Seed *SeedSpec `json:"seed,omitempty"`
+}
+
+// SeedSpec is what goes into a VM's NoCloud seed (internal/agent/seed).
+type SeedSpec struct {
+	// InstanceID is the VM id (a fork child: the child's id).
+	InstanceID        string            `json:"instance_id"`
+	Hostname          string            `json:"hostname"`
+	UserData          string            `json:"user_data,omitempty"`
+	SSHAuthorizedKeys []string          `json:"ssh_authorized_keys,omitempty"`
+	MetaData          map[string]string `json:"meta_data,omitempty"`
+	// NetworkConfig is used as given; "" generates it from the VM's NICs.
+	NetworkConfig string `json:"network_config,omitempty"`
+}
+
+// Cloud-init states of GuestStatus.
+const (
+	CloudInitNone    = "none"
+	CloudInitRunning = "running"
+	CloudInitDone    = "done"
+	CloudInitError   = "error"
+)
+
+// GuestStatus is the answer of GET /v1/vms/{id}/guest: what the guest
+// reported on its serial console during its current boot.
+type GuestStatus struct {
+	CloudInit      string   `json:"cloud_init"`
+	IPv4Addresses  []string `json:"ipv4_addresses"`
+	Hostname       string   `json:"hostname,omitempty"`
+	UserDataSHA256 string   `json:"user_data_sha256,omitempty"`
 }
 
 // Network modes of a NIC (the control API's network modes).
@@ -176,6 +209,10 @@ type Snapshot struct {
 	// addresses): a VM started from the snapshot keeps that view inside
 	// and needs a NIC on the same network for each.
 	NICs []NIC `json:"nics,omitempty"`
+	// SeedDisk says the source VM ran with a seed disk (a NoCloud
+	// seed.iso): a VM started from the snapshot must have one too, at the
+	// same place, for its devices to match the saved state.
+	SeedDisk bool `json:"seed_disk,omitempty"`
 }
 
 // Kinds of snapshot files.

@@ -172,9 +172,29 @@ func (c *Client) ResizeVM(ctx context.Context, id string, shape VMShape) (VM, er
 	return out, err
 }
 
-// Console returns the last part of the VM's serial console log.
+// Console returns the last part of the VM's serial console log (the
+// agent's default length, 64 KiB).
 func (c *Client) Console(ctx context.Context, id string) (string, error) {
-	req, err := c.newRequest(ctx, http.MethodGet, "/v1/vms/"+url.PathEscape(id)+"/console", nil)
+	return c.ConsoleTail(ctx, id, 0)
+}
+
+// Guest returns what the VM's guest reported on its console during its
+// current boot (cloud-init state, addresses, the busybox guest's seed
+// digest).
+func (c *Client) Guest(ctx context.Context, id string) (GuestStatus, error) {
+	var out GuestStatus
+	err := c.do(ctx, http.MethodGet, "/v1/vms/"+url.PathEscape(id)+"/guest", nil, &out, c.timeout)
+	return out, err
+}
+
+// ConsoleTail returns the last n bytes of the VM's serial console log (n
+// 0: the agent's default, 64 KiB; at most 1 MiB).
+func (c *Client) ConsoleTail(ctx context.Context, id string, n int64) (string, error) {
+	path := "/v1/vms/" + url.PathEscape(id) + "/console"
+	if n > 0 {
+		path += "?bytes=" + strconv.FormatInt(n, 10)
+	}
+	req, err := c.newRequest(ctx, http.MethodGet, path, nil)
 	if err != nil {
 		return "", err
 	}

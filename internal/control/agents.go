@@ -148,3 +148,15 @@ func (p *agentPool) getVM(ctx context.Context, c *agentapi.Client, id string) (a
 	err := p.call("get_vm", func() (err error) { out, err = c.GetVM(ctx, id); return err })
 	return out, err
 }
+
+func (p *agentPool) console(ctx context.Context, c *agentapi.Client, id string, n int64) (string, error) {
+	var out string
+	err := p.call("console", func() (err error) { out, err = c.ConsoleTail(ctx, id, n); return err })
+	return out, err
+}
+
+func (p *agentPool) guest(ctx context.Context, c *agentapi.Client, id string) (agentapi.GuestStatus, error) {
+	var out agentapi.GuestStatus
+	err := p.call("guest", func() (err error) { out, err = c.Guest(ctx, id); return err })
+	return out, err
+}

@@ -208,6 +208,9 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 		PowerState: api.PowerRunning, ObservedState: api.StateCreating, ForkID: &forkID, ForkSlot: &slotN,
 		Labels: map[string]string{}, Constraints: f.Constraints,
 	}
+	// A child is a new instance: a seed of its own (its id, its name), read
+	// by cloud-init at the child's next boot.
+	vm.Guest = childGuest(f.Guest, vm.Name)
 	// Each child gets NICs of its own on the source's networks: its own
 	// MACs, and addresses allocated with its reservation.
 	nics, err := s.resolveNICs(ctx, vm.ID, forkNICs(f.NICs))
@@ -340,7 +343,7 @@ func (s *Service) startChild(ctx context.Context, crash context.CancelCauseFunc,
 		return s.failCreate(ctx, chain, vm, err)
 	}
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
-		DiskMiB: vm.Resources.DiskMiB, Snapshot: src, NICs: agentNICs(nics)}
+		DiskMiB: vm.Resources.DiskMiB, Snapshot: src, NICs: agentNICs(nics), Seed: seedSpec(vm.ID, vm.Guest)}
 	if img, ierr := s.store.GetImage(ctx, vm.Image); ierr == nil {
 		isrc := s.imageSource(img, vm.HostName)
 		spec.ImageSource = &isrc

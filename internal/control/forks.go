@@ -98,7 +98,7 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 	f := store.Fork{
 		ID: newID(), SourceVMID: src.ID, SourceHost: src.HostName, Image: src.Image, Resources: src.Resources,
 		Count: in.Count, PauseSource: in.PauseSource, Placement: in.Placement, Phase: api.ForkPending,
-		NICs: src.NICs, Constraints: constraintsText(in.Constraints), Owner: &s.replicaID,
+		NICs: src.NICs, Constraints: constraintsText(in.Constraints), Owner: &s.replicaID, Guest: src.Guest,
 	}
 	if key != "" {
 		f.IdempotencyKey = &key

@@ -34,7 +34,9 @@ func (s *Service) placeAndReserve(ctx context.Context, vm *store.VM, p vmNICs, r
 	start := time.Now()
 	vm.NICs = p.nics // the same array: address changes below show in the row
 	req.NetworkHosts = networkHosts(p)
-	req.ColdOnly = !warmCapable(p)
+	// A VM with guest configuration needs its seed at first boot, which a
+	// warm VM booted without.
+	req.ColdOnly = !warmCapable(p) || vm.Guest != nil
 	err := s.assignAddresses(ctx, p, 0)
 	if err == nil {
 		err = s.reserve(ctx, vm, p, req)
@@ -105,7 +107,7 @@ func (s *Service) tryReserve(ctx context.Context, vm *store.VM, p vmNICs, req *s
 	}
 	runnerUp := bestScored(res.Ranked)
 	vm.Placement = placementJSONNote(*req, best, res.Rejected, joinNotes(
-		imageNote(*req, best, runnerUp, s.view.localMargin), warmNote(best, runnerUp, s.view.warmMargin)))
+		imageNote(*req, best, runnerUp, s.view.localMargin), warmNote(best, runnerUp, s.view.warmMargin), guestNote(*vm)))
 	err := s.store.ReserveAndInsertVM(ctx, *vm)
 	// An address or MAC taken meanwhile: the host still fits, so try it
 	// again with new ones (the unique indexes of vm_nics decided).

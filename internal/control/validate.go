@@ -130,6 +130,9 @@ func validateVMCreate(in api.VMCreate) error {
 	if err := validateLabels(in.Labels); err != nil {
 		return err
 	}
+	if err := validateGuest(in); err != nil {
+		return err
+	}
 	return validateConstraints(in.Constraints)
 }
 

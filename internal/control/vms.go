@@ -65,7 +65,7 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 		ID: newID(), Name: in.Name, Image: in.Image, Labels: in.Labels,
 		Resources:  store.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB},
 		PowerState: in.PowerState, ObservedState: api.StateCreating, Constraints: constraintsText(in.Constraints),
-		CreatedAt: time.Now().UTC().Truncate(time.Microsecond), Owner: &s.replicaID,
+		CreatedAt: time.Now().UTC().Truncate(time.Microsecond), Owner: &s.replicaID, Guest: guestOf(in),
 	}
 	nics, err := s.resolveNICs(ctx, vm.ID, in.NetworkInterfaces)
 	if err != nil {
@@ -95,7 +95,7 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	})
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Stopped: in.PowerState == api.PowerStopped,
-		NICs: agentNICs(nics), NoWarm: !warmCapable(nics)}
+		NICs: agentNICs(nics), NoWarm: !warmCapable(nics) || vm.Guest != nil, Seed: seedSpec(vm.ID, vm.Guest)}
 	if img != nil {
 		src := s.imageSource(*img, vm.HostName)
 		spec.ImageSource = &src
@@ -428,6 +428,7 @@ func apiVM(vm store.VM, hostAlive bool) api.VM {
 		Reason: vm.Reason, StartedFrom: vm.StartedFrom, Labels: vm.Labels, CreatedAt: vm.CreatedAt,
 		NetworkInterfaces: apiNICs(vm.NICs),
 	}
+	withGuest(&out, vm.Guest)
 	if len(out.NetworkInterfaces) > 0 {
 		out.IPv4Address = out.NetworkInterfaces[0].IPv4Address
 	}

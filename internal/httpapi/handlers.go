@@ -88,6 +88,40 @@ func (h *handlers) getVM(c echo.Context) error {
 	return c.JSON(http.StatusOK, out)
 }
 
+// Console lengths of GET /v1/vms/{id}/console (the agent's own bounds).
+const (
+	consoleDefaultBytes = 64 << 10
+	consoleMaxBytes     = 1 << 20
+)
+
+// getVMConsole answers the last bytes of the VM's serial console, read
+// from its agent, as plain text.
+func (h *handlers) getVMConsole(c echo.Context) error {
+	n := int64(consoleDefaultBytes)
+	if q := c.QueryParam("bytes"); q != "" {
+		v, err := strconv.ParseInt(q, 10, 64)
+		if err != nil || v < 1 || v > consoleMaxBytes {
+			return &control.Error{Code: api.CodeInvalid,
+				Message: fmt.Sprintf("bytes must be a whole number from 1 to %d, got %q", consoleMaxBytes, q)}
+		}
+		n = v
+	}
+	out, err := h.svc.VMConsole(c.Request().Context(), c.Param("id"), n)
+	if err != nil {
+		return err
+	}
+	return c.Blob(http.StatusOK, "text/plain; charset=utf-8", []byte(out))
+}
+
+// getVMGuest answers what the VM's guest reported during its current boot.
+func (h *handlers) getVMGuest(c echo.Context) error {
+	out, err := h.svc.VMGuest(c.Request().Context(), c.Param("id"))
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, out)
+}
+
 func (h *handlers) listVMs(c echo.Context) error {
 	page, err := pageOf(c)
 	if err != nil {

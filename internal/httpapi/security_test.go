@@ -195,6 +195,8 @@ var scopeMatrix = map[string][]string{
 	"POST /v1/vms":              {"user"},
 	"GET /v1/vms":               {"admin", "user"},
 	"GET /v1/vms/:id":           {"admin", "user"},
+	"GET /v1/vms/:id/console":   {"admin", "user"},
+	"GET /v1/vms/:id/guest":     {"admin", "user"},
 	"PATCH /v1/vms/:id":         {"user"},
 	"DELETE /v1/vms/:id":        {"user"},
 	"POST /v1/placements":       {"user"},

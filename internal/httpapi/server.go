@@ -78,6 +78,8 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	v1.POST("/vms", h.createVM)
 	v1.GET("/vms", h.listVMs)
 	v1.GET("/vms/:id", h.getVM)
+	v1.GET("/vms/:id/console", h.getVMConsole)
+	v1.GET("/vms/:id/guest", h.getVMGuest)
 	v1.PATCH("/vms/:id", h.updateVM)
 	v1.DELETE("/vms/:id", h.deleteVM)
 	v1.POST("/placements", h.place)

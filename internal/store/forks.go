@@ -34,7 +34,10 @@ type Fork struct {
 	// its own on the same networks.
 	NICs []NIC `gorm:"column:nics;serializer:json"`
 	// Owner is the control replica running the fork's pass (replicas.go).
-	Owner     *string   `gorm:"column:owner_replica"`
+	Owner *string `gorm:"column:owner_replica"`
+	// Guest is the source VM's guest configuration when the fork was made:
+	// each child gets a seed of its own from it (nil: none).
+	Guest     *Guest    `gorm:"column:guest;serializer:json"`
 	CreatedAt time.Time `gorm:"column:created_at"`
 	UpdatedAt time.Time `gorm:"column:updated_at"`
 }

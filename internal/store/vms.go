@@ -45,9 +45,31 @@ type VM struct {
 	Group GroupSlot `gorm:"embedded"`
 	// Owner is the control replica whose request runs the VM's create or
 	// resize (replicas.go); nil for rows written before replica leases.
-	Owner     *string   `gorm:"column:owner_replica"`
+	Owner *string `gorm:"column:owner_replica"`
+	// Guest is the VM's guest configuration (its NoCloud seed); nil for a
+	// VM without one. Set at create, never changed.
+	Guest     *Guest    `gorm:"column:guest;serializer:json"`
 	CreatedAt time.Time `gorm:"column:created_at"`
 	UpdatedAt time.Time `gorm:"column:updated_at"`
+}
+
+// Guest is a VM's guest configuration as the control plane keeps it (JSON
+// in vms.guest and forks.guest). UserData is held in the clear.
+type Guest struct {
+	UserData          string            `json:"user_data,omitempty"`
+	SSHAuthorizedKeys []string          `json:"ssh_authorized_keys,omitempty"`
+	MetaData          map[string]string `json:"meta_data,omitempty"`
+	NetworkConfig     string            `json:"network_config,omitempty"`
+	// Hostname is the effective local-hostname.
+	Hostname string `json:"hostname,omitempty"`
+}
+
+// guestValue is g as the column stores it: JSON text, NULL for none.
+func guestValue(g *Guest) (any, error) {
+	if g == nil {
+		return nil, nil
+	}
+	return jsonText(g)
 }
 
 // GroupSlot is a VM's place in its group: the domain it counts in.
@@ -225,6 +247,10 @@ func reserveStatement(vm VM) (string, []any, error) {
 	if err != nil {
 		return "", nil, err
 	}
+	guest, err := guestValue(vm.Guest)
+	if err != nil {
+		return "", nil, err
+	}
 	g := vm.Group
 	r := vm.Resources
 	args := []any{r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName, r.VCPUs, r.MemoryMiB, r.DiskMiB}
@@ -234,7 +260,7 @@ func reserveStatement(vm VM) (string, []any, error) {
 	args = append(args,
 		vm.ID, vm.Name, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.PowerState, vm.ObservedState, vm.Reason,
 		vm.StartedFrom, vm.ForkID, vm.ForkSlot, labels, nics, vm.Placement, vm.Constraints, g.Name, g.SpreadBy, g.Domain, g.Cap,
-		vm.Owner, vm.CreatedAt, vm.UpdatedAt)
+		vm.Owner, guest, vm.CreatedAt, vm.UpdatedAt)
 	var sql strings.Builder
 	sql.WriteString(`WITH reserved AS (
 		UPDATE hosts SET
@@ -258,9 +284,9 @@ func reserveStatement(vm VM) (string, []any, error) {
 	sql.WriteString(`, vm AS (
 		INSERT INTO vms (id, name, host_name, image, vcpus, memory_mib, disk_mib, power_state, observed_state,
 			reason, started_from, holds_capacity, fork_id, fork_slot, labels, nics, placement,
-			constraints, group_name, spread_by, spread_domain, group_cap, owner_replica, created_at, updated_at)
+			constraints, group_name, spread_by, spread_domain, group_cap, owner_replica, guest, created_at, updated_at)
 		SELECT ?, ?, name, ?, ?, ?, ?, ?, ?, ?, ?, TRUE, ?::text, ?::integer, ?, ?, ?,
-			?, ?, ?, ?, ?::integer, ?::text, ?::timestamp, ?::timestamp FROM reserved
+			?, ?, ?, ?, ?::integer, ?::text, ?::text, ?::timestamp, ?::timestamp FROM reserved
 		RETURNING id
 	)`)
 	if len(vm.NICs) > 0 {

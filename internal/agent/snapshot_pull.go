@@ -1,0 +1,296 @@
+package agent
+
+// Pulling a snapshot from another agent, after it proved the identity the
+// control plane pinned for it.
+
+import (
+	"context"
+	"crypto/ed25519"
+	"crypto/rand"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+)
+
+// peer is another agent a snapshot is pulled from: its address and the
+// identity key the control plane pinned for it.
+type peer struct {
+	address string
+	key     ed25519.PublicKey
+}
+
+// peerOf is the agent src names; nil when the snapshot is to be here.
+func peerOf(src *agentapi.SnapshotSource) (*peer, error) {
+	if src.Address == "" {
+		if src.PublicKey != "" {
+			return nil, errInvalid("snapshot.public_key without snapshot.address")
+		}
+		return nil, nil
+	}
+	addr, err := agentapi.CheckAddress(src.Address)
+	if err != nil {
+		return nil, errInvalid("snapshot.address: %v", err)
+	}
+	if src.PublicKey == "" {
+		return nil, errInvalid("snapshot.address %s needs snapshot.public_key, the identity key the control plane pinned for that agent: "+
+			"this agent sends its token only to an agent that proves it", src.Address)
+	}
+	key, err := agentapi.DecodeKey(src.PublicKey)
+	if err != nil {
+		return nil, errInvalid("snapshot.public_key: %v", err)
+	}
+	return &peer{address: addr, key: key}, nil
+}
+
+// peerClient is a client of the agent p after it proved its pinned
+// identity at its address: only then does the agent token go there.
+func (a *Agent) peerClient(ctx context.Context, p *peer) (*agentapi.Client, error) {
+	if err := a.verifyPeer(ctx, p); err != nil {
+		return nil, err
+	}
+	return agentapi.NewClient(p.address, a.cfg.Token, a.peerOptions()...), nil
+}
+
+// peerOptions are the client options of calls to other agents: the
+// configured peer client, which never follows a redirect (the token goes
+// only to the address that proved itself).
+func (a *Agent) peerOptions() []agentapi.Option {
+	hc := &http.Client{}
+	if a.cfg.PeerHTTPClient != nil {
+		c := *a.cfg.PeerHTTPClient
+		hc = &c
+	}
+	hc.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	return []agentapi.Option{agentapi.WithTimeout(30 * time.Second), agentapi.WithHTTPClient(hc)}
+}
+
+// verifyPeer challenges the agent p at its address (no token sent) and
+// fails unless it signs with the key the control plane pinned for it.
+func (a *Agent) verifyPeer(ctx context.Context, p *peer) error {
+	nonce := make([]byte, 32)
+	if _, err := rand.Read(nonce); err != nil {
+		return err
+	}
+	ch := agentapi.IdentityChallenge{Nonce: agentapi.NewNonce(nonce), Address: p.address}
+	proof, err := agentapi.NewClient(p.address, "", a.peerOptions()...).Identity(ctx, ch)
+	if err == nil {
+		_, err = agentapi.VerifyIdentity(ch, proof, p.key, "")
+	}
+	if err != nil {
+		return fmt.Errorf("the agent at %s did not prove the identity the control plane pinned for it (%s): %w",
+			p.address, agentapi.KeyFingerprint(p.key), err)
+	}
+	return nil
+}
+
+// ensureSnapshot returns snapshot id, pulling it (and the snapshots it builds
+// on) from the agent at address when it is not here. Concurrent callers
+// needing the same pull wait for one. chain holds the ids being pulled
+// further up, against cycles in metadata sent by another agent.
+func (a *Agent) ensureSnapshot(ctx context.Context, id string, from *peer, chain []string) (*snapshotRecord, error) {
+	if slices.Contains(chain, id) || len(chain) >= maxSnapshotDepth {
+		return nil, errConflict("snapshot %s: its parents %v form a cycle or are more than %d deep", id, chain, maxSnapshotDepth)
+	}
+	for {
+		s := a.snaps.entry(id)
+		if err := s.lock(ctx); err != nil {
+			return nil, err
+		}
+		rec, corrupt, gone := s.state()
+		switch {
+		case gone:
+			s.unlock()
+			continue
+		case rec != nil:
+			s.unlock()
+			return rec, nil
+		case corrupt != "":
+			s.unlock()
+			return nil, errConflict("snapshot %s exists but %s", id, corrupt)
+		case from == nil:
+			a.snaps.drop(s)
+			s.unlock()
+			e := errConflict("snapshot %s does not exist on this agent; give snapshot.address to pull it from the agent that has it", id)
+			e.Details = map[string]any{"snapshot": id}
+			return nil, e
+		}
+		rec, err := a.pullSnapshot(ctx, id, from, append(slices.Clone(chain), id))
+		if err != nil {
+			a.snaps.drop(s)
+			s.unlock()
+			return nil, err
+		}
+		s.mu.Lock()
+		s.rec = rec
+		s.mu.Unlock()
+		s.unlock()
+		return rec, nil
+	}
+}
+
+// errPull is the error of a pull that failed because of the other agent or
+// the transfer (a 502: retrying may help).
+func errPull(id, address string, err error) *Error {
+	return &Error{Status: http.StatusBadGateway, Code: CodeUnavailable,
+		Message: fmt.Sprintf("pull snapshot %s from agent %s failed", id, address), Err: err}
+}
+
+// pullSnapshot copies snapshot id from the agent at address into a pull
+// directory, checks every file's size and sha256 against the metadata, and
+// renames the directory into place only when all match. The caller holds
+// the snapshot's lock.
+func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain []string) (*snapshotRecord, error) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), pullTimeout)
+	defer cancel()
+	start := time.Now()
+	address := from.address
+	c, err := a.peerClient(ctx, from)
+	if err != nil {
+		return nil, errPull(id, address, err)
+	}
+	meta, err := c.GetSnapshot(ctx, id)
+	if errors.Is(err, agentapi.ErrNotFound) {
+		e := errConflict("snapshot %s does not exist on agent %s either", id, address)
+		e.Details = map[string]any{"snapshot": id, "address": address}
+		return nil, e
+	}
+	if err != nil {
+		return nil, errPull(id, address, fmt.Errorf("read its metadata: %w", err))
+	}
+	rec := &snapshotRecord{
+		Version: snapshotVersion, ID: meta.ID, VMID: meta.VMID, Image: meta.Image, VCPUs: meta.VCPUs,
+		MemoryMiB: meta.MemoryMiB, DiskMiB: meta.DiskMiB, Files: meta.Files, Parent: meta.Parent,
+		Origin: address, CreatedAt: meta.CreatedAt, NICs: meta.NICs,
+	}
+	if err := rec.validate(id); err != nil {
+		return nil, errPull(id, address, fmt.Errorf("its metadata is not usable: %w", err))
+	}
+	if _, err := a.cfg.Driver.Image(rec.Image); err != nil {
+		return nil, errConflict("snapshot %s is of image %s, which this agent does not have: %v", id, rec.Image, err)
+	}
+	if rec.Parent != "" {
+		if _, err := a.ensureSnapshot(ctx, rec.Parent, from, chain); err != nil {
+			return nil, fmt.Errorf("snapshot %s builds on snapshot %s: %w", id, rec.Parent, err)
+		}
+	}
+	dir, err := os.MkdirTemp(a.snapsDir(), pullPrefix+id+"-")
+	if err != nil {
+		return nil, fmt.Errorf("pull snapshot %s: %w", id, err)
+	}
+	done := false
+	defer func() {
+		if !done {
+			if err := os.RemoveAll(dir); err != nil {
+				a.log.Warn("remove unfinished pull", "snapshot", id, "dir", dir, "err", err)
+			}
+		}
+	}()
+	var bytes int64
+	for _, f := range rec.Files {
+		if err := a.pullFile(ctx, c, id, dir, f); err != nil {
+			a.log.Warn("snapshot pull rejected", "snapshot", id, "from", address, "file", f.Name, "err", err)
+			return nil, errPull(id, address, err)
+		}
+		bytes += f.SizeBytes
+	}
+	if err := a.adoptPulled(ctx, dir, rec); err != nil {
+		a.log.Warn("snapshot pull refused: its disk chain", "snapshot", id, "from", address, "err", err)
+		e := errConflict("snapshot %s from agent %s refused: %v", id, address, err)
+		e.Details = map[string]any{"snapshot": id}
+		return nil, e
+	}
+	if err := a.commitSnapshotDir(dir, rec); err != nil {
+		return nil, fmt.Errorf("pull snapshot %s: %w", id, err)
+	}
+	done = true
+	a.log.Info("snapshot pulled", "snapshot", id, "from", address, "bytes", bytes, "ms", time.Since(start).Milliseconds())
+	return rec, nil
+}
+
+// pullFile streams one file into dir and checks it against f.
+func (a *Agent) pullFile(ctx context.Context, c *agentapi.Client, id, dir string, f agentapi.SnapshotFile) error {
+	body, _, err := c.OpenSnapshotFile(ctx, id, f.Name)
+	if err != nil {
+		return fmt.Errorf("open file %s: %w", f.Name, err)
+	}
+	defer func() { _ = body.Close() }()
+	path := filepath.Join(dir, f.Name)
+	out, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o640)
+	if err != nil {
+		return err
+	}
+	var n int64
+	var sum string
+	if f.Kind == agentapi.SnapshotFileRAM {
+		sum, n, err = ReadSparse(out, body, f.SizeBytes)
+	} else {
+		h := sha256.New()
+		// One byte more than announced, to see a file that is too long.
+		n, err = io.Copy(io.MultiWriter(out, h), io.LimitReader(body, f.SizeBytes+1))
+		sum = digestOf(h)
+		if err == nil && n != f.SizeBytes {
+			err = fmt.Errorf("got %d bytes, the metadata says %d", n, f.SizeBytes)
+		}
+	}
+	if cerr := out.Close(); err == nil {
+		err = cerr
+	}
+	switch {
+	case err != nil:
+		return fmt.Errorf("file %s (%d bytes): transfer failed after %d bytes: %w", f.Name, f.SizeBytes, n, err)
+	case sum != f.SHA256:
+		return fmt.Errorf("file %s: sha256 %s, the metadata says %s: corrupted in transit or changed at the source", f.Name, sum, f.SHA256)
+	}
+	return nil
+}
+
+// adoptPulled has the driver check the disk chain of a pulled snapshot and
+// rewrite its backing file names to this agent's files (Snapshotter), then
+// records the new digests of the files it rewrote and makes the frozen
+// disks and RAM image read-only, as at the source.
+func (a *Agent) adoptPulled(ctx context.Context, dir string, rec *snapshotRecord) error {
+	sn, err := a.snapshotter()
+	if err != nil {
+		return err
+	}
+	from := PulledFrom{Image: rec.Image}
+	if rec.Parent != "" {
+		p := a.snaps.lookup(rec.Parent)
+		if p == nil {
+			return fmt.Errorf("its parent snapshot %s is not here", rec.Parent)
+		}
+		prec, _, gone := p.state()
+		if prec == nil || gone {
+			return fmt.Errorf("its parent snapshot %s is not here", rec.Parent)
+		}
+		from.ParentDir, from.ParentFiles = a.snapDir(rec.Parent), prec.files()
+	}
+	rewritten, err := sn.AdoptPulled(ctx, dir, rec.files(), from)
+	if err != nil {
+		return err
+	}
+	for i, f := range rec.Files {
+		path := filepath.Join(dir, f.Name)
+		if slices.Contains(rewritten, f.Name) {
+			size, sum, err := hashFile(path, f.Kind, "")
+			if err != nil {
+				return fmt.Errorf("digest of rewritten %s: %w", f.Name, err)
+			}
+			rec.Files[i].SizeBytes, rec.Files[i].SHA256 = size, sum
+		}
+		if f.Kind != agentapi.SnapshotFileMemory {
+			if err := os.Chmod(path, 0o444); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
