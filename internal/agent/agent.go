@@ -278,7 +278,15 @@ func (a *Agent) Close() error {
 func machineOf(a *Agent, r vmRecord) *Machine {
 	return &Machine{ID: r.ID, Dir: a.vmDir(r.ID), Image: r.Image, VCPUs: r.VCPUs,
 		MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB, Disk: r.Disk, Process: r.Process,
-		NICs: cloneNICs(r.NICs), GuestNICs: cloneNICs(r.GuestNICs)}
+		NICs: cloneNICs(r.NICs), GuestNICs: cloneNICs(r.GuestNICs), Seed: seedOf(r)}
+}
+
+// seedOf is Machine.Seed of VM r.
+func seedOf(r vmRecord) string {
+	if r.Seed == nil {
+		return ""
+	}
+	return SeedFileName
 }
 
 // refreshLocked asks the driver for the VM's state and records a change.
@@ -424,6 +432,9 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 				if _, err := a.checkSpec(spec); err != nil {
 					return agentapi.VM{}, false, err
 				}
+				if err := checkSeed(id, spec); err != nil {
+					return agentapi.VM{}, false, err
+				}
 				validated = true
 			}
 			a.mu.Lock()
@@ -469,7 +480,7 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 	r := vmRecord{
 		Version: metaVersion, ID: e.id, Image: spec.Image, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB,
 		DiskMiB: spec.DiskMiB, State: agentapi.StateCreating, StartedFrom: agentapi.StartedCold,
-		CreatedAt: time.Now().UTC().Truncate(time.Millisecond), NICs: requestedNICs(spec.NICs),
+		CreatedAt: time.Now().UTC().Truncate(time.Millisecond), NICs: requestedNICs(spec.NICs), Seed: spec.Seed,
 	}
 	e.set(r)
 	// A matching warm VM first (pool_acquire.go); a miss boots cold below.
@@ -485,6 +496,9 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 		return fail(err)
 	}
 	if err := a.saveRecord(&r); err != nil {
+		return fail(err)
+	}
+	if err := a.ensureSeed(r); err != nil {
 		return fail(err)
 	}
 	m := machineOf(a, r)
@@ -593,6 +607,9 @@ func (a *Agent) Action(ctx context.Context, id, action string) (agentapi.VM, err
 		case agentapi.StateStopped, agentapi.StateError:
 			if r.State == agentapi.StateError {
 				err = d.Kill(ctx, m) // whatever is left of it
+			}
+			if err == nil {
+				err = a.ensureSeed(r) // a seed lost meanwhile is built again
 			}
 			if err == nil {
 				err = d.Create(ctx, m)

@@ -74,6 +74,11 @@ type Machine struct {
 	// NICs: a VM started from a snapshot keeps its source's MACs and
 	// addresses inside, and is reached at its own NICs' from outside.
 	GuestNICs []agentapi.NIC
+	// Seed is the VM's NoCloud seed ISO, a file in Dir (SeedFileName), or
+	// "" for none. A driver attaches it read-only as a disk after the VM's
+	// own, at every boot and restore: a VM started from a snapshot of a VM
+	// with a seed has one too, so its devices match.
+	Seed string
 }
 
 // Process identifies a VMM process. StartTime (field 22 of /proc/<pid>/stat)

@@ -89,6 +89,7 @@ func (a *Agent) routes() http.Handler {
 	v1.DELETE("/vms/:id", a.deleteVM)
 	v1.PUT("/vms/:id/shape", a.putShape)
 	v1.GET("/vms/:id/console", a.getConsole)
+	v1.GET("/vms/:id/guest", a.getGuest)
 	v1.POST("/vms/:id/:action", a.postAction)
 	v1.PUT("/vms/:id/disk", a.putDisk)
 	a.snapshotRoutes(v1)
@@ -264,4 +265,12 @@ func (a *Agent) getConsole(c echo.Context) error {
 		return err
 	}
 	return c.Blob(http.StatusOK, "text/plain; charset=utf-8", b)
+}
+
+func (a *Agent) getGuest(c echo.Context) error {
+	g, err := a.Guest(c.Request().Context(), c.Param("id"))
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, g)
 }

@@ -81,6 +81,9 @@ func (a *Agent) ResizeVM(ctx context.Context, id string, shape agentapi.VMShape)
 		shown.State = old.State
 		e.set(shown)
 		m = machineOf(a, r)
+		if err := a.ensureSeed(r); err != nil {
+			return agentapi.VM{}, a.failedRestart(ctx, e, r, err)
+		}
 		if err := d.Create(ctx, m); err != nil {
 			return agentapi.VM{}, a.failedRestart(ctx, e, r, err)
 		}

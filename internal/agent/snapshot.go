@@ -124,12 +124,15 @@ type snapshotRecord struct {
 	// NICs are the source's NICs as its guest sees them: a VM started
 	// from the snapshot keeps that view inside (Machine.GuestNICs).
 	NICs []agentapi.NIC `json:"nics,omitempty"`
+	// SeedDisk says the source VM ran with a seed disk (guest.go).
+	SeedDisk bool `json:"seed_disk,omitempty"`
 }
 
 func (r *snapshotRecord) wire() agentapi.Snapshot {
 	s := agentapi.Snapshot{
 		ID: r.ID, VMID: r.VMID, Image: r.Image, VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB,
 		CreatedAt: r.CreatedAt, Files: slices.Clone(r.Files), Parent: r.Parent, NICs: cloneNICs(r.NICs),
+		SeedDisk: r.SeedDisk,
 	}
 	h := sha256.New()
 	for _, f := range r.Files {

@@ -34,6 +34,7 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 		Version: metaVersion, ID: e.id, Image: spec.Image, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB,
 		DiskMiB: spec.DiskMiB, State: agentapi.StateCreating, StartedFrom: agentapi.StartedSnapshot,
 		Snapshot: src.ID, CreatedAt: time.Now().UTC().Truncate(time.Millisecond), NICs: requestedNICs(spec.NICs),
+		Seed: spec.Seed,
 	}
 	// Set before the snapshot is looked at, so that from here on a delete
 	// of the snapshot sees this VM and refuses.
@@ -62,12 +63,24 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 	if err := checkChildNICs(src.ID, rec.NICs, spec.NICs); err != nil {
 		return fail(err)
 	}
+	// The child's devices must match the snapshot's: a seed disk exactly
+	// when its source had one. The child's seed is its own (its id, its
+	// hostname); the running guest reads it at its next boot.
+	switch {
+	case rec.SeedDisk && r.Seed == nil:
+		r.Seed = &agentapi.SeedSpec{InstanceID: e.id}
+	case !rec.SeedDisk && r.Seed != nil:
+		return fail(errInvalid("snapshot %s is of a vm without a seed disk: a vm started from it cannot have one (its devices must match the saved state); start it without a seed", src.ID))
+	}
 	r.GuestNICs = cloneNICs(rec.NICs)
 	e.set(r)
 	if err := os.MkdirAll(a.vmDir(e.id), 0o750); err != nil {
 		return fail(err)
 	}
 	if err := a.saveRecord(&r); err != nil {
+		return fail(err)
+	}
+	if err := a.ensureSeed(r); err != nil {
 		return fail(err)
 	}
 	m := machineOf(a, r)

@@ -49,6 +49,9 @@ type vmRecord struct {
 	// runs with others: a warm pool VM keeps the MAC it booted with
 	// (pool_acquire.go). An idempotent create compares against these.
 	AskedMACs []string `json:"asked_macs,omitempty"`
+	// Seed is the VM's NoCloud seed (guest.go), built into seed.iso in its
+	// directory and attached at every boot; nil: no seed disk.
+	Seed *agentapi.SeedSpec `json:"seed,omitempty"`
 }
 
 func (r *vmRecord) wire() agentapi.VM {

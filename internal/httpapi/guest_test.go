@@ -132,6 +132,52 @@ func TestGuestConfigIsStoredAndNeverReturned(t *testing.T) {
 	if l.status != 200 || strings.Contains(string(l.body), "s3cr3t-value") {
 		t.Errorf("list: %d %s", l.status, l.body)
 	}
+	// The guest routes proxy the agent: the sim reports what the seed holds.
+	gs, err := c.Client.VMGuest(ctx, vm.ID)
+	if err != nil || gs.CloudInit != api.CloudInitDone || gs.Hostname != "web-1" || gs.UserDataSHA256 != vm.UserDataSHA256 {
+		t.Errorf("guest status: %+v %v", gs, err)
+	}
+	con, err := c.Client.VMConsole(ctx, vm.ID, 0)
+	if err != nil || !strings.Contains(con, "kvm-guest-hostname web-1") || !strings.Contains(con, "simulated") {
+		t.Errorf("console: %q %v", con, err)
+	}
+	if tail, err := c.Client.VMConsole(ctx, vm.ID, 10); err != nil || len(tail) != 10 {
+		t.Errorf("console tail of 10 bytes: %q %v", tail, err)
+	}
+	for path, code := range map[string]int{"/v1/vms/nope/guest": 404, "/v1/vms/nope/console": 404,
+		"/v1/vms/" + vm.ID + "/console?bytes=0": 400, "/v1/vms/" + vm.ID + "/console?bytes=2000000": 400} {
+		if r := send(t, c, "GET", path, "Bearer "+c.Token, nil, nil); r.status != code {
+			t.Errorf("GET %s: %d %s, want %d", path, r.status, r.body, code)
+		}
+	}
+	// A fork child is a new instance: its own hostname (from its name),
+	// the same user data; restored, it has not read its seed yet, and
+	// does at its next boot.
+	f, err := c.Client.CreateFork(ctx, api.ForkCreate{SourceVMID: vm.ID, Count: 1}, "")
+	if err != nil || len(f.Children) != 1 {
+		t.Fatalf("fork: %+v %v", f, err)
+	}
+	child := f.Children[0]
+	wantHost := strings.ToLower(child.Name)
+	if child.Hostname != wantHost || child.UserDataSHA256 != vm.UserDataSHA256 || child.MetaData["role"] != "web" ||
+		len(child.SSHAuthorizedKeys) != 1 {
+		t.Errorf("child: %+v, want hostname %s and the source's configuration", child, wantHost)
+	}
+	if gs, err := c.Client.VMGuest(ctx, child.ID); err != nil || gs.CloudInit != api.CloudInitNone {
+		t.Errorf("restored child: %+v %v, want none", gs, err)
+	}
+	stopped := api.PowerStopped
+	if _, err := c.Client.UpdateVM(ctx, child.ID, api.VMPatch{PowerState: &stopped}); err != nil {
+		t.Fatal(err)
+	}
+	running := api.PowerRunning
+	if _, err := c.Client.UpdateVM(ctx, child.ID, api.VMPatch{PowerState: &running}); err != nil {
+		t.Fatal(err)
+	}
+	if gs, err := c.Client.VMGuest(ctx, child.ID); err != nil || gs.CloudInit != api.CloudInitDone ||
+		gs.Hostname != wantHost || gs.UserDataSHA256 != vm.UserDataSHA256 {
+		t.Errorf("child after its next boot: %+v %v, want done as %s", gs, err, wantHost)
+	}
 	// A local-hostname given in meta_data is the hostname.
 	named, err := c.Client.CreateVM(ctx, api.VMCreate{Name: "n2", Image: "sim", VCPUs: 1, MemoryMiB: 64, DiskMiB: 64,
 		MetaData: map[string]string{"local-hostname": "db.example.test"}}, "")

@@ -233,6 +233,12 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, ramI
 		}
 		args = append(args, "-drive", drive, "-device", dev)
 	}
+	if m.Seed != "" {
+		// The NoCloud seed, read-only, after the VM's own disk (which stays
+		// vda): cloud-init finds it by its label on any block device.
+		drive := "if=none,id=seed,format=raw,readonly=on,file=" + qemuOptQuote(filepath.Join(m.Dir, m.Seed))
+		args = append(args, "-drive", drive, "-device", blk+",drive=seed")
+	}
 	args = append(args, nics...)
 	if opts.Paused || opts.Incoming != "" {
 		args = append(args, "-S")
@@ -293,6 +299,10 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 
 	nics, netns, err := d.attachNICs(m, img)
 	if err != nil {
+		return fmt.Errorf("boot vm %s: %w", m.ID, err)
+	}
+
+	if err := markBoot(m); err != nil {
 		return fmt.Errorf("boot vm %s: %w", m.ID, err)
 	}
 
@@ -470,4 +480,22 @@ func (d *Driver) Console(m *agent.Machine, limit int64) ([]byte, error) {
 	}
 	off := max(0, fi.Size()-limit)
 	return io.ReadAll(io.NewSectionReader(f, off, fi.Size()-off))
+}
+
+// markBoot appends the boot marker line (agent.ConsoleBootMarker) to the
+// VM's console log before QEMU starts: what the guest printed before it
+// belongs to an earlier boot.
+func markBoot(m *agent.Machine) error {
+	f, err := os.OpenFile(filepath.Join(m.Dir, consoleFileName), os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o640)
+	if err != nil {
+		return fmt.Errorf("mark the boot in the console log: %w", err)
+	}
+	_, err = fmt.Fprintf(f, "\r\n%s%s at %s\r\n", agent.ConsoleBootMarker, m.ID, time.Now().UTC().Format(time.RFC3339))
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("mark the boot in the console log: %w", err)
+	}
+	return nil
 }

@@ -11,6 +11,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -196,11 +197,50 @@ func Write(path string, c Config) error {
 	if err := tmp.Close(); err != nil {
 		return fmt.Errorf("seed: %w", err)
 	}
-	if err := os.Chmod(tmp.Name(), 0o644); err != nil {
+	// Only the VMM (the agent's user) reads it: user data may hold secrets.
+	if err := os.Chmod(tmp.Name(), 0o600); err != nil {
 		return fmt.Errorf("seed: %w", err)
 	}
 	if err := os.Rename(tmp.Name(), path); err != nil {
 		return fmt.Errorf("seed: %w", err)
 	}
 	return nil
+}
+
+// Read returns the files of the seed ISO at path by name, and its volume
+// label.
+func Read(path string) (map[string][]byte, string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, "", fmt.Errorf("seed: %w", err)
+	}
+	defer func() { _ = f.Close() }()
+	img, err := iso9660.OpenImage(f)
+	if err != nil {
+		return nil, "", fmt.Errorf("seed: open %s: %w", path, err)
+	}
+	label, err := img.Label()
+	if err != nil {
+		return nil, "", fmt.Errorf("seed: label of %s: %w", path, err)
+	}
+	root, err := img.RootDir()
+	if err != nil {
+		return nil, "", fmt.Errorf("seed: root of %s: %w", path, err)
+	}
+	children, err := root.GetChildren()
+	if err != nil {
+		return nil, "", fmt.Errorf("seed: files of %s: %w", path, err)
+	}
+	files := map[string][]byte{}
+	for _, c := range children {
+		if c.IsDir() {
+			continue
+		}
+		b, err := io.ReadAll(io.LimitReader(c.Reader(), 1<<20))
+		if err != nil {
+			return nil, "", fmt.Errorf("seed: read %s of %s: %w", c.Name(), path, err)
+		}
+		files[c.Name()] = b
+	}
+	return files, label, nil
 }

@@ -6,6 +6,9 @@ package sim
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -15,6 +18,7 @@ import (
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/image"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/seed"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 )
 
@@ -42,6 +46,8 @@ type Driver struct {
 
 	mu    sync.Mutex
 	state map[string]string // VM id -> running | paused; absent: stopped
+	// booted is when each VM last booted (its simulated cloud-init time).
+	booted map[string]time.Time
 	// ports are the simulated host ports of port forwards (network.go):
 	// port -> VM id; cursor is where the next search starts.
 	ports  map[int]string
@@ -52,7 +58,7 @@ var _ agent.Driver = (*Driver)(nil)
 
 // New returns a simulated driver.
 func New(opts Options) *Driver {
-	return &Driver{opts: opts, state: map[string]string{}, ports: map[int]string{}, cursor: firstSimPort}
+	return &Driver{opts: opts, state: map[string]string{}, booted: map[string]time.Time{}, ports: map[int]string{}, cursor: firstSimPort}
 }
 
 // Name is "sim".
@@ -131,6 +137,7 @@ func (d *Driver) Boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	}
 	d.mu.Lock()
 	d.state[m.ID] = st
+	d.booted[m.ID] = time.Now().UTC()
 	d.mu.Unlock()
 	return nil
 }
@@ -185,6 +192,7 @@ func (d *Driver) Observe(_ context.Context, m *agent.Machine, last string) agent
 	switch last {
 	case agentapi.StateRunning, agentapi.StatePaused:
 		d.state[m.ID] = last
+		d.booted[m.ID] = time.Now().UTC() // booted under an earlier agent; when is not known
 		return agent.Observed{State: last}
 	case agentapi.StateCreating:
 		return agent.Observed{State: agentapi.StateStopped, Reason: "the agent stopped while it was creating this vm"}
@@ -203,7 +211,45 @@ func (d *Driver) Console(m *agent.Machine, limit int64) ([]byte, error) {
 				f.HostAddress, f.HostPort, f.GuestPort)
 		}
 	}
+	b = append(b, d.simulatedSeed(m)...)
 	return b[max(0, int64(len(b))-limit):], nil
+}
+
+// simulatedSeed is what the busybox guest would print about its seed, read
+// by the sim from the VM's real seed ISO, while the VM is up: lines the
+// agent's guest status reads (hostname, user-data digest, a cloud-init
+// final line), each saying that it is simulated. Nothing without a seed.
+func (d *Driver) simulatedSeed(m *agent.Machine) []byte {
+	if m.Seed == "" {
+		return nil
+	}
+	d.mu.Lock()
+	st, up := d.state[m.ID]
+	booted := d.booted[m.ID]
+	d.mu.Unlock()
+	if !up {
+		return nil
+	}
+	if booted.IsZero() {
+		return fmt.Appendf(nil, "sim: vm %s was restored from a snapshot: its simulated guest reads its seed at its next boot\n", m.ID)
+	}
+	path := filepath.Join(m.Dir, m.Seed)
+	files, _, err := seed.Read(path)
+	if err != nil {
+		return fmt.Appendf(nil, "sim: the seed of vm %s cannot be read: %v\n", m.ID, err)
+	}
+	var meta struct {
+		Hostname string `json:"local-hostname"`
+	}
+	_ = json.Unmarshal(files[seed.FileMetaData], &meta)
+	sum := sha256.Sum256(files[seed.FileUserData])
+	b := fmt.Appendf(nil, "sim: simulated guest (%s): the lines below are what the sim driver read from %s, not a guest's output\n", st, path)
+	if meta.Hostname != "" {
+		b = fmt.Appendf(b, "kvm-guest-hostname %s\n", meta.Hostname)
+	}
+	b = fmt.Appendf(b, "kvm-guest-userdata-sha256 %s\n", hex.EncodeToString(sum[:]))
+	b = fmt.Appendf(b, "Cloud-init v. sim finished at %s. Datasource NoCloud (simulated: no guest ran it).\n", booted.Format(time.RFC1123Z))
+	return b
 }
 
 var _ agent.DiskResizer = (*Driver)(nil)

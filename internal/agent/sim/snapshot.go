@@ -55,5 +55,13 @@ func (d *Driver) Spawn(ctx context.Context, m *agent.Machine, dir string, files 
 	if _, err := os.Stat(filepath.Join(dir, files.Memory)); err != nil {
 		return fmt.Errorf("start sim vm %s from snapshot: %w", m.ID, err)
 	}
-	return d.Boot(ctx, m, agent.BootOptions{})
+	if err := d.Boot(ctx, m, agent.BootOptions{}); err != nil {
+		return err
+	}
+	// A restored guest continues its source's boot: it has not read its
+	// own seed (it does at its next boot).
+	d.mu.Lock()
+	d.booted[m.ID] = time.Time{}
+	d.mu.Unlock()
+	return nil
 }
