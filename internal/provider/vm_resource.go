@@ -84,8 +84,8 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 			"Cloud-init reads it at the first boot of each instance, so **changing any of it replaces the VM**, " +
 			"and the plan shows the replace. Its `instance-id` is the VM's id: a VM with guest configuration " +
 			"boots cold (never from a warm pool, whose VMs booted before their seed existed), and each child of a " +
-			"`kvm_fork` is a new instance with its own instance-id and hostname and the parent's user data and " +
-			"keys; a running child keeps the parent's memory (cloud-init has already run in it) and cloud-init " +
+			"`kvm_fork` is a new instance with its own instance-id and hostname (from the child's name) and the " +
+			"parent's user data and keys; a running child keeps the parent's memory (cloud-init has already run in it) and cloud-init " +
 			"sees the new instance at the child's next boot, when it runs its per-instance modules again (new SSH " +
 			"host keys, for example). `wait_for` makes the create wait for the guest's address or for cloud-init " +
 			"to finish, with the serial console's last lines in the error when it does not.",
