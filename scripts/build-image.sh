@@ -11,20 +11,26 @@
 # and serves HTTP on port 80 (busybox httpd) with a page that names its
 # hostname, and /cgi-bin/get?<host[:port]>, which fetches
 # http://<host[:port]>/ from inside the guest (tests prove guest-to-guest and
-# guest-to-gateway traffic).
+# guest-to-gateway traffic). With a NoCloud seed (a disk labelled cidata, ISO
+# 9660) it sets the seed's local-hostname and prints "kvm-guest-hostname
+# <name>", "kvm-guest-userdata-sha256 <hex of the user-data file>" and
+# cloud-init's final line "Cloud-init v. kvm-busybox finished at <date>.
+# Datasource NoCloud."; without a seed none of these. It runs no cloud-init
+# modules: user data and network-config are read only for the digest.
 #
 # Idempotent: an image built by this script version from the same packages
 # is left alone. Run as root or as a user who may run apt-get download.
 set -euo pipefail
 
 # Bump when the init, the module list or the manifest changes.
-SCRIPT_VERSION=11
+SCRIPT_VERSION=12
 NAME=busybox
 # Modules the guest loads, in dependency order after resolution: virtio-mmio
 # (microvm) and virtio-pci (q35) transports, the disk, and the ACPI power
-# button with evdev so that a stop's ACPI power-down reaches the init, and
-# the NIC (virtio_net, which needs net_failover and failover).
-MODULES="virtio_mmio virtio_pci virtio_blk virtio_net button evdev"
+# button with evdev so that a stop's ACPI power-down reaches the init, the
+# NIC (virtio_net, which needs net_failover and failover), and isofs (with
+# cdrom) to read a NoCloud seed.
+MODULES="virtio_mmio virtio_pci virtio_blk virtio_net button evdev isofs"
 
 out=${1:?usage: build-image.sh IMAGE_DIR}
 mkdir -p "$out"
@@ -89,7 +95,9 @@ dpkg-deb --fsys-tarfile "$kdeb" | tar -x -C kpkg --wildcards \
 	"./lib/modules/$kver/kernel/drivers/net/net_failover.ko" \
 	"./lib/modules/$kver/kernel/net/core/failover.ko" \
 	"./lib/modules/$kver/kernel/drivers/acpi/button.ko" \
-	"./lib/modules/$kver/kernel/drivers/input/evdev.ko"
+	"./lib/modules/$kver/kernel/drivers/input/evdev.ko" \
+	"./lib/modules/$kver/kernel/fs/isofs/isofs.ko" \
+	"./lib/modules/$kver/kernel/drivers/cdrom/cdrom.ko"
 moddir="kpkg/lib/modules/$kver/kernel"
 
 # busybox-static: the installed one, else from its package.
@@ -180,6 +188,28 @@ for d in /sys/block/vd*; do
 	found=1
 done
 [ $found = 1 ] || echo "disk none"
+# A NoCloud seed: the disk whose ISO 9660 volume label (32 bytes at byte
+# 32808) is cidata. Its hostname, the digest of its user data, then
+# cloud-init's final line in the same form as Debian's.
+for d in /sys/block/vd*; do
+	[ -e "$d" ] || continue
+	dev=/dev/${d##*/}
+	label=$(dd if="$dev" bs=1 skip=32808 count=32 2>/dev/null | tr -d ' \0')
+	case "$label" in cidata | CIDATA) ;; *) continue ;; esac
+	mkdir -p /seed
+	if ! mount -t iso9660 -o ro "$dev" /seed; then
+		echo "kvm-guest-seed-error cannot mount $dev"
+		break
+	fi
+	h=$(sed -n 's/^ *"local-hostname": *"\([^"]*\)".*/\1/p' /seed/meta-data | head -n1)
+	if [ -n "$h" ]; then
+		hostname "$h"
+		echo "kvm-guest-hostname $h"
+	fi
+	echo "kvm-guest-userdata-sha256 $(sha256sum /seed/user-data | cut -d' ' -f1)"
+	echo "Cloud-init v. kvm-busybox finished at $(date -R). Datasource NoCloud."
+	break
+done
 # The shape the guest sees (resizes change it).
 echo "kvm-guest-memory $(sed -n 's/^MemTotal: *\([0-9]*\) kB$/\1/p' /proc/meminfo) kB"
 echo "kvm-guest-cpus $(grep -c ^processor /proc/cpuinfo)"
