@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"maps"
+	"regexp"
 	"slices"
 	"strings"
 	"time"
@@ -419,9 +420,14 @@ func consoleTail(ctx context.Context, c *client.Client, id string, lines int) st
 	return lastLines(out, lines)
 }
 
-// lastLines is the last n lines of s, without the last line's newline.
+// terminalControl matches the escape sequences (colours, cursor moves) and
+// carriage returns a boot console prints, which make an error unreadable.
+var terminalControl = regexp.MustCompile(`\x1b\[[0-9;?]*[A-Za-z]|\r`)
+
+// lastLines is the last n lines of s, without terminal control sequences and
+// the last line's newline.
 func lastLines(s string, n int) string {
-	s = strings.TrimRight(s, "\r\n")
+	s = strings.TrimRight(terminalControl.ReplaceAllString(s, ""), "\n")
 	if s == "" {
 		return "(the serial console is empty)"
 	}

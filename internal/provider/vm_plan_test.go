@@ -110,6 +110,9 @@ func TestLastLines(t *testing.T) {
 	if got := lastLines("only", 30); got != "only" {
 		t.Errorf("lastLines of one line = %q", got)
 	}
+	if got := lastLines("\x1b[0;32m  OK  \x1b[0m] Started\r\n", 30); got != "  OK  ] Started" {
+		t.Errorf("lastLines keeps terminal control sequences: %q", got)
+	}
 	if got := lastLines("\n", 30); !strings.Contains(got, "empty") {
 		t.Errorf("lastLines of nothing = %q, want it to say the console is empty", got)
 	}
