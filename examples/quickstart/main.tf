@@ -73,7 +73,7 @@ resource "kvm_vm" "demo" {
 
 # A guest configured by cloud-init: the key, a hostname, a file. The apply
 # waits until cloud-init in the guest has finished (busybox reports the same
-# line once it read its seed); the sim driver has no guest to wait for.
+# line once it read its seed; the sim driver reports what the seed holds).
 # Changing the user data, key or meta-data replaces this VM.
 locals {
   debian = var.guest_image == "debian-12"
@@ -96,7 +96,7 @@ resource "kvm_vm" "guest" {
       - path: /etc/kvm-demo
         content: "configured by cloud-init from terraform\n"
   EOT
-  wait_for  = var.guest_image == "sim" ? "running" : "cloud_init"
+  wait_for  = "cloud_init"
 
   # SSH (22) and HTTP (80) through ports on 127.0.0.1 of the host.
   network_interface {
