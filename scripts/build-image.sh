@@ -12,18 +12,21 @@
 # hostname, and /cgi-bin/get?<host[:port]>, which fetches
 # http://<host[:port]>/ from inside the guest (tests prove guest-to-guest and
 # guest-to-gateway traffic). With a NoCloud seed (a disk labelled cidata, ISO
-# 9660) it sets the seed's local-hostname and prints "kvm-guest-hostname
-# <name>", "kvm-guest-userdata-sha256 <hex of the user-data file>" and
-# cloud-init's final line "Cloud-init v. kvm-busybox finished at <date>.
-# Datasource NoCloud."; without a seed none of these. It runs no cloud-init
-# modules: user data and network-config are read only for the digest.
+# 9660) it prints cloud-init's first line "Cloud-init v. kvm-busybox running
+# ...", sets the seed's local-hostname and prints "kvm-guest-hostname <name>"
+# and "kvm-guest-userdata-sha256 <hex of the user-data file>"; user data that
+# starts with "#!" is run as a script (output on the console; a failure
+# prints a cloud-init "Failed running" line), and then cloud-init's final
+# line "Cloud-init v. kvm-busybox finished at <date>. Datasource NoCloud.";
+# without a seed none of these. It runs no cloud-init modules: other user
+# data and the network-config are only read.
 #
 # Idempotent: an image built by this script version from the same packages
 # is left alone. Run as root or as a user who may run apt-get download.
 set -euo pipefail
 
 # Bump when the init, the module list or the manifest changes.
-SCRIPT_VERSION=12
+SCRIPT_VERSION=13
 NAME=busybox
 # Modules the guest loads, in dependency order after resolution: virtio-mmio
 # (microvm) and virtio-pci (q35) transports, the disk, and the ACPI power
@@ -189,8 +192,9 @@ for d in /sys/block/vd*; do
 done
 [ $found = 1 ] || echo "disk none"
 # A NoCloud seed: the disk whose ISO 9660 volume label (32 bytes at byte
-# 32808) is cidata. Its hostname, the digest of its user data, then
-# cloud-init's final line in the same form as Debian's.
+# 32808) is cidata. Cloud-init's first line, its hostname and the digest of
+# its user data; cloud-init's final line comes once the user data ran (below).
+seeded=0
 for d in /sys/block/vd*; do
 	[ -e "$d" ] || continue
 	dev=/dev/${d##*/}
@@ -201,13 +205,14 @@ for d in /sys/block/vd*; do
 		echo "kvm-guest-seed-error cannot mount $dev"
 		break
 	fi
+	seeded=1
+	echo "Cloud-init v. kvm-busybox running 'init' at $(date -R). Datasource NoCloud."
 	h=$(sed -n 's/^ *"local-hostname": *"\([^"]*\)".*/\1/p' /seed/meta-data | head -n1)
 	if [ -n "$h" ]; then
 		hostname "$h"
 		echo "kvm-guest-hostname $h"
 	fi
 	echo "kvm-guest-userdata-sha256 $(sha256sum /seed/user-data | cut -d' ' -f1)"
-	echo "Cloud-init v. kvm-busybox finished at $(date -R). Datasource NoCloud."
 	break
 done
 # The shape the guest sees (resizes change it).
@@ -231,6 +236,26 @@ if [ -e /sys/class/net/eth0 ]; then
 	udhcpc -f -i eth0 -s /etc/udhcpc.sh -t 3 -T 1 -A 1 >/dev/null 2>&1 &
 else
 	echo "nic none"
+fi
+# The seed's user data, as cloud-init's final stage would: a script (#!) is
+# run with its output on the console, other user data is only digested.
+# Then cloud-init's final line, or its failure line when the script failed.
+# In the background: the guest goes on (a script may never finish).
+if [ $seeded = 1 ]; then
+	(
+		case "$(head -c 2 /seed/user-data)" in
+		'#!')
+			cp /seed/user-data /tmp/user-data
+			chmod 755 /tmp/user-data
+			/tmp/user-data
+			rc=$?
+			if [ $rc != 0 ]; then
+				echo "kvm-busybox cloud-init[1]: util.py[WARNING]: Failed running /tmp/user-data [$rc]"
+			fi
+			;;
+		esac
+		echo "Cloud-init v. kvm-busybox finished at $(date -R). Datasource NoCloud."
+	) &
 fi
 n=0
 while :; do

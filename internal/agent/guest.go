@@ -100,7 +100,7 @@ var (
 	cloudInitRunning = regexp.MustCompile(`Cloud-init v\. \S+ running`)
 	// cloudInitFailed are failures cloud-init prints on the console (best
 	// effort): a module or script that failed, a datasource not found.
-	cloudInitFailed = regexp.MustCompile(`(?i)cloud-init\[\d+\]: .*(Failed to run module|Failed running|failed to load)|` +
+	cloudInitFailed = regexp.MustCompile(`cloud-init\[\d+\]: .*(Failed to run module|Failed running)|` +
 		`Cloud-init v\. \S+ finished at .*Datasource DataSourceNone`)
 	guestIPLine   = regexp.MustCompile(`(?m)^.*?kvm-guest-ip (\d+\.\d+\.\d+\.\d+)`)
 	ciInfoAddress = regexp.MustCompile(`(?m)ci-info: \|\s*[^|\s]+\s*\|\s*True\s*\|\s*(\d+\.\d+\.\d+\.\d+)\s*\|`)

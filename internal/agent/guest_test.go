@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
@@ -94,5 +95,64 @@ func TestSeedIsBuiltKeptAndReported(t *testing.T) {
 	bad.Seed = &agentapi.SeedSpec{InstanceID: "bad", MetaData: map[string]string{"instance-id": "x"}}
 	if _, err := h.client.CreateVM(ctx, "bad", bad); statusOf(err) != 400 {
 		t.Errorf("bad seed: %v, want 400", err)
+	}
+}
+
+// A snapshot records that its source had a seed disk, also when another
+// agent pulls it: a child started there gets a seed of its own (its id),
+// and a child without a seed spec still gets one, so the devices match. A
+// seed on a child of a source without one is refused.
+func TestSnapshotOfASeededVMGivesChildrenSeeds(t *testing.T) {
+	a := startSnapAgent(t, t.TempDir())
+	b := startSnapAgent(t, t.TempDir())
+	ctx := context.Background()
+	src := spec
+	src.Seed = &agentapi.SeedSpec{InstanceID: "src", Hostname: "src", UserData: "#cloud-config\n{}\n"}
+	if _, err := a.client.CreateVM(ctx, "src", src); err != nil {
+		t.Fatal(err)
+	}
+	snap, err := a.client.CreateSnapshot(ctx, "fork-s", agentapi.SnapshotSpec{VMID: "src"})
+	if err != nil || !snap.SeedDisk {
+		t.Fatalf("snapshot of a seeded vm: %+v %v, want seed_disk", snap, err)
+	}
+	if err := a.agent.AllowAddress(a.srv.URL); err != nil {
+		t.Fatal(err)
+	}
+	from := &agentapi.SnapshotSource{ID: "fork-s", Address: a.srv.URL, PublicKey: agentapi.EncodeKey(a.agent.PublicKey())}
+	child := spec
+	child.Snapshot = from
+	child.Seed = &agentapi.SeedSpec{InstanceID: "child-0", Hostname: "child-0", UserData: "#cloud-config\n{}\n"}
+	if _, err := b.client.CreateVM(ctx, "child-0", child); err != nil {
+		t.Fatal(err)
+	}
+	files, _, err := seed.Read(filepath.Join(b.dir, "vms", "child-0", agent.SeedFileName))
+	if err != nil || !strings.Contains(string(files[seed.FileMetaData]), `"instance-id": "child-0"`) ||
+		!strings.Contains(string(files[seed.FileMetaData]), `"local-hostname": "child-0"`) {
+		t.Fatalf("child's seed: %s %v", files[seed.FileMetaData], err)
+	}
+	if pulled, err := b.client.GetSnapshot(ctx, "fork-s"); err != nil || !pulled.SeedDisk {
+		t.Errorf("pulled snapshot: %+v %v, want seed_disk", pulled, err)
+	}
+	bare := spec
+	bare.Snapshot = from
+	if _, err := b.client.CreateVM(ctx, "child-1", bare); err != nil {
+		t.Fatal(err)
+	}
+	files, _, err = seed.Read(filepath.Join(b.dir, "vms", "child-1", agent.SeedFileName))
+	if err != nil || !strings.Contains(string(files[seed.FileMetaData]), `"instance-id": "child-1"`) {
+		t.Fatalf("child without a seed spec: seed %s %v, want one with its own instance-id", files[seed.FileMetaData], err)
+	}
+	// A source without a seed: its children cannot have one.
+	if _, err := a.client.CreateVM(ctx, "plain", spec); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.client.CreateSnapshot(ctx, "fork-p", agentapi.SnapshotSpec{VMID: "plain"}); err != nil {
+		t.Fatal(err)
+	}
+	seeded := spec
+	seeded.Snapshot = &agentapi.SnapshotSource{ID: "fork-p"}
+	seeded.Seed = &agentapi.SeedSpec{InstanceID: "child-p", Hostname: "child-p"}
+	if _, err := a.client.CreateVM(ctx, "child-p", seeded); statusOf(err) != 400 || !strings.Contains(err.Error(), "without a seed disk") {
+		t.Errorf("seeded child of an unseeded source: %v, want 400", err)
 	}
 }

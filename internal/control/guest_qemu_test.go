@@ -122,6 +122,56 @@ func TestQEMUBusyboxGuestReadsItsSeed(t *testing.T) {
 	if g := waitGuest(t, c.Client, vm.ID, time.Second, cloudInitDone); !same(g) {
 		t.Errorf("source after the fork: %+v", g)
 	}
+
+	// A VM without guest configuration has no seed: its guest prints none
+	// of the seed's lines, and its status stays none. (The others go first:
+	// the host's memory is the machine's.)
+	if err := c.Client.DeleteFork(ctx, f.ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Client.DeleteVM(ctx, vm.ID); err != nil {
+		t.Fatal(err)
+	}
+	plain, err := c.Client.CreateVM(ctx, api.VMCreate{Name: "plain", Image: "busybox", VCPUs: 1, MemoryMiB: 128, DiskMiB: 64}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := waitConsoleCount(t, a, plain.ID, `(?m)^tick 1\r?$`, 1, 3*time.Minute)
+	if strings.Contains(out, "kvm-guest-hostname") || strings.Contains(out, "kvm-guest-userdata-sha256") || strings.Contains(out, "Cloud-init") {
+		t.Errorf("a guest without a seed printed seed lines:\n%s", out)
+	}
+	if g, err := c.Client.VMGuest(ctx, plain.ID); err != nil || g.CloudInit != api.CloudInitNone || g.Hostname != "" || g.UserDataSHA256 != "" {
+		t.Errorf("plain guest: %+v %v", g, err)
+	}
+	if err := c.Client.DeleteVM(ctx, plain.ID); err != nil {
+		t.Fatal(err)
+	}
+
+	// User data that is a script runs, as under cloud-init: one that fails
+	// makes the status error; one that never ends keeps it running while
+	// the guest goes on (its ticks).
+	failing, err := c.Client.CreateVM(ctx, api.VMCreate{Name: "failing", Image: "busybox", VCPUs: 1, MemoryMiB: 128, DiskMiB: 64,
+		UserData: "#!/bin/sh\necho kvm-test-script-ran\nexit 3\n"}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	blocking, err := c.Client.CreateVM(ctx, api.VMCreate{Name: "blocking", Image: "busybox", VCPUs: 1, MemoryMiB: 128, DiskMiB: 64,
+		UserData: "#!/bin/sh\necho kvm-test-script-blocks\nsleep 100000\n"}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitGuest(t, c.Client, failing.ID, 3*time.Minute, func(g api.GuestStatus) bool { return g.CloudInit == api.CloudInitError })
+	if con, err := c.Client.VMConsole(ctx, failing.ID, 0); err != nil || !strings.Contains(con, "kvm-test-script-ran") {
+		t.Errorf("failing script's output not on the console (%v):\n%s", err, con)
+	}
+	waitConsoleCount(t, a, blocking.ID, `(?m)^tick 3\r?$`, 1, 3*time.Minute)
+	con, err = c.Client.VMConsole(ctx, blocking.ID, 0)
+	if err != nil || !strings.Contains(con, "kvm-test-script-blocks") || strings.Contains(con, "finished at") {
+		t.Errorf("blocking script: console (%v):\n%s", err, con)
+	}
+	if g, err := c.Client.VMGuest(ctx, blocking.ID); err != nil || g.CloudInit != api.CloudInitRunning {
+		t.Errorf("blocking script: guest %+v %v, want running", g, err)
+	}
 }
 
 // readSeedISO reads a seed ISO the way any ISO 9660 reader does (the

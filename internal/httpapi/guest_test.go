@@ -98,7 +98,8 @@ func TestGuestConfigBadInputIsRefused(t *testing.T) {
 // says why, and keeps it for GET.
 func TestGuestConfigIsStoredAndNeverReturned(t *testing.T) {
 	c := testenv.StartControl(t, testenv.ControlOptions{})
-	c.RegisterHost(t, "h1", testenv.StartAgent(t, testenv.AgentOptions{}).Address)
+	ag := testenv.StartAgent(t, testenv.AgentOptions{})
+	c.RegisterHost(t, "h1", ag.Address)
 	ctx := context.Background()
 	key := testAuthorizedKey(t)
 	userData := "#cloud-config\nwrite_files:\n- path: /etc/secret\n  content: s3cr3t-value\n"
@@ -190,6 +191,15 @@ func TestGuestConfigIsStoredAndNeverReturned(t *testing.T) {
 	if plain.status != 201 || !strings.Contains(string(plain.body), `"ssh_authorized_keys":[]`) ||
 		!strings.Contains(string(plain.body), `"meta_data":{}`) || !strings.Contains(string(plain.body), `"user_data_sha256":""`) {
 		t.Errorf("plain VM: %d %s", plain.status, plain.body)
+	}
+	// The host does not answer: both routes say so with 503.
+	ag.Stop()
+	for _, path := range []string{"/v1/vms/" + vm.ID + "/guest", "/v1/vms/" + vm.ID + "/console"} {
+		if r := send(t, c, "GET", path, "Bearer "+c.Token, nil, nil); r.status != 503 || r.env.Error.Code != api.CodeUnavailable {
+			t.Errorf("GET %s with its host down: %d %s, want 503 unavailable", path, r.status, r.body)
+		} else {
+			t.Logf("GET %s with its host down: %s", path, r.body)
+		}
 	}
 }
 
