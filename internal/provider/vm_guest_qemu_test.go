@@ -126,18 +126,33 @@ func TestAccVM_guestCloudInitBusybox(t *testing.T) {
 	})
 }
 
-// TestAccVM_guestNeverFinishes: user data that blocks (a runcmd that sleeps,
-// which real cloud-init runs in its final stage, so it never reports that it
-// finished) makes wait_for = "cloud_init" time out: the apply fails with the
-// console's last lines in the error, the VM is in state as tainted and is
-// the only VM there is, the next apply replaces it, and destroy leaves
-// nothing. It uses the Debian guest: the busybox image does not run user
-// data (yet).
+// TestAccVM_guestNeverFinishes: user data that blocks (a #! script that
+// sleeps, which the busybox guest runs before it reports cloud-init
+// finished, as cloud-init does) makes wait_for = "cloud_init" time out: the
+// apply fails with the console's last lines in the error (the script's own
+// output among them), the VM is in state as tainted and is the only VM there
+// is, the next apply replaces it, and destroy leaves nothing.
 func TestAccVM_guestNeverFinishes(t *testing.T) {
+	f, _ := qemuFleet(t, testenv.AgentOptions{})
+	// The busybox guest prints a "tick N" line every second: they are the
+	// console's end, so the tail in the error is made of them; the script's
+	// own line is checked on the whole console.
+	testNeverFinishes(t, f, func(waitFor string) string {
+		return busyboxGuestConfig(f, "#!/bin/sh\necho kvm-test-user-script-started\nsleep 100000\n", waitFor, "60s")
+	}, `tick [0-9]+\s+tick [0-9]+`, func(console string) error {
+		if !strings.Contains(console, "kvm-test-user-script-started") || strings.Contains(console, "finished at") {
+			return fmt.Errorf("the console does not show the script running and cloud-init unfinished:\n%s", tail(console, 3000))
+		}
+		return nil
+	})
+}
+
+// TestAccVM_guestNeverFinishesDebian is the same with real cloud-init: a
+// runcmd that sleeps keeps the Debian guest's final stage from finishing.
+func TestAccVM_guestNeverFinishesDebian(t *testing.T) {
 	dir := requireDebianImage(t)
 	f, _ := qemuFleet(t, testenv.AgentOptions{ImageDir: dir, VCPUs: 2, MemoryMiB: 2048, DiskMiB: 16384})
-	readStates := stateFiles(t)
-	cfg := func(waitFor string) string {
+	testNeverFinishes(t, f, func(waitFor string) string {
 		return f.providerBlock() + fmt.Sprintf(`
 resource "kvm_vm" "test" {
   name       = "deb-blocked"
@@ -157,7 +172,21 @@ resource "kvm_vm" "test" {
   }
 }
 `, waitFor)
-	}
+	}, `\S`, func(console string) error {
+		if !strings.Contains(console, "running 'modules:final'") || strings.Contains(console, "finished at") {
+			return fmt.Errorf("the console does not show cloud-init's final stage running and unfinished:\n%s", tail(console, 3000))
+		}
+		return nil
+	})
+}
+
+// testNeverFinishes applies cfg("cloud_init"), which must time out with the
+// console tail (matching tailPattern) in the error and leave the VM tainted
+// in state and alone on the control API, its whole console passing
+// checkConsole; then cfg("running"), which must replace it.
+func testNeverFinishes(t *testing.T, f *fleet, cfg func(waitFor string) string, tailPattern string, checkConsole func(string) error) {
+	t.Helper()
+	readStates := stateFiles(t)
 	resource.Test(t, resource.TestCase{
 		ProtoV6ProviderFactories: factories(),
 		CheckDestroy:             f.checkFleetEmpty,
@@ -165,7 +194,7 @@ resource "kvm_vm" "test" {
 			{
 				Config: cfg("cloud_init"),
 				ExpectError: regexp.MustCompile(`(?s)VM Guest Not Ready.*` + words(`cloud-init in the guest had not finished (its state: "running")`) +
-					`.*timeouts\.create.*` + words(`Last 30 lines of its serial console:`) + `\s+\S`),
+					`.*timeouts\.create.*` + words(`Last 30 lines of its serial console:`) + `.*` + tailPattern),
 			},
 			{
 				PreConfig: func() {
@@ -176,6 +205,13 @@ resource "kvm_vm" "test" {
 					vms, err := f.Control.Client.AllVMs(context.Background(), client.ListOptions{})
 					if err != nil || len(vms) != 1 || vms[0].ID != id {
 						t.Fatalf("the control API holds %d VMs (%v), want only the tainted %s", len(vms), err, id)
+					}
+					console, err := f.Control.Client.VMConsole(context.Background(), id, 0)
+					if err != nil {
+						t.Fatalf("console of VM %s: %v", id, err)
+					}
+					if err := checkConsole(console); err != nil {
+						t.Fatal(err)
 					}
 				},
 				Config: cfg("running"),
