@@ -91,7 +91,8 @@ func checkGuestReported(f *fleet, id *string) resource.TestCheckFunc {
 // TestAccVM_guestCloudInitBusybox: a busybox guest with user data and a
 // hostname; wait_for = "cloud_init" returns once the guest finished reading
 // its seed, and what it reports equals what was applied. A change of user
-// data is a replace, and the new guest reports the new digest.
+// data is a replace, and the new guest reports the new digest; a change of
+// wait_for to "ip" is an update in place that waits for the guest's address.
 func TestAccVM_guestCloudInitBusybox(t *testing.T) {
 	f, _ := qemuFleet(t, testenv.AgentOptions{})
 	var id1, id2 string
@@ -121,6 +122,25 @@ func TestAccVM_guestCloudInitBusybox(t *testing.T) {
 						}
 						return nil
 					}),
+			},
+			{
+				// wait_for changes in place, and an update waits for it:
+				// the guest reported its address on the user-mode network.
+				Config: busyboxGuestConfig(f, "#cloud-config\nruncmd: [echo two]\n", "ip", "5m"),
+				ConfigPlanChecks: resource.ConfigPlanChecks{
+					PreApply:             []plancheck.PlanCheck{plancheck.ExpectResourceAction(vmAddr, plancheck.ResourceActionUpdate)},
+					PostApplyPostRefresh: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
+				},
+				ConfigStateChecks: []statecheck.StateCheck{
+					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("wait_for"), knownvalue.StringExact("ip")),
+				},
+				Check: func(*terraform.State) error {
+					g, err := f.Control.Client.VMGuest(context.Background(), id2)
+					if err != nil || len(g.IPv4Addresses) == 0 || g.IPv4Addresses[0] != "10.0.2.15" {
+						return fmt.Errorf("VM %s: the guest reports addresses %v (%v), want QEMU's user-mode 10.0.2.15", id2, g.IPv4Addresses, err)
+					}
+					return nil
+				},
 			},
 		},
 	})
