@@ -50,6 +50,9 @@ const (
 	summaryUpdateImage        = "Unable to Update Image"
 	summaryDeleteImage        = "Unable to Delete Image"
 	summaryImageAlreadyExists = "Image Already Registered"
+	summaryInvalidWait        = "Invalid Wait"
+	summaryGuestNotReady      = "VM Guest Not Ready"
+	summaryReadConsole        = "Unable to Read VM Console"
 )
 
 // addAPIError adds an error diagnostic for a failed control API call:

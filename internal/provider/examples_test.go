@@ -24,6 +24,7 @@ func TestAccExamples_quickstart(t *testing.T) {
 	if err != nil {
 		t.Fatalf("reading the quickstart: %v", err)
 	}
+	_, key := newSSHKey(t)
 	// The quickstart names its real source address, kvmfleet/kvm.
 	t.Setenv(resource.EnvTfAccProviderNamespace, "kvmfleet")
 
@@ -34,8 +35,9 @@ func TestAccExamples_quickstart(t *testing.T) {
 		CheckDestroy: f.checkFleetEmpty,
 		Steps: []resource.TestStep{
 			{
-				Config:          string(main),
-				ConfigVariables: config.Variables{"image": config.StringVariable("sim")},
+				Config: string(main),
+				ConfigVariables: config.Variables{"image": config.StringVariable("sim"), "guest_image": config.StringVariable("sim"),
+					"ssh_public_key": config.StringVariable(key)},
 				ConfigPlanChecks: resource.ConfigPlanChecks{
 					PostApplyPostRefresh: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
 				},
@@ -49,7 +51,13 @@ func TestAccExamples_quickstart(t *testing.T) {
 						}),
 					})),
 					statecheck.ExpectKnownOutputValueAtPath("hosts", tfjsonpath.New("local").AtMapKey("free").AtMapKey("vcpus"),
-						knownvalue.Int64Exact(testHostVCPUs-2)),
+						knownvalue.Int64Exact(testHostVCPUs-3)),
+					statecheck.ExpectKnownOutputValue("guest", knownvalue.ObjectPartial(map[string]knownvalue.Check{
+						"hostname":         knownvalue.StringExact("demo-guest"),
+						"started_from":     knownvalue.StringExact("cold"),
+						"user_data_sha256": knownvalue.StringRegexp(regexp.MustCompile(`^[0-9a-f]{64}$`)),
+						"ssh":              knownvalue.StringRegexp(regexp.MustCompile(`^ssh -p [0-9]+ debian@127\.0\.0\.1$`)),
+					})),
 					statecheck.ExpectKnownOutputValueAtPath("placement", tfjsonpath.New("host"), knownvalue.StringExact("local")),
 					statecheck.ExpectKnownOutputValueAtPath("placement", tfjsonpath.New("fits"), knownvalue.Bool(true)),
 					statecheck.ExpectKnownOutputValueAtPath("vms", tfjsonpath.New("demo-0").AtMapKey("placement"),

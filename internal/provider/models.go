@@ -1,78 +1,14 @@
 package provider
 
 import (
-	"context"
 	"fmt"
 	"sort"
 	"strings"
-	"time"
 
-	"github.com/hashicorp/terraform-plugin-framework/attr"
-	"github.com/hashicorp/terraform-plugin-framework/diag"
 	"github.com/hashicorp/terraform-plugin-framework/types"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 )
-
-// resourcesAttrTypes is the object type of capacity, allocated and free.
-var resourcesAttrTypes = map[string]attr.Type{
-	"vcpus":      types.Int64Type,
-	"memory_mib": types.Int64Type,
-	"disk_mib":   types.Int64Type,
-}
-
-func resourcesObject(r api.Resources) types.Object {
-	return types.ObjectValueMust(resourcesAttrTypes, map[string]attr.Value{
-		"vcpus":      types.Int64Value(r.VCPUs),
-		"memory_mib": types.Int64Value(r.MemoryMiB),
-		"disk_mib":   types.Int64Value(r.DiskMiB),
-	})
-}
-
-// labelsValue turns API labels into a map value; no labels is an empty map,
-// the schema default, so an unlabelled object never shows a diff.
-func labelsValue(labels map[string]string) types.Map {
-	elems := make(map[string]attr.Value, len(labels))
-	for k, v := range labels {
-		elems[k] = types.StringValue(v)
-	}
-	return types.MapValueMust(types.StringType, elems)
-}
-
-func labelsFromValue(ctx context.Context, v types.Map) (map[string]string, diag.Diagnostics) {
-	out := map[string]string{}
-	if v.IsNull() || v.IsUnknown() {
-		return out, nil
-	}
-	diags := v.ElementsAs(ctx, &out, false)
-	return out, diags
-}
-
-func stringList(items []string) types.List {
-	elems := make([]attr.Value, len(items))
-	for i, s := range items {
-		elems[i] = types.StringValue(s)
-	}
-	return types.ListValueMust(types.StringType, elems)
-}
-
-// optionalString maps the API's "not set" (empty string) to null.
-func optionalString(s string) types.String {
-	if s == "" {
-		return types.StringNull()
-	}
-	return types.StringValue(s)
-}
-
-// timestamp renders times at second precision in UTC, so a create answer
-// and a later read of the same row (whose database may round differently)
-// give the same string.
-func timestamp(t time.Time) types.String {
-	if t.IsZero() {
-		return types.StringNull()
-	}
-	return types.StringValue(t.UTC().Truncate(time.Second).Format(time.RFC3339))
-}
 
 // hostModel is a host as the kvm_host resource stores it.
 type hostModel struct {
@@ -145,6 +81,13 @@ type vmAttributes struct {
 	// Constraints is the constraints block (null when absent).
 	Constraints         types.Object `tfsdk:"constraints"`
 	ConstraintsViolated types.String `tfsdk:"constraints_violated"`
+	// Guest configuration the control API reports (the user data itself
+	// it never returns).
+	SSHAuthorizedKeys types.List   `tfsdk:"ssh_authorized_keys"`
+	MetaData          types.Map    `tfsdk:"meta_data"`
+	NetworkConfig     types.String `tfsdk:"network_config"`
+	Hostname          types.String `tfsdk:"hostname"`
+	UserDataSHA256    types.String `tfsdk:"user_data_sha256"`
 }
 
 // fromAPI fills the attributes from vm, with powerState as the value of
@@ -173,6 +116,7 @@ func (m *vmAttributes) fromAPI(vm api.VM, powerState string) {
 	}
 	m.CreatedAt = timestamp(vm.CreatedAt)
 	m.IPv4Address = optionalString(vm.IPv4Address)
+	m.guestFromAPI(vm)
 }
 
 // desiredPowerState is the power state the control API was asked for.

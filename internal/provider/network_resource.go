@@ -6,7 +6,6 @@ import (
 	"fmt"
 
 	"github.com/hashicorp/terraform-plugin-framework-validators/stringvalidator"
-	"github.com/hashicorp/terraform-plugin-framework/attr"
 	"github.com/hashicorp/terraform-plugin-framework/path"
 	"github.com/hashicorp/terraform-plugin-framework/resource"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema"
@@ -59,14 +58,6 @@ func (m *networkModel) fromAPI(n api.Network) {
 	m.Hosts = stringSet(n.Hosts)
 	m.AddressesTotal = types.Int64Value(int64(n.AddressesTotal))
 	m.AddressesUsed = types.Int64Value(int64(n.AddressesUsed))
-}
-
-func stringSet(items []string) types.Set {
-	elems := make([]attr.Value, len(items))
-	for i, s := range items {
-		elems[i] = types.StringValue(s)
-	}
-	return types.SetValueMust(types.StringType, elems)
 }
 
 func (r *networkResource) Metadata(_ context.Context, req resource.MetadataRequest, resp *resource.MetadataResponse) {
@@ -150,17 +141,6 @@ func (r *networkResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 
 func (r *networkResource) Configure(_ context.Context, req resource.ConfigureRequest, resp *resource.ConfigureResponse) {
 	r.data = providerDataFrom(req.ProviderData, &resp.Diagnostics)
-}
-
-func hostsFromSet(ctx context.Context, v types.Set) ([]string, error) {
-	out := []string{}
-	if v.IsNull() || v.IsUnknown() {
-		return out, nil
-	}
-	if diags := v.ElementsAs(ctx, &out, false); diags.HasError() {
-		return nil, fmt.Errorf("read hosts: %v", diags)
-	}
-	return out, nil
 }
 
 func (r *networkResource) Create(ctx context.Context, req resource.CreateRequest, resp *resource.CreateResponse) {

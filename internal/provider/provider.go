@@ -259,6 +259,7 @@ func (p *kvmProvider) DataSources(_ context.Context) []func() datasource.DataSou
 		NewForkDataSource,
 		NewImageDataSource,
 		NewNetworkDataSource,
+		NewVMConsoleDataSource,
 	}
 }
 

@@ -82,6 +82,22 @@ func (d *vmDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, res
 			"ipv4_address": computed("Address of the VM's first NIC (`10.0.2.15` on a user-mode network, where " +
 				"the VM is reached through port forwards); null while unknown."),
 			"constraints": constraintsComputedAttribute(),
+			"ssh_authorized_keys": schema.ListAttribute{
+				MarkdownDescription: "OpenSSH public keys the VM's seed gives its guest.",
+				ElementType:         types.StringType,
+				Computed:            true,
+			},
+			"meta_data": schema.MapAttribute{
+				MarkdownDescription: "Extra NoCloud meta-data keys the VM was created with (those the product sets, " +
+					"`instance-id` and `public-keys`, are not listed).",
+				ElementType: types.StringType,
+				Computed:    true,
+			},
+			"network_config": computed("Cloud-init network configuration the VM was created with; null when it is " +
+				"generated from the VM's NICs."),
+			"hostname": computed("The guest's hostname as its seed gives it; null for a VM without guest configuration."),
+			"user_data_sha256": computed("Hex SHA-256 of the VM's user data; null without user data (the user data " +
+				"itself is never returned)."),
 			"constraints_violated": computed("How the VM's host no longer meets its constraints (its labels changed " +
 				"after placement); empty when they hold. The VM is never moved for it."),
 		},

@@ -8,6 +8,7 @@ import (
 	"github.com/hashicorp/terraform-plugin-framework-timeouts/resource/timeouts"
 	"github.com/hashicorp/terraform-plugin-framework/attr"
 	"github.com/hashicorp/terraform-plugin-framework/diag"
+	"github.com/hashicorp/terraform-plugin-framework/path"
 	"github.com/hashicorp/terraform-plugin-framework/resource"
 	"github.com/hashicorp/terraform-plugin-framework/tfsdk"
 	"github.com/hashicorp/terraform-plugin-framework/types"
@@ -30,6 +31,11 @@ func placedVM(c *api.Constraints) vmModel {
 
 func modifyVMPlan(t *testing.T, state, plan vmModel) diag.Diagnostics {
 	t.Helper()
+	return modifyVMPlanResponse(t, state, plan).Diagnostics
+}
+
+func modifyVMPlanResponse(t *testing.T, state, plan vmModel) resource.ModifyPlanResponse {
+	t.Helper()
 	ctx := context.Background()
 	var sr resource.SchemaResponse
 	NewVMResource().Schema(ctx, resource.SchemaRequest{}, &sr)
@@ -43,8 +49,87 @@ func modifyVMPlan(t *testing.T, state, plan vmModel) diag.Diagnostics {
 		t.Fatalf("plan: %v", d)
 	}
 	resp := resource.ModifyPlanResponse{Plan: pl}
-	NewVMResource().(*vmResource).ModifyPlan(ctx, resource.ModifyPlanRequest{State: st, Plan: pl}, &resp)
-	return resp.Diagnostics
+	cfg := tfsdk.Config{Schema: sr.Schema, Raw: pl.Raw}
+	NewVMResource().(*vmResource).ModifyPlan(ctx, resource.ModifyPlanRequest{State: st, Plan: pl, Config: cfg}, &resp)
+	return resp
+}
+
+// The plan replaces a VM whose user data digest in state differs from the
+// configured user data's (changed user data, either form, or drift), and
+// leaves alone one whose digest matches (an import of the same user data).
+func TestVMModifyPlanReplacesOnUserDataDigest(t *testing.T) {
+	withDigest := func(userData string) vmModel {
+		m := placedVM(nil)
+		m.UserDataSHA256 = userDataDigest(userData)
+		return m
+	}
+	configured := func(userData, wo string) vmModel {
+		m := placedVM(nil)
+		m.UserData, m.UserDataWO = optionalString(userData), optionalString(wo)
+		return m
+	}
+	replaces := func(resp resource.ModifyPlanResponse) bool {
+		for _, p := range resp.RequiresReplace {
+			if p.Equal(path.Root("user_data_sha256")) {
+				return true
+			}
+		}
+		return false
+	}
+	for _, tc := range []struct {
+		name            string
+		state, plan     vmModel
+		replace         bool
+		wantPlannedHash types.String
+	}{
+		{"same user data", withDigest("a"), configured("a", ""), false, userDataDigest("a")},
+		{"changed user data", withDigest("a"), configured("b", ""), true, userDataDigest("b")},
+		{"write-only, same", withDigest("s"), configured("", "s"), false, userDataDigest("s")},
+		{"write-only, changed", withDigest("s"), configured("", "t"), true, userDataDigest("t")},
+		{"user data removed", withDigest("a"), configured("", ""), true, types.StringNull()},
+		{"user data added", withDigest(""), configured("a", ""), true, userDataDigest("a")},
+		{"none", withDigest(""), configured("", ""), false, types.StringNull()},
+	} {
+		resp := modifyVMPlanResponse(t, tc.state, tc.plan)
+		if resp.Diagnostics.HasError() {
+			t.Fatalf("%s: %v", tc.name, resp.Diagnostics)
+		}
+		var planned types.String
+		resp.Plan.GetAttribute(context.Background(), path.Root("user_data_sha256"), &planned)
+		if replaces(resp) != tc.replace || !planned.Equal(tc.wantPlannedHash) {
+			t.Errorf("%s: replace %v (want %v), planned digest %v (want %v)", tc.name, replaces(resp), tc.replace,
+				planned, tc.wantPlannedHash)
+		}
+	}
+}
+
+func TestLastLines(t *testing.T) {
+	if got := lastLines("a\nb\r\nc\nd\n\n", 2); got != "c\nd" {
+		t.Errorf("lastLines 2 = %q", got)
+	}
+	if got := lastLines("only", 30); got != "only" {
+		t.Errorf("lastLines of one line = %q", got)
+	}
+	if got := lastLines("\x1b[0;32m  OK  \x1b[0m] Started\r\n", 30); got != "  OK  ] Started" {
+		t.Errorf("lastLines keeps terminal control sequences: %q", got)
+	}
+	if got := lastLines("\n", 30); !strings.Contains(got, "empty") {
+		t.Errorf("lastLines of nothing = %q, want it to say the console is empty", got)
+	}
+}
+
+func TestParseAuthorizedKey(t *testing.T) {
+	const key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGq2uYfNMcVk0e9Yy1UZwSzQ3s2Jv7O3h5t7mKz3YbQn me@host"
+	for _, ok := range []string{key, key + "\n", "  " + key + "\r\n"} {
+		if err := parseAuthorizedKey(ok); err != nil {
+			t.Errorf("%q: %v", ok, err)
+		}
+	}
+	for _, bad := range []string{"", "ssh-ed25519 not-base64", key + "\n" + key, "-----BEGIN OPENSSH PRIVATE KEY-----"} {
+		if err := parseAuthorizedKey(bad); err == nil {
+			t.Errorf("%q was accepted", bad)
+		}
+	}
 }
 
 func TestVMModifyPlanNotesThatConstraintsMoveNothing(t *testing.T) {

@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"time"
 
 	"github.com/hashicorp/terraform-plugin-framework-timeouts/resource/timeouts"
 	"github.com/hashicorp/terraform-plugin-framework-validators/int64validator"
 	"github.com/hashicorp/terraform-plugin-framework-validators/stringvalidator"
+	"github.com/hashicorp/terraform-plugin-framework/diag"
 	"github.com/hashicorp/terraform-plugin-framework/path"
 	"github.com/hashicorp/terraform-plugin-framework/resource"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema"
@@ -33,10 +35,11 @@ const (
 )
 
 var (
-	_ resource.Resource                = (*vmResource)(nil)
-	_ resource.ResourceWithConfigure   = (*vmResource)(nil)
-	_ resource.ResourceWithImportState = (*vmResource)(nil)
-	_ resource.ResourceWithModifyPlan  = (*vmResource)(nil)
+	_ resource.Resource                   = (*vmResource)(nil)
+	_ resource.ResourceWithConfigure      = (*vmResource)(nil)
+	_ resource.ResourceWithImportState    = (*vmResource)(nil)
+	_ resource.ResourceWithModifyPlan     = (*vmResource)(nil)
+	_ resource.ResourceWithValidateConfig = (*vmResource)(nil)
 )
 
 // NewVMResource is the kvm_vm resource.
@@ -48,6 +51,7 @@ type vmResource struct {
 
 type vmModel struct {
 	vmAttributes
+	guestModel
 	NetworkInterfaces types.List     `tfsdk:"network_interface"`
 	Timeouts          timeouts.Value `tfsdk:"timeouts"`
 }
@@ -57,8 +61,6 @@ type vmModel struct {
 func (m *vmModel) setNICs(vm api.VM, withBlocks bool) {
 	m.NetworkInterfaces = nicsValue(vm.NetworkInterfaces, withBlocks)
 }
-
-func hasBlocks(v types.List) bool { return !v.IsNull() && !v.IsUnknown() && len(v.Elements()) > 0 }
 
 func (r *vmResource) Metadata(_ context.Context, req resource.MetadataRequest, resp *resource.MetadataResponse) {
 	resp.TypeName = req.ProviderTypeName + "_vm"
@@ -75,7 +77,18 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 			"VM. `image`, `host` and a change of the configured `network_interface` blocks replace the VM, which destroys " +
 			"its disk. A refresh reports the power state the host observed, so a VM stopped behind " +
 			"Terraform's back shows as a change and `terraform apply` starts it again; a VM deleted behind its back is " +
-			"planned for creation.",
+			"planned for creation.\n\n" +
+			"Guest configuration (`user_data` or `user_data_wo`, `ssh_authorized_keys`, `meta_data`, " +
+			"`network_config`) goes to the guest on a NoCloud seed disk (volume `cidata`) that its host builds in " +
+			"the VM's own directory and attaches read-only; it survives restarts of the VM, its host and the agent. " +
+			"Cloud-init reads it at the first boot of each instance, so **changing any of it replaces the VM**, " +
+			"and the plan shows the replace. Its `instance-id` is the VM's id: a VM with guest configuration " +
+			"boots cold (never from a warm pool, whose VMs booted before their seed existed), and each child of a " +
+			"`kvm_fork` is a new instance with its own instance-id and hostname (from the child's name) and the " +
+			"parent's user data and keys; a running child keeps the parent's memory (cloud-init has already run in it) and cloud-init " +
+			"sees the new instance at the child's next boot, when it runs its per-instance modules again (new SSH " +
+			"host keys, for example). `wait_for` makes the create wait for the guest's address or for cloud-init " +
+			"to finish, with the serial console's last lines in the error when it does not.",
 		Attributes: map[string]schema.Attribute{
 			"id": schema.StringAttribute{
 				MarkdownDescription: "ID the control API gave the VM. `terraform import` takes it.",
@@ -196,18 +209,44 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 				"`terraform apply -replace=kvm_vm.<name>`.", true),
 		},
 	}
+	maps.Copy(resp.Schema.Attributes, guestResourceAttributes())
 }
 
-// ModifyPlan notes a change of constraints on an existing VM: it is an
-// update in place that stores them, and the VM does not move.
+// ModifyPlan plans user_data_sha256 from the configured user data and
+// replaces the VM when it differs from the one in state, and notes a change
+// of constraints on an existing VM: it is an update in place that stores
+// them, and the VM does not move.
 func (r *vmResource) ModifyPlan(ctx context.Context, req resource.ModifyPlanRequest, resp *resource.ModifyPlanResponse) {
-	if req.State.Raw.IsNull() || req.Plan.Raw.IsNull() {
-		return // create or destroy
+	if req.Plan.Raw.IsNull() {
+		return // destroy
+	}
+	var userData, userDataWO types.String
+	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("user_data"), &userData)...)
+	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("user_data_wo"), &userDataWO)...)
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	want := configuredDigest(userData, userDataWO)
+	if req.State.Raw.IsNull() {
+		resp.Diagnostics.Append(resp.Plan.SetAttribute(ctx, path.Root("user_data_sha256"), want)...)
+		return // create
 	}
 	var plan, state vmModel
 	resp.Diagnostics.Append(req.Plan.Get(ctx, &plan)...)
 	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
-	if resp.Diagnostics.HasError() || plan.Constraints.Equal(state.Constraints) {
+	if resp.Diagnostics.HasError() {
+		return
+	}
+	// The control API never returns user data, only its digest: comparing
+	// digests catches changed user data (either form) and a VM whose user
+	// data differs from the configuration, and leaves alone an imported VM
+	// whose user data matches.
+	resp.Diagnostics.Append(resp.Plan.SetAttribute(ctx, path.Root("user_data_sha256"), want)...)
+	if !want.Equal(state.UserDataSHA256) {
+		resp.RequiresReplace = append(resp.RequiresReplace, path.Root("user_data_sha256"))
+		return
+	}
+	if plan.Constraints.Equal(state.Constraints) {
 		return
 	}
 	resp.Diagnostics.AddAttributeWarning(path.Root("constraints"), summaryConstraintsStored, fmt.Sprintf(
@@ -215,6 +254,21 @@ func (r *vmResource) ModifyPlan(ctx context.Context, req resource.ModifyPlanRequ
 			"running VM is never moved and keeps its place in its group. To place it again under the new "+
 			"constraints, run terraform apply -replace=<address of this kvm_vm>, which destroys its disk.",
 		state.ID.ValueString(), state.Name.ValueString(), state.Host.ValueString()))
+}
+
+// ValidateConfig refuses waits a stopped VM cannot satisfy.
+func (r *vmResource) ValidateConfig(ctx context.Context, req resource.ValidateConfigRequest, resp *resource.ValidateConfigResponse) {
+	var power, waitFor types.String
+	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("power_state"), &power)...)
+	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("wait_for"), &waitFor)...)
+	if resp.Diagnostics.HasError() || power.ValueString() != api.PowerStopped {
+		return
+	}
+	if w := waitFor.ValueString(); w == waitForIP || w == waitForCloudInit {
+		resp.Diagnostics.AddAttributeError(path.Root("wait_for"), summaryInvalidWait, fmt.Sprintf(
+			"wait_for = %q needs a running guest, but power_state is \"stopped\". Use wait_for = \"running\" "+
+				"(or leave it out) for a stopped VM.", w))
+	}
 }
 
 func (r *vmResource) Configure(_ context.Context, req resource.ConfigureRequest, resp *resource.ConfigureResponse) {
@@ -235,6 +289,9 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 	resp.Diagnostics.Append(diags...)
 	constraints, diags := constraintsFromObject(ctx, plan.Constraints)
 	resp.Diagnostics.Append(diags...)
+	// The write-only user data is only in the config, never in the plan.
+	var userDataWO types.String
+	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("user_data_wo"), &userDataWO)...)
 	if resp.Diagnostics.HasError() {
 		return
 	}
@@ -252,6 +309,10 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 		Host:              plan.Host.ValueString(), // "" when unknown: the control API chooses
 		PowerState:        plan.PowerState.ValueString(),
 		Labels:            labels,
+	}
+	resp.Diagnostics.Append(guestCreate(ctx, &in, &plan, userDataWO)...)
+	if resp.Diagnostics.HasError() {
+		return
 	}
 	subject := fmt.Sprintf("creating VM %q", in.Name)
 
@@ -295,9 +356,34 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
 	if waitErr != nil {
 		resp.Diagnostics.AddError(summaryVMFailed, fmt.Sprintf(
-			"VM %s (%q) was created but did not become %s: %s. It stays in state as tainted; the next apply replaces it.",
-			vm.ID, vm.Name, in.PowerState, waitErr))
+			"VM %s (%q) was created but did not become %s: %s. It stays in state as tainted; the next apply replaces "+
+				"it. Last lines of its serial console:\n\n%s",
+			vm.ID, vm.Name, in.PowerState, waitErr, consoleTail(ctx, r.data.client, vm.ID, consoleTailLines)))
+		return
 	}
+	r.waitForGuest(ctx, vm, plan.WaitFor.ValueString(), timeout, "timeouts.create", &resp.Diagnostics)
+}
+
+// waitForGuest waits, when wait_for asks for more than a running VM, for
+// the guest to report it, adding an error with the console's last lines when
+// it does not. The VM stays as it is (in state: a failed create taints it).
+func (r *vmResource) waitForGuest(ctx context.Context, vm api.VM, waitFor string, timeout time.Duration, timeoutAttr string, diags *diag.Diagnostics) {
+	if waitFor == "" || waitFor == waitForRunning || vm.PowerState == api.PowerStopped {
+		return
+	}
+	tflog.Info(ctx, "waiting for the guest", map[string]any{"id": vm.ID, "wait_for": waitFor})
+	g, err := waitForGuest(ctx, r.data.client, vm, waitFor)
+	if err != nil {
+		diags.AddError(summaryGuestNotReady, fmt.Sprintf(
+			"VM %s (%q) runs on host %s, but waiting for wait_for = %q failed: %s. The VM stays in state (a "+
+				"failed create leaves it tainted, so the next apply replaces it). Check the user data and the "+
+				"console below, or raise %s (now %s).\n\nLast %d lines of its serial console:\n\n%s",
+			vm.ID, vm.Name, vm.Host, waitFor, err, timeoutAttr, timeout, consoleTailLines,
+			consoleTail(ctx, r.data.client, vm.ID, consoleTailLines)))
+		return
+	}
+	tflog.Info(ctx, "the guest is ready", map[string]any{"id": vm.ID, "wait_for": waitFor, "cloud_init": g.CloudInit,
+		"ipv4_addresses": g.IPv4Addresses})
 }
 
 // create sends one logical create: one Idempotency-Key, which the client
@@ -354,6 +440,9 @@ func (r *vmResource) Read(ctx context.Context, req resource.ReadRequest, resp *r
 	}
 	state.fromAPI(vm, observedPowerState(vm))
 	state.setNICs(vm, hasBlocks(state.NetworkInterfaces))
+	if state.WaitFor.IsNull() {
+		state.WaitFor = types.StringValue(waitForRunning) // an import: the default
+	}
 	resp.Diagnostics.Append(resp.State.Set(ctx, &state)...)
 }
 
@@ -429,6 +518,7 @@ func (r *vmResource) Update(ctx context.Context, req resource.UpdateRequest, res
 	plan.fromAPI(vm, desiredPowerState(vm))
 	plan.setNICs(vm, hasBlocks(plan.NetworkInterfaces))
 	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
+	r.waitForGuest(ctx, vm, plan.WaitFor.ValueString(), timeout, "timeouts.update", &resp.Diagnostics)
 }
 
 func (r *vmResource) Delete(ctx context.Context, req resource.DeleteRequest, resp *resource.DeleteResponse) {
@@ -464,63 +554,6 @@ func (r *vmResource) ImportState(ctx context.Context, req resource.ImportStateRe
 		return
 	}
 	resource.ImportStatePassthroughID(ctx, path.Root("id"), req, resp)
-}
-
-// pollInterval is how long the provider waits between reads while a VM
-// settles; it doubles up to maxPollInterval.
-const (
-	pollInterval    = 100 * time.Millisecond
-	maxPollInterval = 2 * time.Second
-)
-
-// waitForPower reads the VM until the host observes the wanted power state,
-// the VM fails, or ctx ends. The control API answers a create or power change
-// once the agent has acted, so this usually returns at once.
-func waitForPower(ctx context.Context, c *client.Client, vm api.VM, want string) (api.VM, error) {
-	wait := pollInterval
-	for {
-		switch vm.ObservedState {
-		case want:
-			return vm, nil
-		case api.StateError, api.StateMissing:
-			reason := vm.Reason
-			if reason == "" {
-				reason = "no reason given"
-			}
-			return vm, fmt.Errorf("host %s reports it %s (%s)", vm.Host, vm.ObservedState, reason)
-		}
-		select {
-		case <-ctx.Done():
-			return vm, fmt.Errorf("still %q when the timeout ended: %w", vm.ObservedState, ctx.Err())
-		case <-time.After(wait):
-		}
-		wait = min(2*wait, maxPollInterval)
-		next, err := c.GetVM(ctx, vm.ID)
-		if err != nil {
-			return vm, fmt.Errorf("reading VM %s: %w", vm.ID, err)
-		}
-		vm = next
-	}
-}
-
-// waitForGone reads the VM until the control API says it does not exist.
-func waitForGone(ctx context.Context, c *client.Client, id string) error {
-	wait := pollInterval
-	for {
-		_, err := c.GetVM(ctx, id)
-		if errors.Is(err, client.ErrNotFound) {
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("checking that VM %s is gone: %w", id, err)
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("VM %s still exists when the delete timeout ended: %w", id, ctx.Err())
-		case <-time.After(wait):
-		}
-		wait = min(2*wait, maxPollInterval)
-	}
 }
 
 // findVMByName returns the VM holding name, or ErrNotFound.

@@ -60,6 +60,65 @@ resource "kvm_vm" "db" {
   }
 }
 
+# A Debian cloud guest configured by cloud-init: an SSH key for the image's
+# default user "debian", a package and a file. The apply waits until
+# cloud-init in the guest has finished (or fails at timeouts.create with the
+# end of the serial console in the error). Changing user_data, the keys,
+# meta_data or network_config replaces the VM: the guest reads them once.
+resource "kvm_vm" "app" {
+  name       = "app-1"
+  image      = "debian-12"
+  vcpus      = 2
+  memory_mib = 1024
+  disk_mib   = 4096
+
+  ssh_authorized_keys = [file("~/.ssh/id_ed25519.pub")]
+  meta_data = {
+    "local-hostname" = "app-1"
+  }
+  user_data = <<-EOT
+    #cloud-config
+    packages: [nginx]
+    write_files:
+      - path: /etc/motd
+        content: "managed by terraform\n"
+  EOT
+
+  wait_for = "cloud_init"
+
+  # Reach the guest's SSH port on 127.0.0.1:<host_port> of its host.
+  network_interface {
+    network = "default"
+    port_forward {
+      guest_port = 22
+    }
+  }
+
+  timeouts {
+    create = "20m"
+  }
+}
+
+# Secret user data kept out of the plan and the state (Terraform 1.11+):
+# only its SHA-256 is kept. Bump user_data_wo_version to replace the VM with
+# the same secret (for example after rotating it elsewhere).
+variable "worker_user_data" {
+  type      = string
+  sensitive = true
+}
+
+resource "kvm_vm" "worker" {
+  name       = "worker-1"
+  image      = "debian-12"
+  vcpus      = 1
+  memory_mib = 512
+  disk_mib   = 4096
+
+  user_data_wo         = var.worker_user_data
+  user_data_wo_version = 1
+  wait_for             = "ip"
+}
+
 output "web_placement" {
   value = kvm_vm.web.placement_summary
 }

@@ -1,0 +1,103 @@
+package provider
+
+// Conversions between API values and framework attribute values that several
+// resources and data sources share.
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/hashicorp/terraform-plugin-framework/attr"
+	"github.com/hashicorp/terraform-plugin-framework/diag"
+	"github.com/hashicorp/terraform-plugin-framework/types"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+)
+
+// resourcesAttrTypes is the object type of capacity, allocated and free.
+var resourcesAttrTypes = map[string]attr.Type{
+	"vcpus":      types.Int64Type,
+	"memory_mib": types.Int64Type,
+	"disk_mib":   types.Int64Type,
+}
+
+// resourcesObject is a capacity, allocation or free amount as an object.
+func resourcesObject(r api.Resources) types.Object {
+	return types.ObjectValueMust(resourcesAttrTypes, map[string]attr.Value{
+		"vcpus":      types.Int64Value(r.VCPUs),
+		"memory_mib": types.Int64Value(r.MemoryMiB),
+		"disk_mib":   types.Int64Value(r.DiskMiB),
+	})
+}
+
+// labelsValue turns API labels into a map value; no labels is an empty map,
+// the schema default, so an unlabelled object never shows a diff.
+func labelsValue(labels map[string]string) types.Map {
+	elems := make(map[string]attr.Value, len(labels))
+	for k, v := range labels {
+		elems[k] = types.StringValue(v)
+	}
+	return types.MapValueMust(types.StringType, elems)
+}
+
+// labelsFromValue reads a labels map; null or unknown is none.
+func labelsFromValue(ctx context.Context, v types.Map) (map[string]string, diag.Diagnostics) {
+	out := map[string]string{}
+	if v.IsNull() || v.IsUnknown() {
+		return out, nil
+	}
+	diags := v.ElementsAs(ctx, &out, false)
+	return out, diags
+}
+
+// stringList is a list of strings; none is an empty list.
+func stringList(items []string) types.List {
+	elems := make([]attr.Value, len(items))
+	for i, s := range items {
+		elems[i] = types.StringValue(s)
+	}
+	return types.ListValueMust(types.StringType, elems)
+}
+
+// optionalString maps the API's "not set" (empty string) to null.
+func optionalString(s string) types.String {
+	if s == "" {
+		return types.StringNull()
+	}
+	return types.StringValue(s)
+}
+
+// timestamp renders times at second precision in UTC, so a create answer
+// and a later read of the same row (whose database may round differently)
+// give the same string.
+func timestamp(t time.Time) types.String {
+	if t.IsZero() {
+		return types.StringNull()
+	}
+	return types.StringValue(t.UTC().Truncate(time.Second).Format(time.RFC3339))
+}
+
+// stringSet is a set of strings; none is an empty set.
+func stringSet(items []string) types.Set {
+	elems := make([]attr.Value, len(items))
+	for i, s := range items {
+		elems[i] = types.StringValue(s)
+	}
+	return types.SetValueMust(types.StringType, elems)
+}
+
+// hostsFromSet reads a set of host names; null or unknown is none.
+func hostsFromSet(ctx context.Context, v types.Set) ([]string, error) {
+	out := []string{}
+	if v.IsNull() || v.IsUnknown() {
+		return out, nil
+	}
+	if diags := v.ElementsAs(ctx, &out, false); diags.HasError() {
+		return nil, fmt.Errorf("read hosts: %v", diags)
+	}
+	return out, nil
+}
+
+// hasBlocks says whether a list of blocks is known and not empty.
+func hasBlocks(v types.List) bool { return !v.IsNull() && !v.IsUnknown() && len(v.Elements()) > 0 }

@@ -1,0 +1,421 @@
+package provider_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/terraform-plugin-testing/config"
+	"github.com/hashicorp/terraform-plugin-testing/helper/resource"
+	"github.com/hashicorp/terraform-plugin-testing/knownvalue"
+	"github.com/hashicorp/terraform-plugin-testing/plancheck"
+	"github.com/hashicorp/terraform-plugin-testing/statecheck"
+	"github.com/hashicorp/terraform-plugin-testing/terraform"
+	"github.com/hashicorp/terraform-plugin-testing/tfjsonpath"
+	"golang.org/x/crypto/ssh"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
+)
+
+// qemuFleet is a control API with one real QEMU agent (TCG) as host q1.
+func qemuFleet(t *testing.T, opts testenv.AgentOptions) (*fleet, *testenv.Agent) {
+	t.Helper()
+	accPreCheck(t)
+	opts.Driver = "qemu"
+	f := &fleet{Control: testenv.StartControl(t, testenv.ControlOptions{}), Agents: map[string]*testenv.Agent{}}
+	a := testenv.StartAgent(t, opts)
+	f.Control.RegisterHost(t, "q1", a.Address)
+	f.Agents["q1"] = a
+	return f, a
+}
+
+// busyboxGuestConfig is a busybox kvm_vm with guest configuration that
+// waits for cloud_init, and the console data source beside it.
+func busyboxGuestConfig(f *fleet, userData, waitFor, createTimeout string) string {
+	return f.providerBlock() + fmt.Sprintf(`
+resource "kvm_vm" "test" {
+  name       = "bb-guest"
+  image      = "busybox"
+  vcpus      = 1
+  memory_mib = 128
+  disk_mib   = 64
+  user_data  = %q
+  meta_data = {
+    "local-hostname" = "bb-1"
+  }
+  wait_for = %q
+
+  timeouts {
+    create = %q
+  }
+}
+
+data "kvm_vm_console" "test" {
+  vm_id = kvm_vm.test.id
+}
+`, userData, waitFor, createTimeout)
+}
+
+// checkGuestReported checks what the guest itself reported (GET
+// /v1/vms/{id}/guest): cloud-init done, and the hostname and user-data
+// digest it read from its seed equal to what Terraform applied; the
+// kvm_vm_console data source shows the guest's digest line.
+func checkGuestReported(f *fleet, id *string) resource.TestCheckFunc {
+	return func(s *terraform.State) error {
+		attrs := s.RootModule().Resources[vmAddr].Primary.Attributes
+		g, err := f.Control.Client.VMGuest(context.Background(), *id)
+		if err != nil {
+			return fmt.Errorf("GET /v1/vms/%s/guest: %w", *id, err)
+		}
+		if g.CloudInit != api.CloudInitDone || g.Hostname != attrs["hostname"] || g.UserDataSHA256 != attrs["user_data_sha256"] ||
+			attrs["hostname"] != "bb-1" {
+			return fmt.Errorf("the guest reported %+v; Terraform applied hostname %q and user data %s",
+				g, attrs["hostname"], attrs["user_data_sha256"])
+		}
+		console := s.RootModule().Resources["data.kvm_vm_console.test"].Primary.Attributes["output"]
+		if line := "kvm-guest-userdata-sha256 " + attrs["user_data_sha256"]; !strings.Contains(console, line) {
+			return fmt.Errorf("kvm_vm_console shows no %q; it ends with:\n%s", line, tail(console, 1500))
+		}
+		return nil
+	}
+}
+
+// TestAccVM_guestCloudInitBusybox: a busybox guest with user data and a
+// hostname; wait_for = "cloud_init" returns once the guest finished reading
+// its seed, and what it reports equals what was applied. A change of user
+// data is a replace, and the new guest reports the new digest; a change of
+// wait_for to "ip" is an update in place that waits for the guest's address.
+func TestAccVM_guestCloudInitBusybox(t *testing.T) {
+	f, _ := qemuFleet(t, testenv.AgentOptions{})
+	var id1, id2 string
+	resource.Test(t, resource.TestCase{
+		ProtoV6ProviderFactories: factories(),
+		CheckDestroy:             f.checkFleetEmpty,
+		Steps: []resource.TestStep{
+			{
+				Config: busyboxGuestConfig(f, "#cloud-config\nruncmd: [echo one]\n", "cloud_init", "5m"),
+				ConfigStateChecks: []statecheck.StateCheck{
+					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("hostname"), knownvalue.StringExact("bb-1")),
+					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("user_data_sha256"),
+						knownvalue.StringExact(sha256Hex("#cloud-config\nruncmd: [echo one]\n"))),
+					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("started_from"), knownvalue.StringExact("cold")),
+				},
+				Check: resource.ComposeTestCheckFunc(captureAttr(vmAddr, "id", &id1), checkGuestReported(f, &id1)),
+			},
+			{
+				Config: busyboxGuestConfig(f, "#cloud-config\nruncmd: [echo two]\n", "cloud_init", "5m"),
+				ConfigPlanChecks: resource.ConfigPlanChecks{
+					PreApply: []plancheck.PlanCheck{plancheck.ExpectResourceAction(vmAddr, plancheck.ResourceActionReplace)},
+				},
+				Check: resource.ComposeTestCheckFunc(captureAttr(vmAddr, "id", &id2), checkGuestReported(f, &id2),
+					func(*terraform.State) error {
+						if id1 == id2 {
+							return fmt.Errorf("VM %s was not replaced", id1)
+						}
+						return nil
+					}),
+			},
+			{
+				// wait_for changes in place, and an update waits for it:
+				// the guest reported its address on the user-mode network.
+				Config: busyboxGuestConfig(f, "#cloud-config\nruncmd: [echo two]\n", "ip", "5m"),
+				ConfigPlanChecks: resource.ConfigPlanChecks{
+					PreApply:             []plancheck.PlanCheck{plancheck.ExpectResourceAction(vmAddr, plancheck.ResourceActionUpdate)},
+					PostApplyPostRefresh: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
+				},
+				ConfigStateChecks: []statecheck.StateCheck{
+					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("wait_for"), knownvalue.StringExact("ip")),
+				},
+				Check: func(*terraform.State) error {
+					g, err := f.Control.Client.VMGuest(context.Background(), id2)
+					if err != nil || len(g.IPv4Addresses) == 0 || g.IPv4Addresses[0] != "10.0.2.15" {
+						return fmt.Errorf("VM %s: the guest reports addresses %v (%v), want QEMU's user-mode 10.0.2.15", id2, g.IPv4Addresses, err)
+					}
+					return nil
+				},
+			},
+		},
+	})
+}
+
+// TestAccVM_guestNeverFinishes: user data that blocks (a #! script that
+// sleeps, which the busybox guest runs before it reports cloud-init
+// finished, as cloud-init does) makes wait_for = "cloud_init" time out: the
+// apply fails with the console's last lines in the error (the script's own
+// output among them), the VM is in state as tainted and is the only VM there
+// is, the next apply replaces it, and destroy leaves nothing.
+func TestAccVM_guestNeverFinishes(t *testing.T) {
+	f, _ := qemuFleet(t, testenv.AgentOptions{})
+	// The busybox guest prints a "tick N" line every second: they are the
+	// console's end, so the tail in the error is made of them; the script's
+	// own line is checked on the whole console.
+	testNeverFinishes(t, f, func(waitFor string) string {
+		return busyboxGuestConfig(f, "#!/bin/sh\necho kvm-test-user-script-started\nsleep 100000\n", waitFor, "60s")
+	}, `tick [0-9]+\s+tick [0-9]+`, func(console string) error {
+		if !strings.Contains(console, "kvm-test-user-script-started") || strings.Contains(console, "finished at") {
+			return fmt.Errorf("the console does not show the script running and cloud-init unfinished:\n%s", tail(console, 3000))
+		}
+		return nil
+	})
+}
+
+// TestAccVM_guestNeverFinishesDebian is the same with real cloud-init: a
+// runcmd that sleeps keeps the Debian guest's final stage from finishing.
+func TestAccVM_guestNeverFinishesDebian(t *testing.T) {
+	dir := requireDebianImage(t)
+	f, _ := qemuFleet(t, testenv.AgentOptions{ImageDir: dir, VCPUs: 2, MemoryMiB: 2048, DiskMiB: 16384})
+	testNeverFinishes(t, f, func(waitFor string) string {
+		return f.providerBlock() + fmt.Sprintf(`
+resource "kvm_vm" "test" {
+  name       = "deb-blocked"
+  image      = "debian-12"
+  vcpus      = 2
+  memory_mib = 1024
+  disk_mib   = 4096
+  user_data  = <<-EOT
+    #cloud-config
+    runcmd:
+      - [sleep, "100000"]
+  EOT
+  wait_for   = %q
+
+  timeouts {
+    create = "3m"
+  }
+}
+`, waitFor)
+	}, `\S`, func(console string) error {
+		if !strings.Contains(console, "running 'modules:final'") || strings.Contains(console, "finished at") {
+			return fmt.Errorf("the console does not show cloud-init's final stage running and unfinished:\n%s", tail(console, 3000))
+		}
+		return nil
+	})
+}
+
+// testNeverFinishes applies cfg("cloud_init"), which must time out with the
+// console tail (matching tailPattern) in the error and leave the VM tainted
+// in state and alone on the control API, its whole console passing
+// checkConsole; then cfg("running"), which must replace it.
+func testNeverFinishes(t *testing.T, f *fleet, cfg func(waitFor string) string, tailPattern string, checkConsole func(string) error) {
+	t.Helper()
+	readStates := stateFiles(t)
+	resource.Test(t, resource.TestCase{
+		ProtoV6ProviderFactories: factories(),
+		CheckDestroy:             f.checkFleetEmpty,
+		Steps: []resource.TestStep{
+			{
+				Config: cfg("cloud_init"),
+				ExpectError: regexp.MustCompile(`(?s)VM Guest Not Ready.*` + words(`cloud-init in the guest had not finished (its state: "running")`) +
+					`.*timeouts\.create.*` + words(`Last 30 lines of its serial console:`) + `.*` + tailPattern),
+			},
+			{
+				PreConfig: func() {
+					status, id, err := vmInState(readStates)
+					if err != nil || status != "tainted" || id == "" {
+						t.Fatalf("after the failed wait the VM is in state as %q (id %q, %v), want tainted", status, id, err)
+					}
+					vms, err := f.Control.Client.AllVMs(context.Background(), client.ListOptions{})
+					if err != nil || len(vms) != 1 || vms[0].ID != id {
+						t.Fatalf("the control API holds %d VMs (%v), want only the tainted %s", len(vms), err, id)
+					}
+					console, err := f.Control.Client.VMConsole(context.Background(), id, 0)
+					if err != nil {
+						t.Fatalf("console of VM %s: %v", id, err)
+					}
+					if err := checkConsole(console); err != nil {
+						t.Fatal(err)
+					}
+				},
+				Config: cfg("running"),
+				ConfigPlanChecks: resource.ConfigPlanChecks{
+					PreApply: []plancheck.PlanCheck{plancheck.ExpectResourceAction(vmAddr, plancheck.ResourceActionReplace)},
+				},
+			},
+		},
+	})
+}
+
+// words is a pattern matching the text with any white space between its
+// words, as Terraform wraps a diagnostic's lines.
+func words(text string) string {
+	parts := strings.Fields(text)
+	for i, p := range parts {
+		parts[i] = regexp.QuoteMeta(p)
+	}
+	return strings.Join(parts, `\s+`)
+}
+
+// debianImageDir is an image directory holding debian-12 (make
+// image-debian): $KVM_DEBIAN_IMAGE_DIR, $KVM_IMAGE_DIR or <repo>/.cache/images;
+// "" when none does.
+func debianImageDir() string {
+	for _, d := range []string{os.Getenv("KVM_DEBIAN_IMAGE_DIR"), os.Getenv("KVM_IMAGE_DIR"), filepath.Join("..", "..", ".cache", "images")} {
+		if d == "" {
+			continue
+		}
+		if _, err := os.Stat(filepath.Join(d, "debian-12", "image.json")); err == nil {
+			return d
+		}
+	}
+	return ""
+}
+
+// requireDebianImage returns the image directory holding debian-12, and
+// skips the test without one (fails it with KVM_REQUIRE_DEBIAN=1).
+func requireDebianImage(t *testing.T) string {
+	t.Helper()
+	dir := debianImageDir()
+	if dir == "" && os.Getenv("KVM_REQUIRE_DEBIAN") == "1" {
+		t.Fatal("no debian-12 image, and KVM_REQUIRE_DEBIAN=1: build it with `make image-debian` (as root)")
+	}
+	if dir == "" {
+		t.Skip("no debian-12 image: build it with `make image-debian` (or point KVM_DEBIAN_IMAGE_DIR at the folder holding debian-12)")
+	}
+	return dir
+}
+
+// TestAccVM_guestDebianSSH: a real Debian 12 cloud guest with an SSH key
+// the test made: wait_for = "cloud_init" completes, then the test logs in
+// as the image's default user through the user-mode forward on 127.0.0.1
+// and runs a command whose output it checks. It logs how long the apply
+// took, and the guest's own uptime at cloud-init's start and end (from the
+// console), which split it into boot and cloud-init.
+func TestAccVM_guestDebianSSH(t *testing.T) {
+	dir := requireDebianImage(t)
+	f, _ := qemuFleet(t, testenv.AgentOptions{ImageDir: dir, VCPUs: 2, MemoryMiB: 2048, DiskMiB: 16384})
+	signer, key := newSSHKey(t)
+	cfg := f.providerBlock() + `
+variable "key" {
+  type = string
+}
+
+resource "kvm_vm" "test" {
+  name                = "deb-guest"
+  image               = "debian-12"
+  vcpus               = 2
+  memory_mib          = 1024
+  disk_mib            = 4096
+  ssh_authorized_keys = [var.key]
+  meta_data = {
+    "local-hostname" = "deb-1"
+  }
+  user_data = <<-EOT
+    #cloud-config
+    write_files:
+      - path: /etc/kvm-test
+        content: "written by cloud-init\n"
+  EOT
+  wait_for = "cloud_init"
+
+  network_interface {
+    network = "default"
+    port_forward {
+      guest_port = 22
+    }
+  }
+
+  timeouts {
+    create = "15m"
+  }
+}
+
+data "kvm_vm_console" "test" {
+  vm_id = kvm_vm.test.id
+  bytes = 1048576
+}
+`
+	var start time.Time
+	var addr, port string
+	resource.Test(t, resource.TestCase{
+		ProtoV6ProviderFactories: factories(),
+		CheckDestroy:             f.checkFleetEmpty,
+		Steps: []resource.TestStep{{
+			PreConfig:       func() { start = time.Now() },
+			Config:          cfg,
+			ConfigVariables: config.Variables{"key": config.StringVariable(key)},
+			Check: resource.ComposeTestCheckFunc(
+				func(s *terraform.State) error {
+					t.Logf("apply to cloud_init done: %s (wall clock, terraform apply included)", time.Since(start).Round(100*time.Millisecond))
+					console := s.RootModule().Resources["data.kvm_vm_console.test"].Primary.Attributes["output"]
+					t.Logf("guest uptime at cloud-init's stages: %s", cloudInitUptimes(console))
+					return nil
+				},
+				captureAttr(vmAddr, "network_interface.0.port_forward.0.host_address", &addr),
+				captureAttr(vmAddr, "network_interface.0.port_forward.0.host_port", &port),
+				func(*terraform.State) error {
+					if addr != "127.0.0.1" {
+						return fmt.Errorf("forward host_address %q, want 127.0.0.1", addr)
+					}
+					out, err := sshRun(net.JoinHostPort(addr, port), "debian", signer, "hostname; cat /etc/kvm-test; id -un")
+					if err != nil {
+						return err
+					}
+					if want := "deb-1\nwritten by cloud-init\ndebian\n"; out != want {
+						return fmt.Errorf("the command over SSH printed %q, want %q", out, want)
+					}
+					t.Logf("ssh debian@%s:%s: %q", addr, port, out)
+					return nil
+				},
+			),
+		}},
+	})
+}
+
+// sshRun logs in with the key and runs cmd, retrying the connection for a
+// bounded while (sshd may restart once cloud-init has written host keys).
+func sshRun(addr, user string, signer ssh.Signer, cmd string) (string, error) {
+	cfg := &ssh.ClientConfig{
+		User: user, Auth: []ssh.AuthMethod{ssh.PublicKeys(signer)},
+		// The guest's host key is new at every boot: a test guest on
+		// 127.0.0.1 that the test itself made.
+		HostKeyCallback: ssh.InsecureIgnoreHostKey(),
+		Timeout:         20 * time.Second,
+	}
+	var last error
+	for range 12 {
+		c, err := ssh.Dial("tcp", addr, cfg)
+		if err == nil {
+			sess, serr := c.NewSession()
+			if serr != nil {
+				_ = c.Close()
+				return "", serr
+			}
+			out, rerr := sess.Output(cmd)
+			_ = c.Close()
+			if rerr != nil {
+				return string(out), fmt.Errorf("ssh %s@%s %q: %w", user, addr, cmd, rerr)
+			}
+			return string(out), nil
+		}
+		last = err
+		time.Sleep(5 * time.Second)
+	}
+	return "", fmt.Errorf("ssh %s@%s: %w", user, addr, last)
+}
+
+var cloudInitStage = regexp.MustCompile(`Cloud-init v\. \S+ (running '([a-z-]+)'|finished) at .*?Up ([0-9.]+) seconds`)
+
+// cloudInitUptimes lists the guest's uptime at each cloud-init stage it
+// printed on the console ("init-local 12.3s, ..., finished 80.1s").
+func cloudInitUptimes(console string) string {
+	var parts []string
+	for _, m := range cloudInitStage.FindAllStringSubmatch(console, -1) {
+		stage := m[2]
+		if stage == "" {
+			stage = "finished"
+		}
+		parts = append(parts, stage+" "+m[3]+"s")
+	}
+	if len(parts) == 0 {
+		return "(no cloud-init stage lines on the console)"
+	}
+	return strings.Join(parts, ", ")
+}
