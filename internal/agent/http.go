@@ -2,37 +2,29 @@ package agent
 
 import (
 	"bytes"
-	"crypto/sha256"
-	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
 	"strconv"
-	"strings"
 
 	"github.com/labstack/echo/v4"
-	"github.com/labstack/echo/v4/middleware"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/httpserver"
 )
 
 const (
-	bodyLimit = "1MiB" // binary: Echo reads "1M" as 10^6 bytes
+	bodyLimit = httpserver.BodyLimit
 	// Console reads: 64 KiB unless ?bytes= asks for another amount, at most 1 MiB.
 	consoleDefault = 64 << 10
 	consoleMax     = 1 << 20
 )
 
 func (a *Agent) routes() http.Handler {
-	e := echo.New()
-	e.HideBanner, e.HidePort = true, true
-	e.HTTPErrorHandler = a.handleError
-
 	reg := prometheus.NewRegistry()
 	requests := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvmd_agent_http_requests_total", Help: "HTTP requests by route and status.",
@@ -44,33 +36,9 @@ func (a *Agent) routes() http.Handler {
 		defer a.mu.Unlock()
 		return float64(len(a.vms))
 	}))
-
-	e.Use(middleware.Recover())
-	e.Use(middleware.RequestID())
-	e.Use(middleware.RequestLoggerWithConfig(middleware.RequestLoggerConfig{
-		LogStatus: true, LogMethod: true, LogURI: true, LogRoutePath: true, LogLatency: true,
-		LogRequestID: true, LogError: true, HandleError: true,
-		LogValuesFunc: func(c echo.Context, v middleware.RequestLoggerValues) error {
-			requests.WithLabelValues(v.Method, v.RoutePath, strconv.Itoa(v.Status)).Inc()
-			level := slog.LevelInfo
-			switch {
-			case v.Status >= 500:
-				level = slog.LevelError
-			case v.Status >= 400:
-				level = slog.LevelDebug
-			}
-			attrs := []slog.Attr{
-				slog.String("request_id", v.RequestID), slog.String("method", v.Method),
-				slog.String("uri", v.URI), slog.Int("status", v.Status), slog.Duration("latency", v.Latency),
-			}
-			if v.Error != nil {
-				attrs = append(attrs, slog.String("err", v.Error.Error()))
-			}
-			a.log.LogAttrs(c.Request().Context(), level, "request", attrs...)
-			return nil
-		},
-	}))
-	e.Use(middleware.BodyLimit(bodyLimit))
+	e := httpserver.New(httpserver.Config{
+		Logger: a.log, Requests: requests, CodeLabel: strconv.Itoa, Envelope: errorAnswer,
+	})
 
 	e.GET("/healthz", func(c echo.Context) error {
 		return c.JSON(http.StatusOK, map[string]string{"status": "ok"})
@@ -81,7 +49,10 @@ func (a *Agent) routes() http.Handler {
 	// this address is an agent before it sends the token here.
 	e.POST("/v1/identity", a.postIdentity)
 
-	v1 := e.Group("/v1", a.authenticate)
+	v1 := e.Group("/v1", httpserver.StaticToken(a.cfg.Token, func(echo.Context) error {
+		return &Error{Status: http.StatusUnauthorized, Code: CodeUnauthorized,
+			Message: "missing or wrong bearer token: send Authorization: Bearer <agent token>"}
+	}))
 	v1.GET("/info", a.getInfo)
 	v1.GET("/vms", a.listVMs)
 	v1.PUT("/vms/:id", a.putVM)
@@ -98,28 +69,10 @@ func (a *Agent) routes() http.Handler {
 	return e
 }
 
-// authenticate checks the bearer token in constant time (over hashes, so
-// that the token's length does not leak either).
-func (a *Agent) authenticate(next echo.HandlerFunc) echo.HandlerFunc {
-	want := sha256.Sum256([]byte(a.cfg.Token))
-	return func(c echo.Context) error {
-		h := c.Request().Header.Get(echo.HeaderAuthorization)
-		token, ok := strings.CutPrefix(h, "Bearer ")
-		got := sha256.Sum256([]byte(token))
-		if !ok || subtle.ConstantTimeCompare(got[:], want[:]) != 1 {
-			return &Error{Status: http.StatusUnauthorized, Code: CodeUnauthorized,
-				Message: "missing or wrong bearer token: send Authorization: Bearer <agent token>"}
-		}
-		return next(c)
-	}
-}
-
-// handleError writes every error as the one envelope. Domain errors carry
-// their status; anything else is a 500 whose cause is logged, not sent.
-func (a *Agent) handleError(err error, c echo.Context) {
-	if c.Response().Committed {
-		return
-	}
+// errorAnswer maps an error to its status and envelope. Domain errors
+// carry their status; anything else is a 500 (its cause is in the request
+// log line).
+func errorAnswer(_ echo.Context, err error) (int, any) {
 	body := agentapi.ErrorBody{}
 	status := http.StatusInternalServerError
 	var de *Error
@@ -137,15 +90,7 @@ func (a *Agent) handleError(err error, c echo.Context) {
 	default:
 		body.Error = agentapi.ErrorDetail{Code: CodeInternal, Message: err.Error()}
 	}
-	if status >= 500 {
-		a.log.Error("request failed", "request_id", c.Response().Header().Get(echo.HeaderXRequestID),
-			"method", c.Request().Method, "uri", c.Request().RequestURI, "err", err)
-	}
-	if c.Request().Method == http.MethodHead {
-		_ = c.NoContent(status)
-		return
-	}
-	_ = c.JSON(status, body)
+	return status, body
 }
 
 func codeForStatus(status int) string {
