@@ -21,6 +21,7 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/image"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/limits"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
 )
 
 // Config configures an Agent.
@@ -406,6 +407,7 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 	if err := checkID(id); err != nil {
 		return agentapi.VM{}, false, err
 	}
+	start := time.Now()
 	src := spec.ImageSource
 	spec, err := a.resolveImage(spec)
 	if err != nil {
@@ -425,6 +427,7 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 					return agentapi.VM{}, false, err
 				}
 				validated = true
+				timing.Since(ctx, "checks", start)
 			}
 			a.mu.Lock()
 			if a.vms[id] == nil {

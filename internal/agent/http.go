@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"strconv"
+	"time"
 
 	"github.com/labstack/echo/v4"
 	"github.com/prometheus/client_golang/prometheus"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/httpserver"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
 )
 
 const (
@@ -146,14 +148,20 @@ func (a *Agent) listVMs(c echo.Context) error {
 }
 
 func (a *Agent) putVM(c echo.Context) error {
+	start := time.Now()
+	ctx, steps := timing.NewContext(c.Request().Context())
 	var spec agentapi.VMSpec
 	if err := bindJSON(c, &spec); err != nil {
 		return err
 	}
-	vm, created, err := a.CreateVM(c.Request().Context(), c.Param("id"), spec)
+	vm, created, err := a.CreateVM(ctx, c.Param("id"), spec)
 	if err != nil {
 		return err
 	}
+	// handler: the whole create in this process, so that a caller tells it
+	// from the network and HTTP around it.
+	steps.Add("handler", time.Since(start))
+	c.Response().Header().Set("Server-Timing", steps.Header())
 	if created {
 		return c.JSON(http.StatusCreated, vm)
 	}

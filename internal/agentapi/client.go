@@ -86,6 +86,7 @@ func NewClient(address, token string, opts ...Option) *Client {
 		MaxErrorBody: maxErrorBody,
 		MaxAnswer:    maxAnswer,
 	})
+	c.core.TimingPrefix = "agent."
 	for _, o := range opts {
 		o(c)
 	}

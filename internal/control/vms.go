@@ -14,6 +14,7 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/scheduler"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
 )
 
 // createTimeout bounds a whole create: placement, the agent's boot (which
@@ -47,6 +48,7 @@ func (s *Service) CreateVM(ctx context.Context, in api.VMCreate, idempotencyKey 
 func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error) {
 	ctx, cancel := detached(ctx, createTimeout)
 	defer cancel()
+	step := time.Now()
 	img, err := s.registeredImage(ctx, in.Image, in.DiskMiB)
 	if err != nil {
 		return api.VM{}, err
@@ -76,9 +78,11 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	if img != nil {
 		req.ImageSHA256 = img.SHA256
 	}
+	step = timing.Since(ctx, "checks", step)
 	if err := s.placeAndReserve(ctx, &vm, nics, req); err != nil {
 		return api.VM{}, err
 	}
+	step = timing.Since(ctx, "placement", step)
 	chain := &cleanup{log: s.log.With("vm", vm.ID, "host", vm.HostName)}
 	chain.push("release capacity", func(ctx context.Context) error { return s.forgetVM(ctx, vm.ID, vm.HostName) })
 
@@ -105,10 +109,12 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 			return api.VM{}, s.failCreate(ctx, chain, vm, err)
 		}
 	}
+	step = timing.Since(ctx, "image", step)
 	created, err := s.agents.createVM(ctx, agent, vm.ID, spec)
 	if err != nil {
 		return api.VM{}, s.failCreate(ctx, chain, vm, fromAgent(err, vm.HostName, "create VM "+vm.ID))
 	}
+	step = timing.Since(ctx, "agent", step)
 	if err := s.recordAgentNICs(ctx, &vm, created); err != nil {
 		return api.VM{}, s.failCreate(ctx, chain, vm, fromStore(err, "record NICs of VM "+vm.ID))
 	}
@@ -123,6 +129,7 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	if err := s.store.MarkVMCreated(ctx, vm.ID, created.State, created.Reason, created.StartedFrom); err != nil {
 		return api.VM{}, s.failCreate(ctx, chain, vm, fromStore(err, "record created VM "+vm.ID))
 	}
+	timing.Since(ctx, "record", step)
 	chain.commit()
 	vm.ObservedState, vm.Reason, vm.StartedFrom = created.State, created.Reason, created.StartedFrom
 	s.log.Info("vm created", "vm", vm.ID, "name", vm.Name, "host", vm.HostName, "state", created.State)

@@ -21,6 +21,8 @@ import (
 	"net/http"
 	"strings"
 	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
 )
 
 // Policy says which failed attempts are sent again and when.
@@ -62,6 +64,10 @@ type Core struct {
 	HTTP   *http.Client
 	Policy Policy
 	Errors Errors
+	// TimingPrefix, when set, folds the Server-Timing steps of an answer
+	// into the timing.Recorder of the call's context, each name prefixed:
+	// the caller's own request then shows the steps of the calls it made.
+	TimingPrefix string
 }
 
 // New returns a core for endpoint (a URL or host:port, http by default)
@@ -179,6 +185,11 @@ func (c *Core) once(ctx context.Context, call *Call, body []byte) error {
 		return err
 	}
 	defer func() { _ = resp.Body.Close() }()
+	if rec := timing.FromContext(ctx); rec != nil && c.TimingPrefix != "" {
+		for _, st := range timing.Parse(resp.Header.Get("Server-Timing")) {
+			rec.Add(c.TimingPrefix+st.Name, st.Duration)
+		}
+	}
 	if call.Out == nil {
 		_, _ = io.Copy(io.Discard, resp.Body)
 		return nil
