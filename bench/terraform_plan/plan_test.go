@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
 )
 
 // Environment of the measurement.
@@ -256,9 +257,12 @@ func goBuild(t *testing.T, out, pkg string) {
 // countingProxy forwards to the control API and counts requests by method
 // and path pattern.
 type countingProxy struct {
-	URL string
-	mu  sync.Mutex
-	n   map[string]int
+	URL  string
+	mu   sync.Mutex
+	n    map[string]int
+	busy map[string]time.Duration // summed time to answer, by the same key
+	// steps sums the Server-Timing steps of the answers, by the same key.
+	steps map[string]map[string]time.Duration
 }
 
 func newCountingProxy(t *testing.T, target string) *countingProxy {
@@ -266,13 +270,23 @@ func newCountingProxy(t *testing.T, target string) *countingProxy {
 	if err != nil {
 		t.Fatalf("control URL %q: %v", target, err)
 	}
-	p := &countingProxy{n: map[string]int{}}
+	p := &countingProxy{}
+	p.reset()
 	rp := httputil.NewSingleHostReverseProxy(u)
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		p.mu.Lock()
-		p.n[r.Method+" "+pathPattern(r.URL.Path)]++
-		p.mu.Unlock()
+		key := r.Method + " " + pathPattern(r.URL.Path)
+		start := time.Now()
 		rp.ServeHTTP(w, r)
+		p.mu.Lock()
+		p.n[key]++
+		p.busy[key] += time.Since(start)
+		for _, st := range timing.Parse(w.Header().Get("Server-Timing")) {
+			if p.steps[key] == nil {
+				p.steps[key] = map[string]time.Duration{}
+			}
+			p.steps[key][st.Name] += st.Duration
+		}
+		p.mu.Unlock()
 	}))
 	t.Cleanup(srv.Close)
 	p.URL = srv.URL
@@ -282,7 +296,37 @@ func newCountingProxy(t *testing.T, target string) *countingProxy {
 func (p *countingProxy) reset() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.n = map[string]int{}
+	p.n, p.busy, p.steps = map[string]int{}, map[string]time.Duration{}, map[string]map[string]time.Duration{}
+}
+
+// latencies renders the mean time to answer by key, e.g.
+// "DELETE /v1/vms/{id}: 20 x 45ms".
+func (p *countingProxy) latencies() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	keys := make([]string, 0, len(p.n))
+	for k := range p.n {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	parts := make([]string, len(keys))
+	for i, k := range keys {
+		n := time.Duration(p.n[k])
+		parts[i] = fmt.Sprintf("%s: %d x %v", k, p.n[k], (p.busy[k] / n).Round(100*time.Microsecond))
+		var names []string
+		for name := range p.steps[k] {
+			names = append(names, name)
+		}
+		sort.Strings(names)
+		var steps []string
+		for _, name := range names {
+			steps = append(steps, fmt.Sprintf("%s %v", name, (p.steps[k][name]/n).Round(100*time.Microsecond)))
+		}
+		if len(steps) > 0 {
+			parts[i] += " (mean steps: " + strings.Join(steps, ", ") + ")"
+		}
+	}
+	return strings.Join(parts, "; ")
 }
 
 // snapshot renders the counts, e.g. "total 1 (GET /v1/vms: 1)".

@@ -513,12 +513,15 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 // removeVM ends the VM's process and removes its files and its entry. The
 // caller holds e's operation lock.
 func (a *Agent) removeVM(ctx context.Context, e *vmEntry, m *Machine) error {
+	step := time.Now()
 	if err := a.cfg.Driver.Kill(ctx, m); err != nil {
 		return fmt.Errorf("end the process of vm %s: %w", e.id, err)
 	}
+	step = timing.Since(ctx, "kill", step)
 	if err := a.releaseNetwork(ctx, m); err != nil {
 		return err
 	}
+	step = timing.Since(ctx, "network", step)
 	dir := a.vmDir(e.id)
 	// Unique, so that a leftover of an earlier failed removal never blocks this one.
 	trash := filepath.Join(a.vmsDir(), fmt.Sprintf("%s%s-%d", trashPrefix, e.id, time.Now().UnixNano()))
@@ -528,6 +531,7 @@ func (a *Agent) removeVM(ctx context.Context, e *vmEntry, m *Machine) error {
 	if err := os.RemoveAll(trash); err != nil {
 		a.log.Warn("remove files of deleted vm", "vm", e.id, "dir", trash, "err", err)
 	}
+	timing.Since(ctx, "files", step)
 	a.mu.Lock()
 	delete(a.vms, e.id)
 	a.mu.Unlock()
@@ -546,10 +550,12 @@ func (a *Agent) DeleteVM(ctx context.Context, id string) error {
 	if e == nil {
 		return nil
 	}
+	start := time.Now()
 	if err := e.lock(ctx); err != nil {
 		return err
 	}
 	defer e.unlock()
+	timing.Since(ctx, "lock", start)
 	r, _, gone := e.snapshot()
 	if gone {
 		return nil

@@ -189,9 +189,11 @@ func (a *Agent) getVM(c echo.Context) error {
 }
 
 func (a *Agent) deleteVM(c echo.Context) error {
-	if err := a.DeleteVM(c.Request().Context(), c.Param("id")); err != nil {
+	ctx, steps := timing.NewContext(c.Request().Context())
+	if err := a.DeleteVM(ctx, c.Param("id")); err != nil {
 		return err
 	}
+	c.Response().Header().Set("Server-Timing", steps.Header())
 	return c.NoContent(http.StatusNoContent)
 }
 

@@ -372,10 +372,12 @@ func (s *Service) setPower(ctx context.Context, vm store.VM, want string) error 
 func (s *Service) DeleteVM(ctx context.Context, id string) error {
 	ctx, cancel := detached(ctx, createTimeout)
 	defer cancel()
+	step := time.Now()
 	vm, err := s.store.GetVM(ctx, id)
 	if err != nil {
 		return fromStore(err, "read vm "+id)
 	}
+	step = timing.Since(ctx, "read", step)
 	address, alive, _ := s.view.agent(vm.HostName)
 	// A VM its agent reported missing holds no capacity and runs nowhere.
 	if vm.ObservedState != api.StateMissing || alive {
@@ -386,10 +388,12 @@ func (s *Service) DeleteVM(ctx context.Context, id string) error {
 		if err != nil && !errors.Is(err, agentapi.ErrNotFound) {
 			return fromAgent(err, vm.HostName, "delete VM "+id)
 		}
+		step = timing.Since(ctx, "agent", step)
 	}
 	if err := s.forgetVM(ctx, id, vm.HostName); err != nil {
 		return internal(err, "release capacity of vm "+id)
 	}
+	timing.Since(ctx, "release", step)
 	s.log.Info("vm deleted", "vm", id, "name", vm.Name, "host", vm.HostName)
 	return nil
 }

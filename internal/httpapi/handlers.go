@@ -121,9 +121,11 @@ func (h *handlers) updateVM(c echo.Context) error {
 }
 
 func (h *handlers) deleteVM(c echo.Context) error {
-	if err := h.svc.DeleteVM(c.Request().Context(), c.Param("id")); err != nil {
+	ctx, timings := timing.NewContext(c.Request().Context())
+	if err := h.svc.DeleteVM(ctx, c.Param("id")); err != nil {
 		return err
 	}
+	c.Response().Header().Set("Server-Timing", timings.Header())
 	return c.NoContent(http.StatusNoContent)
 }
 
