@@ -92,7 +92,7 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 		vm.NICs = []NIC{}
 	}
 	var err error
-	if s.dialect == DialectPostgres {
+	if s.dialect == DialectPostgres && !sharesCommits(vm) {
 		err = s.reserveInOneStatement(ctx, vm)
 	} else {
 		err = s.batcher.reserve(ctx, vm)
