@@ -18,8 +18,9 @@ package bench
 //   - warm-<step>-p50-ms: where a warm create's time goes, from the answer's
 //     Server-Timing header (decode, idempotency-claim, checks, placement,
 //     image, agent, record, idempotency-complete; agent.* are the agent's
-//     own steps inside agent: checks, take, nice, resume, observe, metadata,
-//     move, sync-dirs, and handler, all of its create) and warm-rest-p50-ms, the rest of the round trip (HTTP,
+//     own steps inside agent: checks, take, handover (nice, resume,
+//     observe, metadata, move, sync-dirs), log, and handler, all of its
+//     create) and warm-rest-p50-ms, the rest of the round trip (HTTP,
 //     encoding the answer, the client).
 //
 // Numbers are reported, never asserted. Every VM is deleted before the next

@@ -51,10 +51,11 @@ func (a *Agent) createWarm(ctx context.Context, e *vmEntry, r vmRecord, spec age
 		if w == nil {
 			return agentapi.VM{}, false
 		}
-		timing.Since(ctx, "take", start)
+		step := timing.Since(ctx, "take", start)
 		hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), handoverTimeout)
 		rec, resumed, victim, err := p.handover(hctx, w, withWarmNIC(r, w))
 		cancel()
+		step = timing.Since(ctx, "handover", step)
 		if err != nil {
 			a.log.Warn("warm vm unusable; destroyed, trying the next or a cold boot",
 				"vm", e.id, "warm_vm", w.ID, "err", err)
@@ -64,6 +65,7 @@ func (a *Agent) createWarm(ctx context.Context, e *vmEntry, r vmRecord, spec age
 		e.set(rec)
 		a.log.Info("vm created", "vm", e.id, "image", rec.Image, "state", rec.State, "started_from", rec.StartedFrom,
 			"warm_vm", w.ID, "pid", rec.Process.PID, "resume", resumed, "total", time.Since(start))
+		timing.Since(ctx, "log", step)
 		return rec.wire(), true
 	}
 }
