@@ -1,13 +1,10 @@
 package terraformplan
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
@@ -40,13 +37,7 @@ func TestTerraformApplyDestroyQEMU(t *testing.T) {
 	testenv.RequireQEMU(t)
 	n := envInt(t, envLifecycleCount, 20)
 	runs := envInt(t, envLifecycleRuns, 1)
-	tf, err := exec.LookPath("terraform")
-	if err != nil {
-		t.Fatalf("the terraform CLI is not on PATH: %v", err)
-	}
-	work := t.TempDir()
-	bin := filepath.Join(work, "bin")
-	goBuild(t, filepath.Join(bin, "terraform-provider-kvm"), "./provider")
+	tf, work, bin := terraformAndProvider(t)
 	rc := filepath.Join(work, "terraformrc")
 	writeFile(t, rc, cliConfig(map[string]string{"kvmfleet/kvm": bin}))
 
@@ -81,23 +72,7 @@ resource "kvm_vm" "vm" {
   disk_mib   = 64
 }
 `, proxy.URL, control.Token, n))
-	env := append(os.Environ(), "TF_CLI_CONFIG_FILE="+rc, "TF_IN_AUTOMATION=1", "CHECKPOINT_DISABLE=1")
-	terraform := func(args ...string) time.Duration {
-		t.Helper()
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, tf, args...)
-		cmd.Dir, cmd.Env = dir, env
-		var out bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &out, &out
-		start := time.Now()
-		err := cmd.Run()
-		d := time.Since(start)
-		if err != nil {
-			t.Fatalf("terraform %s: %v\n%s", strings.Join(args, " "), err, tailOf(out.String(), 4000))
-		}
-		return d
-	}
+	terraform := func(args ...string) time.Duration { return runTerraform(t, tf, rc, dir, args...).wall }
 	for r := 1; r <= runs; r++ {
 		proxy.reset()
 		apply := terraform("apply", "-auto-approve", "-input=false")

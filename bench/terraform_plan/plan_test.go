@@ -59,14 +59,7 @@ func TestTerraformPlanRefresh(t *testing.T) {
 	n := envInt(t, envCount, 1000)
 	runs := envInt(t, envRuns, 1)
 	withFloor := os.Getenv(envFloor) != ""
-	tf, err := exec.LookPath("terraform")
-	if err != nil {
-		t.Fatalf("the terraform CLI is not on PATH: %v", err)
-	}
-
-	work := t.TempDir()
-	bin := filepath.Join(work, "bin")
-	goBuild(t, filepath.Join(bin, "terraform-provider-kvm"), "./provider")
+	tf, work, bin := terraformAndProvider(t)
 	overrides := map[string]string{"kvmfleet/kvm": bin}
 	if withFloor {
 		// One binary; its name chooses the mode.
@@ -108,25 +101,7 @@ provider "kvm" {
 }
 `, n))
 
-	env := append(os.Environ(), "TF_CLI_CONFIG_FILE="+rc, "TF_IN_AUTOMATION=1", "CHECKPOINT_DISABLE=1")
-	// terraform runs one command and returns its wall time and CPU time
-	// (user + system, including the provider processes it waited for).
-	terraform := func(dir string, args ...string) planTime {
-		t.Helper()
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, tf, args...)
-		cmd.Dir, cmd.Env = dir, env
-		var out bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &out, &out
-		start := time.Now()
-		err := cmd.Run()
-		d := time.Since(start)
-		if err != nil {
-			t.Fatalf("terraform %s in %s: %v\n%s", strings.Join(args, " "), dir, err, tailOf(out.String(), 4000))
-		}
-		return planTime{wall: d, cpu: cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()}
-	}
+	terraform := func(dir string, args ...string) planTime { return runTerraform(t, tf, rc, dir, args...) }
 	// plan times a plan with refresh; -detailed-exitcode makes a plan with
 	// changes (exit status 2) an error, since a refresh that finds nothing to
 	// do is what is measured.
@@ -181,6 +156,42 @@ provider "kvm" {
 		}
 		ownRatios.log(t, "kvm_vm/"+floors[0]+"_vm", " (the provider's own work)")
 	}
+}
+
+// terraformAndProvider finds the terraform CLI and builds the provider
+// into work/bin, work being a new temporary directory.
+func terraformAndProvider(t *testing.T) (tf, work, bin string) {
+	t.Helper()
+	tf, err := exec.LookPath("terraform")
+	if err != nil {
+		t.Fatalf("the terraform CLI is not on PATH: %v", err)
+	}
+	work = t.TempDir()
+	bin = filepath.Join(work, "bin")
+	goBuild(t, filepath.Join(bin, "terraform-provider-kvm"), "./provider")
+	return tf, work, bin
+}
+
+// runTerraform runs one terraform command in dir with the CLI
+// configuration rc and returns its wall time and CPU time (user + system,
+// including the provider processes it waited for). A failing command fails
+// the test with the end of its output.
+func runTerraform(t *testing.T, tf, rc, dir string, args ...string) planTime {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, tf, args...)
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "TF_CLI_CONFIG_FILE="+rc, "TF_IN_AUTOMATION=1", "CHECKPOINT_DISABLE=1")
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	start := time.Now()
+	err := cmd.Run()
+	d := time.Since(start)
+	if err != nil {
+		t.Fatalf("terraform %s in %s: %v\n%s", strings.Join(args, " "), dir, err, tailOf(out.String(), 4000))
+	}
+	return planTime{wall: d, cpu: cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()}
 }
 
 // planTime is the wall and CPU time of one terraform command.
