@@ -57,6 +57,9 @@ type Errors struct {
 	MaxAnswer int64
 }
 
+// MaxTextAnswer bounds a text answer (Call.Out a *string).
+const MaxTextAnswer = 2 << 20
+
 // Core sends calls to one endpoint.
 type Core struct {
 	base   string
@@ -89,7 +92,9 @@ type Call struct {
 	Method string
 	Path   string // with its query, below the base URL
 	In     any    // sent as JSON when not nil
-	Out    any    // the JSON answer is decoded into it when not nil
+	// Out receives the answer when not nil: a *string its text (at most
+	// MaxTextAnswer bytes), anything else its JSON.
+	Out any
 	// Op names the call in errors; Method + " " + Path when empty.
 	Op string
 	// IdempotencyKey is sent as the Idempotency-Key header of every attempt.
@@ -192,6 +197,15 @@ func (c *Core) once(ctx context.Context, call *Call, body []byte) error {
 	}
 	if call.Out == nil {
 		_, _ = io.Copy(io.Discard, resp.Body)
+		return nil
+	}
+	if text, ok := call.Out.(*string); ok {
+		// A text answer (a console log): read as it is, bounded.
+		b, err := io.ReadAll(io.LimitReader(resp.Body, MaxTextAnswer))
+		if err != nil {
+			return c.Errors.Decode(call, c.base, err)
+		}
+		*text = string(b)
 		return nil
 	}
 	var r io.Reader = resp.Body
