@@ -43,7 +43,9 @@ func newCore(url string, retries int, patient bool) *httpclient.Core {
 		}
 	}
 	return httpclient.New(url, "secret", p, httpclient.Errors{
-		Transport:    func(_ *httpclient.Call, _ string, err error, _ bool) error { return fmt.Errorf("%w: %v", errUnavailable, err) },
+		Transport: func(_ *httpclient.Call, _ string, err error, _ bool) error {
+			return fmt.Errorf("%w: %v", errUnavailable, err)
+		},
 		Decode:       func(_ *httpclient.Call, _ string, err error) error { return fmt.Errorf("%w: %v", errUnavailable, err) },
 		Answer:       answerError,
 		MaxErrorBody: 1 << 10,
