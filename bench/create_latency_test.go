@@ -14,7 +14,14 @@ package bench
 //   - cold/warm: the ratio of the p50s,
 //   - resume-p50/p95-ms: the agent-side resume, QMP cont on a paused guest
 //     (fresh QMP session per call as the agent does it), 20 samples on the
-//     warm-started VMs.
+//     warm-started VMs,
+//   - warm-<step>-p50-ms: where a warm create's time goes, from the answer's
+//     Server-Timing header (decode, idempotency-claim, checks, placement,
+//     image, agent, record, idempotency-complete; agent.* are the agent's
+//     own steps inside agent: checks, take, handover (nice, resume,
+//     observe, metadata, move, sync-dirs), log, and handler, all of its
+//     create) and warm-rest-p50-ms, the rest of the round trip (HTTP,
+//     encoding the answer, the client).
 //
 // Numbers are reported, never asserted. Every VM is deleted before the next
 // batch so that idle guests do not steal the CPU from the measured creates.
@@ -22,13 +29,18 @@ package bench
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"path/filepath"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
 )
 
 const (
@@ -75,11 +87,13 @@ func BenchmarkCreateLatencyQEMU(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+	timings := &serverTimingTransport{}
+	cl := client.New(ctl.URL, ctl.Token, client.WithTimeout(time.Minute), client.WithHTTPClient(&http.Client{Transport: timings}))
 	create := func(name, from string) (api.VM, time.Duration) {
 		in := latencyVM
 		in.Name = name
 		t0 := time.Now()
-		vm, err := ctl.Client.CreateVM(ctx, in, "")
+		vm, err := cl.CreateVM(ctx, in, "")
 		d := time.Since(t0)
 		if err != nil {
 			b.Fatal(err)
@@ -101,6 +115,7 @@ func BenchmarkCreateLatencyQEMU(b *testing.B) {
 	b.Logf("accel %s (%s)", info.Accel, info.AccelNote)
 	for b.Loop() {
 		var cold, warm, resume []time.Duration
+		steps := map[string][]time.Duration{}
 		put(0)
 		for i := range latencyRuns {
 			vm, d := create(fmt.Sprintf("cold-%d", i), api.StartedCold)
@@ -115,6 +130,14 @@ func BenchmarkCreateLatencyQEMU(b *testing.B) {
 				vm, d := create(fmt.Sprintf("warm-%d", j), api.StartedWarm)
 				warm = append(warm, d)
 				batch = append(batch, vm)
+				rest := d
+				for _, st := range timings.last() {
+					steps[st.Name] = append(steps[st.Name], st.Duration)
+					if !strings.Contains(st.Name, ".") { // agent.* are inside agent
+						rest -= st.Duration
+					}
+				}
+				steps["rest"] = append(steps["rest"], rest)
 			}
 			// The agent-side resume on these guests: pause, then time QMP cont.
 			for _, vm := range batch {
@@ -137,5 +160,31 @@ func BenchmarkCreateLatencyQEMU(b *testing.B) {
 		b.ReportMetric(pct(cold, 50)/pct(warm, 50), "cold/warm")
 		b.ReportMetric(pct(resume, 50), "resume-p50-ms")
 		b.ReportMetric(pct(resume, 95), "resume-p95-ms")
+		for name, ds := range steps {
+			b.ReportMetric(pct(ds, 50), "warm-"+name+"-p50-ms")
+		}
 	}
+}
+
+// serverTimingTransport keeps the Server-Timing steps of the last answer.
+type serverTimingTransport struct {
+	mu    sync.Mutex
+	steps []timing.Step
+}
+
+func (t *serverTimingTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	resp, err := http.DefaultTransport.RoundTrip(req)
+	if err != nil {
+		return nil, err
+	}
+	t.mu.Lock()
+	t.steps = timing.Parse(resp.Header.Get("Server-Timing"))
+	t.mu.Unlock()
+	return resp, nil
+}
+
+func (t *serverTimingTransport) last() []timing.Step {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.steps
 }

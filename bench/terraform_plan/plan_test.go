@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
 )
 
 // Environment of the measurement.
@@ -58,14 +59,7 @@ func TestTerraformPlanRefresh(t *testing.T) {
 	n := envInt(t, envCount, 1000)
 	runs := envInt(t, envRuns, 1)
 	withFloor := os.Getenv(envFloor) != ""
-	tf, err := exec.LookPath("terraform")
-	if err != nil {
-		t.Fatalf("the terraform CLI is not on PATH: %v", err)
-	}
-
-	work := t.TempDir()
-	bin := filepath.Join(work, "bin")
-	goBuild(t, filepath.Join(bin, "terraform-provider-kvm"), "./provider")
+	tf, work, bin := terraformAndProvider(t)
 	overrides := map[string]string{"kvmfleet/kvm": bin}
 	if withFloor {
 		// One binary; its name chooses the mode.
@@ -107,25 +101,7 @@ provider "kvm" {
 }
 `, n))
 
-	env := append(os.Environ(), "TF_CLI_CONFIG_FILE="+rc, "TF_IN_AUTOMATION=1", "CHECKPOINT_DISABLE=1")
-	// terraform runs one command and returns its wall time and CPU time
-	// (user + system, including the provider processes it waited for).
-	terraform := func(dir string, args ...string) planTime {
-		t.Helper()
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, tf, args...)
-		cmd.Dir, cmd.Env = dir, env
-		var out bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &out, &out
-		start := time.Now()
-		err := cmd.Run()
-		d := time.Since(start)
-		if err != nil {
-			t.Fatalf("terraform %s in %s: %v\n%s", strings.Join(args, " "), dir, err, tailOf(out.String(), 4000))
-		}
-		return planTime{wall: d, cpu: cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()}
-	}
+	terraform := func(dir string, args ...string) planTime { return runTerraform(t, tf, rc, dir, args...) }
 	// plan times a plan with refresh; -detailed-exitcode makes a plan with
 	// changes (exit status 2) an error, since a refresh that finds nothing to
 	// do is what is measured.
@@ -180,6 +156,42 @@ provider "kvm" {
 		}
 		ownRatios.log(t, "kvm_vm/"+floors[0]+"_vm", " (the provider's own work)")
 	}
+}
+
+// terraformAndProvider finds the terraform CLI and builds the provider
+// into work/bin, work being a new temporary directory.
+func terraformAndProvider(t *testing.T) (tf, work, bin string) {
+	t.Helper()
+	tf, err := exec.LookPath("terraform")
+	if err != nil {
+		t.Fatalf("the terraform CLI is not on PATH: %v", err)
+	}
+	work = t.TempDir()
+	bin = filepath.Join(work, "bin")
+	goBuild(t, filepath.Join(bin, "terraform-provider-kvm"), "./provider")
+	return tf, work, bin
+}
+
+// runTerraform runs one terraform command in dir with the CLI
+// configuration rc and returns its wall time and CPU time (user + system,
+// including the provider processes it waited for). A failing command fails
+// the test with the end of its output.
+func runTerraform(t *testing.T, tf, rc, dir string, args ...string) planTime {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, tf, args...)
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "TF_CLI_CONFIG_FILE="+rc, "TF_IN_AUTOMATION=1", "CHECKPOINT_DISABLE=1")
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	start := time.Now()
+	err := cmd.Run()
+	d := time.Since(start)
+	if err != nil {
+		t.Fatalf("terraform %s in %s: %v\n%s", strings.Join(args, " "), dir, err, tailOf(out.String(), 4000))
+	}
+	return planTime{wall: d, cpu: cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()}
 }
 
 // planTime is the wall and CPU time of one terraform command.
@@ -256,9 +268,12 @@ func goBuild(t *testing.T, out, pkg string) {
 // countingProxy forwards to the control API and counts requests by method
 // and path pattern.
 type countingProxy struct {
-	URL string
-	mu  sync.Mutex
-	n   map[string]int
+	URL  string
+	mu   sync.Mutex
+	n    map[string]int
+	busy map[string]time.Duration // summed time to answer, by the same key
+	// steps sums the Server-Timing steps of the answers, by the same key.
+	steps map[string]map[string]time.Duration
 }
 
 func newCountingProxy(t *testing.T, target string) *countingProxy {
@@ -266,13 +281,23 @@ func newCountingProxy(t *testing.T, target string) *countingProxy {
 	if err != nil {
 		t.Fatalf("control URL %q: %v", target, err)
 	}
-	p := &countingProxy{n: map[string]int{}}
+	p := &countingProxy{}
+	p.reset()
 	rp := httputil.NewSingleHostReverseProxy(u)
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		p.mu.Lock()
-		p.n[r.Method+" "+pathPattern(r.URL.Path)]++
-		p.mu.Unlock()
+		key := r.Method + " " + pathPattern(r.URL.Path)
+		start := time.Now()
 		rp.ServeHTTP(w, r)
+		p.mu.Lock()
+		p.n[key]++
+		p.busy[key] += time.Since(start)
+		for _, st := range timing.Parse(w.Header().Get("Server-Timing")) {
+			if p.steps[key] == nil {
+				p.steps[key] = map[string]time.Duration{}
+			}
+			p.steps[key][st.Name] += st.Duration
+		}
+		p.mu.Unlock()
 	}))
 	t.Cleanup(srv.Close)
 	p.URL = srv.URL
@@ -282,7 +307,37 @@ func newCountingProxy(t *testing.T, target string) *countingProxy {
 func (p *countingProxy) reset() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.n = map[string]int{}
+	p.n, p.busy, p.steps = map[string]int{}, map[string]time.Duration{}, map[string]map[string]time.Duration{}
+}
+
+// latencies renders the mean time to answer by key, e.g.
+// "DELETE /v1/vms/{id}: 20 x 45ms".
+func (p *countingProxy) latencies() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	keys := make([]string, 0, len(p.n))
+	for k := range p.n {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	parts := make([]string, len(keys))
+	for i, k := range keys {
+		n := time.Duration(p.n[k])
+		parts[i] = fmt.Sprintf("%s: %d x %v", k, p.n[k], (p.busy[k] / n).Round(100*time.Microsecond))
+		var names []string
+		for name := range p.steps[k] {
+			names = append(names, name)
+		}
+		sort.Strings(names)
+		var steps []string
+		for _, name := range names {
+			steps = append(steps, fmt.Sprintf("%s %v", name, (p.steps[k][name]/n).Round(100*time.Microsecond)))
+		}
+		if len(steps) > 0 {
+			parts[i] += " (mean steps: " + strings.Join(steps, ", ") + ")"
+		}
+	}
+	return strings.Join(parts, "; ")
 }
 
 // snapshot renders the counts, e.g. "total 1 (GET /v1/vms: 1)".

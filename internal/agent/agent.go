@@ -21,6 +21,7 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/image"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/limits"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
 )
 
 // Config configures an Agent.
@@ -376,6 +377,7 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 	if err := checkID(id); err != nil {
 		return agentapi.VM{}, false, err
 	}
+	start := time.Now()
 	src := spec.ImageSource
 	spec, err := a.resolveImage(spec)
 	if err != nil {
@@ -398,6 +400,7 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 					return agentapi.VM{}, false, err
 				}
 				validated = true
+				timing.Since(ctx, "checks", start)
 			}
 			if e = a.vms.create(id); e != nil {
 				defer e.unlock()
@@ -479,12 +482,15 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 // removeVM ends the VM's process and removes its files and its entry. The
 // caller holds e's operation lock.
 func (a *Agent) removeVM(ctx context.Context, e *vmEntry, m *Machine) error {
+	step := time.Now()
 	if err := a.cfg.Driver.Kill(ctx, m); err != nil {
 		return fmt.Errorf("end the process of vm %s: %w", e.id, err)
 	}
+	step = timing.Since(ctx, "kill", step)
 	if err := a.releaseNetwork(ctx, m); err != nil {
 		return err
 	}
+	step = timing.Since(ctx, "network", step)
 	dir := a.vmDir(e.id)
 	// Unique, so that a leftover of an earlier failed removal never blocks this one.
 	trash := filepath.Join(a.vmsDir(), fmt.Sprintf("%s%s-%d", trashPrefix, e.id, time.Now().UnixNano()))
@@ -494,6 +500,7 @@ func (a *Agent) removeVM(ctx context.Context, e *vmEntry, m *Machine) error {
 	if err := os.RemoveAll(trash); err != nil {
 		a.log.Warn("remove files of deleted vm", "vm", e.id, "dir", trash, "err", err)
 	}
+	timing.Since(ctx, "files", step)
 	a.vms.drop(e)
 	return nil
 }
@@ -503,11 +510,13 @@ func (a *Agent) DeleteVM(ctx context.Context, id string) error {
 	if err := checkID(id); err != nil {
 		return err
 	}
+	start := time.Now()
 	e, err := a.vms.acquire(ctx, id)
 	if e == nil || err != nil {
 		return err
 	}
 	defer e.unlock()
+	timing.Since(ctx, "lock", start)
 	r, _, _ := e.state()
 	if err := a.removeVM(ctx, e, machineOf(a, r)); err != nil {
 		return err

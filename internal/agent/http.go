@@ -2,37 +2,31 @@ package agent
 
 import (
 	"bytes"
-	"crypto/sha256"
-	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
 	"strconv"
-	"strings"
+	"time"
 
 	"github.com/labstack/echo/v4"
-	"github.com/labstack/echo/v4/middleware"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/httpserver"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
 )
 
 const (
-	bodyLimit = "1MiB" // binary: Echo reads "1M" as 10^6 bytes
+	bodyLimit = httpserver.BodyLimit
 	// Console reads: 64 KiB unless ?bytes= asks for another amount, at most 1 MiB.
 	consoleDefault = 64 << 10
 	consoleMax     = 1 << 20
 )
 
 func (a *Agent) routes() http.Handler {
-	e := echo.New()
-	e.HideBanner, e.HidePort = true, true
-	e.HTTPErrorHandler = a.handleError
-
 	reg := prometheus.NewRegistry()
 	requests := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvmd_agent_http_requests_total", Help: "HTTP requests by route and status.",
@@ -42,33 +36,9 @@ func (a *Agent) routes() http.Handler {
 	}, func() float64 {
 		return float64(a.vms.len())
 	}))
-
-	e.Use(middleware.Recover())
-	e.Use(middleware.RequestID())
-	e.Use(middleware.RequestLoggerWithConfig(middleware.RequestLoggerConfig{
-		LogStatus: true, LogMethod: true, LogURI: true, LogRoutePath: true, LogLatency: true,
-		LogRequestID: true, LogError: true, HandleError: true,
-		LogValuesFunc: func(c echo.Context, v middleware.RequestLoggerValues) error {
-			requests.WithLabelValues(v.Method, v.RoutePath, strconv.Itoa(v.Status)).Inc()
-			level := slog.LevelInfo
-			switch {
-			case v.Status >= 500:
-				level = slog.LevelError
-			case v.Status >= 400:
-				level = slog.LevelDebug
-			}
-			attrs := []slog.Attr{
-				slog.String("request_id", v.RequestID), slog.String("method", v.Method),
-				slog.String("uri", v.URI), slog.Int("status", v.Status), slog.Duration("latency", v.Latency),
-			}
-			if v.Error != nil {
-				attrs = append(attrs, slog.String("err", v.Error.Error()))
-			}
-			a.log.LogAttrs(c.Request().Context(), level, "request", attrs...)
-			return nil
-		},
-	}))
-	e.Use(middleware.BodyLimit(bodyLimit))
+	e := httpserver.New(httpserver.Config{
+		Logger: a.log, Requests: requests, CodeLabel: strconv.Itoa, Envelope: errorAnswer,
+	})
 
 	e.GET("/healthz", func(c echo.Context) error {
 		return c.JSON(http.StatusOK, map[string]string{"status": "ok"})
@@ -79,7 +49,10 @@ func (a *Agent) routes() http.Handler {
 	// this address is an agent before it sends the token here.
 	e.POST("/v1/identity", a.postIdentity)
 
-	v1 := e.Group("/v1", a.authenticate)
+	v1 := e.Group("/v1", httpserver.StaticToken(a.cfg.Token, func(echo.Context) error {
+		return &Error{Status: http.StatusUnauthorized, Code: CodeUnauthorized,
+			Message: "missing or wrong bearer token: send Authorization: Bearer <agent token>"}
+	}))
 	v1.GET("/info", a.getInfo)
 	v1.GET("/vms", a.listVMs)
 	v1.PUT("/vms/:id", a.putVM)
@@ -97,28 +70,10 @@ func (a *Agent) routes() http.Handler {
 	return e
 }
 
-// authenticate checks the bearer token in constant time (over hashes, so
-// that the token's length does not leak either).
-func (a *Agent) authenticate(next echo.HandlerFunc) echo.HandlerFunc {
-	want := sha256.Sum256([]byte(a.cfg.Token))
-	return func(c echo.Context) error {
-		h := c.Request().Header.Get(echo.HeaderAuthorization)
-		token, ok := strings.CutPrefix(h, "Bearer ")
-		got := sha256.Sum256([]byte(token))
-		if !ok || subtle.ConstantTimeCompare(got[:], want[:]) != 1 {
-			return &Error{Status: http.StatusUnauthorized, Code: CodeUnauthorized,
-				Message: "missing or wrong bearer token: send Authorization: Bearer <agent token>"}
-		}
-		return next(c)
-	}
-}
-
-// handleError writes every error as the one envelope. Domain errors carry
-// their status; anything else is a 500 whose cause is logged, not sent.
-func (a *Agent) handleError(err error, c echo.Context) {
-	if c.Response().Committed {
-		return
-	}
+// errorAnswer maps an error to its status and envelope. Domain errors
+// carry their status; anything else is a 500 (its cause is in the request
+// log line).
+func errorAnswer(_ echo.Context, err error) (int, any) {
 	body := agentapi.ErrorBody{}
 	status := http.StatusInternalServerError
 	var de *Error
@@ -136,15 +91,7 @@ func (a *Agent) handleError(err error, c echo.Context) {
 	default:
 		body.Error = agentapi.ErrorDetail{Code: CodeInternal, Message: err.Error()}
 	}
-	if status >= 500 {
-		a.log.Error("request failed", "request_id", c.Response().Header().Get(echo.HeaderXRequestID),
-			"method", c.Request().Method, "uri", c.Request().RequestURI, "err", err)
-	}
-	if c.Request().Method == http.MethodHead {
-		_ = c.NoContent(status)
-		return
-	}
-	_ = c.JSON(status, body)
+	return status, body
 }
 
 func codeForStatus(status int) string {
@@ -200,14 +147,20 @@ func (a *Agent) listVMs(c echo.Context) error {
 }
 
 func (a *Agent) putVM(c echo.Context) error {
+	start := time.Now()
+	ctx, steps := timing.NewContext(c.Request().Context())
 	var spec agentapi.VMSpec
 	if err := bindJSON(c, &spec); err != nil {
 		return err
 	}
-	vm, created, err := a.CreateVM(c.Request().Context(), c.Param("id"), spec)
+	vm, created, err := a.CreateVM(ctx, c.Param("id"), spec)
 	if err != nil {
 		return err
 	}
+	// handler: the whole create in this process, so that a caller tells it
+	// from the network and HTTP around it.
+	steps.Add("handler", time.Since(start))
+	c.Response().Header().Set("Server-Timing", steps.Header())
 	if created {
 		return c.JSON(http.StatusCreated, vm)
 	}
@@ -235,9 +188,11 @@ func (a *Agent) getVM(c echo.Context) error {
 }
 
 func (a *Agent) deleteVM(c echo.Context) error {
-	if err := a.DeleteVM(c.Request().Context(), c.Param("id")); err != nil {
+	ctx, steps := timing.NewContext(c.Request().Context())
+	if err := a.DeleteVM(ctx, c.Param("id")); err != nil {
 		return err
 	}
+	c.Response().Header().Set("Server-Timing", steps.Header())
 	return c.NoContent(http.StatusNoContent)
 }
 

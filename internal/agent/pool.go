@@ -154,10 +154,13 @@ type pool struct {
 	saveMu    sync.Mutex // one registry write at a time, the newest state last
 	targetsMu sync.Mutex // one PUT /v1/pool at a time
 
-	mu       sync.Mutex // guards the fields below
-	targets  map[poolKey]int
-	entries  map[string]*warmVM
-	users    int // user creates in flight: the filler waits for them
+	mu      sync.Mutex // guards the fields below
+	targets map[poolKey]int
+	entries map[string]*warmVM
+	users   int // user creates in flight: the filler waits for them
+	// lastUser is when the last user create ended: the filler boots
+	// nothing until refillQuiet after it.
+	lastUser time.Time
 	failures map[poolKey]backoff
 	short    map[poolKey]bool // capacity shortage already logged
 }
@@ -227,10 +230,17 @@ func (p *pool) userCreating() func() {
 	return func() {
 		p.mu.Lock()
 		p.users--
+		p.lastUser = time.Now()
 		p.mu.Unlock()
 		p.kick()
 	}
 }
+
+// refillQuiet is how long after a user create the filler waits before it
+// boots replacements: a burst of creates takes warm VMs one after another
+// without boots (which take a core each under TCG) competing with their
+// handovers; the pool refills once the burst pauses.
+const refillQuiet = 200 * time.Millisecond
 
 func (p *pool) warmDir(id string) string { return filepath.Join(p.dir, id) }
 
@@ -297,6 +307,13 @@ func (p *pool) run() {
 // fill starts the boots the targets need and destroys surplus warm VMs. It
 // returns how long until a backoff ends (0: none pending).
 func (p *pool) fill() time.Duration {
+	p.mu.Lock()
+	quiet := refillQuiet - time.Since(p.lastUser)
+	idle := p.users == 0
+	p.mu.Unlock()
+	if idle && quiet > 0 {
+		return quiet
+	}
 	info, infoErr := p.a.Info(p.ctx)
 	p.mu.Lock()
 	type count struct{ ready, booting int }

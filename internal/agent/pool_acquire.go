@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
 )
 
 // handoverTimeout bounds a warm start once it began: it finishes even when
@@ -46,14 +47,16 @@ func (a *Agent) createWarm(ctx context.Context, e *vmEntry, r vmRecord, spec age
 	}
 	key := poolKey{spec.Image, spec.VCPUs, spec.MemoryMiB, spec.DiskMiB}
 	for {
+		start := time.Now()
 		w := p.take(key, len(spec.NICs) == 1)
 		if w == nil {
 			return agentapi.VM{}, false
 		}
+		step := timing.Since(ctx, "take", start)
 		hctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), handoverTimeout)
-		start := time.Now()
 		rec, resumed, victim, err := p.handover(hctx, w, withWarmNIC(r, w))
 		cancel()
+		step = timing.Since(ctx, "handover", step)
 		if err != nil {
 			a.log.Warn("warm vm unusable; destroyed, trying the next or a cold boot",
 				"vm", e.id, "warm_vm", w.ID, "err", err)
@@ -63,6 +66,7 @@ func (a *Agent) createWarm(ctx context.Context, e *vmEntry, r vmRecord, spec age
 		e.set(rec)
 		a.log.Info("vm created", "vm", e.id, "image", rec.Image, "state", rec.State, "started_from", rec.StartedFrom,
 			"warm_vm", w.ID, "pid", rec.Process.PID, "resume", resumed, "total", time.Since(start))
+		timing.Since(ctx, "log", step)
 		return rec.wire(), true
 	}
 }
@@ -75,20 +79,24 @@ func (p *pool) handover(ctx context.Context, w *warmVM, r vmRecord) (vmRecord, t
 	d := p.a.cfg.Driver
 	from := p.machine(w)
 	to := machineOf(p.a, r)
+	step := time.Now()
 	if p.opts.Nice > 0 {
 		if err := p.wd.SetNice(from, 0); err != nil {
 			p.log.Warn("give a warm vm its normal priority back; it runs below other vms", "vm", r.ID, "warm_vm", w.ID, "err", err)
 		}
+		step = timing.Since(ctx, "nice", step)
 	}
-	t0 := time.Now()
+	t0 := step
 	if err := d.Resume(ctx, from); err != nil {
 		return r, 0, from, fmt.Errorf("resume warm vm %s: %w", w.ID, err)
 	}
+	step = timing.Since(ctx, "resume", step)
 	// Reported running only once the driver sees it running.
 	if obs := d.Observe(ctx, from, agentapi.StatePaused); obs.State != agentapi.StateRunning {
 		return r, 0, from, fmt.Errorf("warm vm %s is %s after the resume, not running: %s", w.ID, obs.State, obs.Reason)
 	}
-	resumed := time.Since(t0)
+	step = timing.Since(ctx, "observe", step)
+	resumed := step.Sub(t0)
 	if err := p.wd.Handover(from, to); err != nil {
 		return r, 0, from, fmt.Errorf("hand warm vm %s over: %w", w.ID, err)
 	}
@@ -103,6 +111,7 @@ func (p *pool) handover(ctx context.Context, w *warmVM, r vmRecord) (vmRecord, t
 	if err := writeNewRecord(filepath.Join(from.Dir, metaFile), &r, sync); err != nil {
 		return r, 0, &inPool, fmt.Errorf("write metadata of vm %s into warm vm %s: %w", r.ID, w.ID, err)
 	}
+	step = timing.Since(ctx, "metadata", step)
 	if err := os.Rename(from.Dir, to.Dir); err != nil {
 		return r, 0, &inPool, fmt.Errorf("move warm vm %s to vm %s: %w", w.ID, r.ID, err)
 	}
@@ -111,9 +120,11 @@ func (p *pool) handover(ctx context.Context, w *warmVM, r vmRecord) (vmRecord, t
 	if err := os.Symlink(link, from.Dir); err != nil {
 		p.log.Warn("link the pool path of a handed-out vm", "vm", r.ID, "warm_vm", w.ID, "err", err)
 	}
+	step = timing.Since(ctx, "move", step)
 	if sync {
 		// The VM's directory (its metadata entry), and both renames' parents.
 		syncDirs(p.log, to.Dir, p.a.vmsDir(), p.dir)
+		timing.Since(ctx, "sync-dirs", step)
 	}
 	return r, resumed, nil, nil
 }

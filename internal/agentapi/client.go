@@ -1,7 +1,6 @@
 package agentapi
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -15,13 +14,15 @@ import (
 	"time"
 	"unicode"
 	"unicode/utf8"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/httpclient"
 )
 
 // Errors a caller can test with errors.Is.
 var (
-	ErrNotFound    = errors.New("not found")
-	ErrConflict    = errors.New("conflict")
-	ErrInvalid     = errors.New("invalid request")
+	ErrNotFound    = httpclient.ErrNotFound
+	ErrConflict    = httpclient.ErrConflict
+	ErrInvalid     = httpclient.ErrInvalid
 	ErrUnavailable = errors.New("agent unavailable")
 	// ErrTimedOut (with ErrUnavailable) is an attempt that reached its
 	// timeout: the agent may have the request and still be working on it,
@@ -50,54 +51,42 @@ func (e *Error) Error() string {
 }
 
 // Unwrap maps the HTTP status to the package's sentinel errors.
-func (e *Error) Unwrap() error {
-	switch {
-	case e.Status == http.StatusNotFound:
-		return ErrNotFound
-	case e.Status == http.StatusConflict:
-		return ErrConflict
-	case e.Status >= 400 && e.Status < 500:
-		return ErrInvalid
-	default:
-		return ErrUnavailable
-	}
-}
+func (e *Error) Unwrap() error { return httpclient.ByStatus(e.Status, ErrUnavailable) }
 
 // Client is a typed client of one host agent.
 type Client struct {
-	base    string
-	token   string
-	http    *http.Client
+	core    *httpclient.Core
 	timeout time.Duration
-	retries int
 }
 
 // Option configures a Client.
 type Option func(*Client)
 
 // WithHTTPClient sets the HTTP client (for TLS settings or a test transport).
-func WithHTTPClient(h *http.Client) Option { return func(c *Client) { c.http = h } }
+func WithHTTPClient(h *http.Client) Option { return func(c *Client) { c.core.HTTP = h } }
 
 // WithTimeout sets the timeout of one attempt of a call (default 10 s).
 func WithTimeout(d time.Duration) Option { return func(c *Client) { c.timeout = d } }
 
 // WithRetries sets how many times a failed call is retried (default 2).
 // Every agent call is idempotent, so a retry never creates a second thing.
-func WithRetries(n int) Option { return func(c *Client) { c.retries = n } }
+func WithRetries(n int) Option { return func(c *Client) { c.core.Policy.Retries = n } }
 
 // NewClient returns a client of the agent at address ("host:port" or a URL).
 func NewClient(address, token string, opts ...Option) *Client {
-	base := address
-	if !strings.Contains(base, "://") {
-		base = "http://" + base
-	}
-	c := &Client{
-		base:    strings.TrimRight(base, "/"),
-		token:   token,
-		http:    &http.Client{},
-		timeout: 10 * time.Second,
-		retries: 2,
-	}
+	c := &Client{timeout: 10 * time.Second}
+	c.core = httpclient.New(address, token, httpclient.Policy{
+		Retries:   2,
+		Backoff:   func(n int) time.Duration { return time.Duration(n*n) * 100 * time.Millisecond },
+		Retryable: retryable,
+	}, httpclient.Errors{
+		Transport:    transportError,
+		Decode:       decodeAnswerError,
+		Answer:       answerError,
+		MaxErrorBody: maxErrorBody,
+		MaxAnswer:    maxAnswer,
+	})
+	c.core.TimingPrefix = "agent."
 	for _, o := range opts {
 		o(c)
 	}
@@ -105,7 +94,7 @@ func NewClient(address, token string, opts ...Option) *Client {
 }
 
 // BaseURL is the agent's base URL.
-func (c *Client) BaseURL() string { return c.base }
+func (c *Client) BaseURL() string { return c.core.Base() }
 
 // Info returns the host's capacity, accel, driver and images.
 func (c *Client) Info(ctx context.Context) (Info, error) {
@@ -118,10 +107,9 @@ func (c *Client) Info(ctx context.Context) (Info, error) {
 // token: the answer is to be checked with VerifyIdentity before the token
 // goes to this address.
 func (c *Client) Identity(ctx context.Context, ch IdentityChallenge) (IdentityProof, error) {
-	anon := *c
-	anon.token = ""
 	var out IdentityProof
-	err := anon.do(ctx, http.MethodPost, "/v1/identity", ch, &out, c.timeout)
+	err := c.core.Do(ctx, &httpclient.Call{Method: http.MethodPost, Path: "/v1/identity", In: ch, Out: &out,
+		Timeout: c.timeout, Anonymous: true})
 	return out, err
 }
 
@@ -200,7 +188,7 @@ func (c *Client) ConsoleTail(ctx context.Context, id string, n int64) (string, e
 	}
 	ctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
-	resp, err := c.http.Do(req.WithContext(ctx))
+	resp, err := c.core.HTTP.Do(req.WithContext(ctx))
 	if err != nil {
 		return "", fmt.Errorf("agent console %s: %w: %v", id, ErrUnavailable, err)
 	}
@@ -238,7 +226,7 @@ func (c *Client) OpenSnapshotFile(ctx context.Context, id, file string) (io.Read
 	if err != nil {
 		return nil, 0, err
 	}
-	resp, err := c.http.Do(req)
+	resp, err := c.core.HTTP.Do(req)
 	if err != nil {
 		return nil, 0, fmt.Errorf("agent snapshot %s file %s: %w: %v", id, file, ErrUnavailable, err)
 	}
@@ -299,78 +287,31 @@ func (c *Client) ResizeDisk(ctx context.Context, id string, disk VMDisk) (VM, er
 }
 
 func (c *Client) newRequest(ctx context.Context, method, path string, body []byte) (*http.Request, error) {
-	var r io.Reader
-	if body != nil {
-		r = bytes.NewReader(body)
-	}
-	req, err := http.NewRequestWithContext(ctx, method, c.base+path, r)
-	if err != nil {
-		return nil, fmt.Errorf("agent %s %s: %w", method, path, err)
-	}
-	if body != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	if c.token != "" {
-		req.Header.Set("Authorization", "Bearer "+c.token)
-	}
-	return req, nil
+	return c.core.NewRequest(ctx, &httpclient.Call{Method: method, Path: path, Op: "agent " + method + " " + path}, body)
 }
 
-// do sends one call with a per-attempt timeout and retries connection errors
+// do sends one call with a per-attempt timeout, retrying connection errors
 // and 5xx answers; every agent call is idempotent on its id.
 func (c *Client) do(ctx context.Context, method, path string, in, out any, timeout time.Duration) error {
-	var body []byte
-	if in != nil {
-		b, err := json.Marshal(in)
-		if err != nil {
-			return fmt.Errorf("agent %s %s: encode: %w", method, path, err)
-		}
-		body = b
-	}
-	op := method + " " + path
-	var lastErr error
-	for attempt := 0; attempt <= c.retries; attempt++ {
-		if attempt > 0 {
-			select {
-			case <-ctx.Done():
-				return errors.Join(lastErr, ctx.Err())
-			case <-time.After(time.Duration(attempt*attempt) * 100 * time.Millisecond):
-			}
-		}
-		lastErr = c.once(ctx, method, path, op, body, out, timeout)
-		if lastErr == nil || !errors.Is(lastErr, ErrUnavailable) || errors.Is(lastErr, ErrTimedOut) || ctx.Err() != nil {
-			return lastErr
-		}
-	}
-	return lastErr
+	return c.core.Do(ctx, &httpclient.Call{Method: method, Path: path, In: in, Out: out, Timeout: timeout})
 }
 
-func (c *Client) once(ctx context.Context, method, path, op string, body []byte, out any, timeout time.Duration) error {
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	req, err := c.newRequest(ctx, method, path, body)
-	if err != nil {
-		return err
+// retryable: connection errors and 5xx answers, but not an attempt that
+// timed out (the agent may still be working on it; sending it again would
+// only wait again).
+func retryable(err error) bool {
+	return errors.Is(err, ErrUnavailable) && !errors.Is(err, ErrTimedOut)
+}
+
+func transportError(call *httpclient.Call, base string, err error, timedOut bool) error {
+	if timedOut {
+		return fmt.Errorf("agent %s at %s: no answer within %v: %w: %w", call.Name(), base, call.Timeout, ErrUnavailable, ErrTimedOut)
 	}
-	resp, err := c.http.Do(req)
-	if err != nil {
-		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-			return fmt.Errorf("agent %s at %s: no answer within %v: %w: %w", op, c.base, timeout, ErrUnavailable, ErrTimedOut)
-		}
-		return fmt.Errorf("agent %s at %s: %w: %v", op, c.base, ErrUnavailable, err)
-	}
-	defer func() { _ = resp.Body.Close() }()
-	if resp.StatusCode >= 300 {
-		return decodeError(op, resp)
-	}
-	if out == nil {
-		_, _ = io.Copy(io.Discard, resp.Body)
-		return nil
-	}
-	if err := json.NewDecoder(io.LimitReader(resp.Body, maxAnswer)).Decode(out); err != nil {
-		return fmt.Errorf("agent %s at %s: decode answer: %w: %v", op, c.base, ErrUnavailable, err)
-	}
-	return nil
+	return fmt.Errorf("agent %s at %s: %w: %v", call.Name(), base, ErrUnavailable, err)
+}
+
+func decodeAnswerError(call *httpclient.Call, base string, err error) error {
+	return fmt.Errorf("agent %s at %s: decode answer: %w: %v", call.Name(), base, ErrUnavailable, err)
 }
 
 // Bounds of what an error answer may contribute to an Error: the envelope
@@ -387,8 +328,14 @@ var errorCodePattern = regexp.MustCompile(`^[a-z_]{1,40}$`)
 
 func decodeError(op string, resp *http.Response) error {
 	b, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+	return answerError(&httpclient.Call{Op: op}, "", resp.StatusCode, b)
+}
+
+// answerError keeps the envelope of a kvmd agent (its code and the start
+// of its message) and drops any other body.
+func answerError(call *httpclient.Call, _ string, status int, b []byte) error {
 	var env ErrorBody
-	e := &Error{Status: resp.StatusCode, Op: op, Code: "http_" + strconv.Itoa(resp.StatusCode)}
+	e := &Error{Status: status, Op: call.Name(), Code: "http_" + strconv.Itoa(status)}
 	if json.Unmarshal(b, &env) == nil && errorCodePattern.MatchString(env.Error.Code) {
 		e.Code, e.Message = env.Error.Code, boundMessage(env.Error.Message)
 	}

@@ -3,14 +3,12 @@
 package client
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -18,15 +16,16 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/httpclient"
 )
 
 // Errors a caller can test with errors.Is.
 var (
-	ErrNotFound     = errors.New("not found")
-	ErrConflict     = errors.New("conflict")
+	ErrNotFound     = httpclient.ErrNotFound
+	ErrConflict     = httpclient.ErrConflict
 	ErrNoCapacity   = errors.New("no capacity")
 	ErrNoAddress    = errors.New("no free address on the network")
-	ErrInvalid      = errors.New("invalid request")
+	ErrInvalid      = httpclient.ErrInvalid
 	ErrUnauthorized = errors.New("unauthorized")
 	// ErrForbidden: the token is valid but its scopes do not allow the call.
 	ErrForbidden           = errors.New("forbidden: the token's scopes do not allow this")
@@ -71,28 +70,20 @@ func (e *Error) Unwrap() error {
 		return ErrNotFound
 	case e.Status == http.StatusNotFound:
 		return ErrUnexpectedAnswer
-	case e.Status == http.StatusConflict:
-		return ErrConflict
 	case e.Status == http.StatusUnauthorized:
 		return ErrUnauthorized
 	case e.Status == http.StatusForbidden:
 		return ErrForbidden
 	case e.Status == http.StatusUnprocessableEntity && e.Code == "":
 		return ErrIdempotencyMismatch
-	case e.Status >= 400 && e.Status < 500:
-		return ErrInvalid
-	default:
-		return ErrUnavailable
 	}
+	return httpclient.ByStatus(e.Status, ErrUnavailable)
 }
 
 // Client talks to one control API endpoint.
 type Client struct {
-	base    string
-	token   string
-	http    *http.Client
+	core    *httpclient.Core
 	timeout time.Duration
-	retries int
 	backoff time.Duration
 }
 
@@ -100,7 +91,7 @@ type Client struct {
 type Option func(*Client)
 
 // WithHTTPClient sets the HTTP client (TLS settings, a counting transport).
-func WithHTTPClient(h *http.Client) Option { return func(c *Client) { c.http = h } }
+func WithHTTPClient(h *http.Client) Option { return func(c *Client) { c.core.HTTP = h } }
 
 // WithTimeout sets the timeout of one attempt (default 2 minutes: creates
 // wait for a VM to boot).
@@ -109,23 +100,23 @@ func WithTimeout(d time.Duration) Option { return func(c *Client) { c.timeout = 
 // WithRetries sets how often a retryable failure is retried (default 4) and
 // the first backoff (default 250 ms, doubling).
 func WithRetries(n int, backoff time.Duration) Option {
-	return func(c *Client) { c.retries, c.backoff = n, backoff }
+	return func(c *Client) { c.core.Policy.Retries, c.backoff = n, backoff }
 }
 
 // New returns a client of the control API at endpoint (a URL or host:port).
 func New(endpoint, token string, opts ...Option) *Client {
-	base := endpoint
-	if !strings.Contains(base, "://") {
-		base = "http://" + base
-	}
-	c := &Client{
-		base:    strings.TrimRight(base, "/"),
-		token:   token,
-		http:    &http.Client{},
-		timeout: 2 * time.Minute,
-		retries: 4,
-		backoff: 250 * time.Millisecond,
-	}
+	c := &Client{timeout: 2 * time.Minute, backoff: 250 * time.Millisecond}
+	c.core = httpclient.New(endpoint, token, httpclient.Policy{
+		Retries:   4,
+		Backoff:   c.backoffOf,
+		Retryable: retryable,
+		Patient:   inFlightOnOwnKey,
+	}, httpclient.Errors{
+		Transport:    transportError,
+		Decode:       decodeAnswerError,
+		Answer:       answerError,
+		MaxErrorBody: 1 << 20,
+	})
 	for _, o := range opts {
 		o(c)
 	}
@@ -133,7 +124,7 @@ func New(endpoint, token string, opts ...Option) *Client {
 }
 
 // Endpoint is the base URL the client talks to.
-func (c *Client) Endpoint() string { return c.base }
+func (c *Client) Endpoint() string { return c.core.Base() }
 
 // NewIdempotencyKey returns a random key for one logical create.
 func NewIdempotencyKey() string {
@@ -359,42 +350,28 @@ func retryable(err error) bool {
 	return errors.Is(err, ErrUnavailable) || errors.Is(err, ErrInFlight)
 }
 
-func (c *Client) call(ctx context.Context, method, path string, in, out any, idemKey string, retry bool) error {
-	var body []byte
-	if in != nil {
-		b, err := json.Marshal(in)
-		if err != nil {
-			return fmt.Errorf("%s %s: encode request: %w", method, path, err)
-		}
-		body = b
-	}
+// inFlightOnOwnKey: 409 in_flight on the caller's own key means the first
+// attempt is still running on the server (it outlived this client's
+// per-attempt timeout). Failing now would leave what it makes outside the
+// caller's hands, so the client waits it out until the caller's deadline
+// without using up retries (a client made with no retries does not wait).
+func inFlightOnOwnKey(call *httpclient.Call, err error) bool {
+	return call.IdempotencyKey != "" && errors.Is(err, ErrInFlight)
+}
+
+// backoffOf is the wait before the n-th retry: the first backoff, doubling,
+// at most maxInFlightPoll.
+func (c *Client) backoffOf(n int) time.Duration {
 	wait := c.backoff
-	var err error
-	for attempt := 0; ; attempt++ {
-		err = c.once(ctx, method, path, body, out, idemKey)
-		if err == nil || !retry || !retryable(err) {
-			return err
-		}
-		// 409 in_flight on the caller's own key: the first attempt is still
-		// running on the server (it outlived this client's per-attempt
-		// timeout). Failing now would leave what it makes outside the
-		// caller's hands, so wait it out until the caller's deadline,
-		// polling at most every maxInFlightPoll, without using up retries
-		// (a client made with no retries does not wait either).
-		inFlight := idemKey != "" && c.retries > 0 && errors.Is(err, ErrInFlight)
-		if !inFlight && attempt >= c.retries {
-			return err
-		}
-		if inFlight {
-			attempt--
-		}
-		select {
-		case <-ctx.Done():
-			return errors.Join(err, ctx.Err())
-		case <-time.After(wait):
-		}
-		wait = min(wait*2, maxInFlightPoll)
+	for i := 1; i < n && wait < maxInFlightPoll; i++ {
+		wait *= 2
 	}
+	return min(wait, maxInFlightPoll)
+}
+
+func (c *Client) call(ctx context.Context, method, path string, in, out any, idemKey string, retry bool) error {
+	return c.core.Do(ctx, &httpclient.Call{Method: method, Path: path, In: in, Out: out,
+		IdempotencyKey: idemKey, Timeout: c.timeout, NoRetry: !retry})
 }
 
 // maxInFlightPoll caps the wait between polls of a request in flight.
@@ -410,62 +387,27 @@ func MayHaveCreated(err error) bool {
 		errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)
 }
 
-func (c *Client) once(ctx context.Context, method, path string, body []byte, out any, idemKey string) error {
-	ctx, cancel := context.WithTimeout(ctx, c.timeout)
-	defer cancel()
-	var r io.Reader
-	if body != nil {
-		r = bytes.NewReader(body)
-	}
-	req, err := http.NewRequestWithContext(ctx, method, c.base+path, r)
-	if err != nil {
-		return fmt.Errorf("%s %s: %w", method, path, err)
-	}
-	if body != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	if c.token != "" {
-		req.Header.Set("Authorization", "Bearer "+c.token)
-	}
-	if idemKey != "" {
-		req.Header.Set("Idempotency-Key", idemKey)
-	}
-	resp, err := c.http.Do(req)
-	if err != nil {
-		return fmt.Errorf("%s %s: %w: %v", method, c.base+path, ErrUnavailable, err)
-	}
-	defer func() { _ = resp.Body.Close() }()
-	if resp.StatusCode >= 300 {
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-		e := &Error{Status: resp.StatusCode}
-		var env api.ErrorBody
-		if json.Unmarshal(b, &env) == nil && env.Error.Code != "" {
-			e.Code, e.Message, e.Details = env.Error.Code, env.Error.Message, env.Error.Details
-		} else {
-			// Not the API's envelope (a proxy's page): a short excerpt is
-			// enough to recognise it.
-			e.Message = excerpt(strings.TrimSpace(string(b)), 200)
-			if e.Status == http.StatusNotFound {
-				e.Message = fmt.Sprintf("%s %s answered 404 without the control API's error envelope: %s", method, c.base+path, e.Message)
-			}
-		}
+func transportError(call *httpclient.Call, base string, err error, _ bool) error {
+	return fmt.Errorf("%s %s: %w: %v", call.Method, base+call.Path, ErrUnavailable, err)
+}
+
+func decodeAnswerError(call *httpclient.Call, _ string, err error) error {
+	return fmt.Errorf("%s: decode answer: %w: %v", call.Name(), ErrUnavailable, err)
+}
+
+// answerError is an answer of status 300 or more as an *Error: the API's
+// envelope, or for anything else (a proxy's page) a short excerpt, enough
+// to recognise it.
+func answerError(call *httpclient.Call, base string, status int, b []byte) error {
+	e := &Error{Status: status}
+	var env api.ErrorBody
+	if json.Unmarshal(b, &env) == nil && env.Error.Code != "" {
+		e.Code, e.Message, e.Details = env.Error.Code, env.Error.Message, env.Error.Details
 		return e
 	}
-	if out == nil {
-		_, _ = io.Copy(io.Discard, resp.Body)
-		return nil
+	e.Message = excerpt(strings.TrimSpace(string(b)), 200)
+	if e.Status == http.StatusNotFound {
+		e.Message = fmt.Sprintf("%s %s answered 404 without the control API's error envelope: %s", call.Method, base+call.Path, e.Message)
 	}
-	if text, ok := out.(*string); ok {
-		// A text answer (the console): read as it is, bounded.
-		b, err := io.ReadAll(io.LimitReader(resp.Body, 2<<20))
-		if err != nil {
-			return fmt.Errorf("%s %s: read answer: %w: %v", method, path, ErrUnavailable, err)
-		}
-		*text = string(b)
-		return nil
-	}
-	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
-		return fmt.Errorf("%s %s: decode answer: %w: %v", method, path, ErrUnavailable, err)
-	}
-	return nil
+	return e
 }

@@ -6,8 +6,10 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"net/http"
+	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
 )
 
 const maxIdempotencyKeyLen = 255
@@ -29,7 +31,9 @@ func idempotent[T any](ctx context.Context, s *Service, scope, key string, req a
 	}
 	sum := sha256.Sum256(body)
 	hash := hex.EncodeToString(sum[:])
+	step := time.Now()
 	rec, claimed, err := s.store.ClaimIdempotencyKey(ctx, scope, key, hash, idempotencyLease, s.opts.IdempotencyTTL)
+	timing.Since(ctx, "idempotency-claim", step)
 	if err != nil {
 		return zero, internal(err, "claim idempotency key")
 	}
@@ -58,10 +62,12 @@ func idempotent[T any](ctx context.Context, s *Service, scope, key string, req a
 		}
 		return zero, runErr
 	}
+	step = time.Now()
 	resp, err := json.Marshal(out)
 	if err == nil {
 		err = s.store.CompleteIdempotencyKey(bg, scope, key, http.StatusCreated, string(resp))
 	}
+	timing.Since(ctx, "idempotency-complete", step)
 	if err != nil {
 		// The create succeeded; a retry finds the key in flight until its
 		// lease ends, then the unique name stops a second VM.

@@ -14,6 +14,7 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/scheduler"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
 )
 
 // createTimeout bounds a whole create: placement, the agent's boot (which
@@ -47,6 +48,7 @@ func (s *Service) CreateVM(ctx context.Context, in api.VMCreate, idempotencyKey 
 func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error) {
 	ctx, cancel := detached(ctx, createTimeout)
 	defer cancel()
+	step := time.Now()
 	img, err := s.registeredImage(ctx, in.Image, in.DiskMiB)
 	if err != nil {
 		return api.VM{}, err
@@ -76,9 +78,11 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	if img != nil {
 		req.ImageSHA256 = img.SHA256
 	}
+	step = timing.Since(ctx, "checks", step)
 	if err := s.placeAndReserve(ctx, &vm, nics, req); err != nil {
 		return api.VM{}, err
 	}
+	step = timing.Since(ctx, "placement", step)
 	chain := &cleanup{log: s.log.With("vm", vm.ID, "host", vm.HostName)}
 	chain.push("release capacity", func(ctx context.Context) error { return s.forgetVM(ctx, vm.ID, vm.HostName) })
 
@@ -105,10 +109,12 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 			return api.VM{}, s.failCreate(ctx, chain, vm, err)
 		}
 	}
+	step = timing.Since(ctx, "image", step)
 	created, err := s.agents.createVM(ctx, agent, vm.ID, spec)
 	if err != nil {
 		return api.VM{}, s.failCreate(ctx, chain, vm, fromAgent(err, vm.HostName, "create VM "+vm.ID))
 	}
+	step = timing.Since(ctx, "agent", step)
 	if err := s.recordAgentNICs(ctx, &vm, created); err != nil {
 		return api.VM{}, s.failCreate(ctx, chain, vm, fromStore(err, "record NICs of VM "+vm.ID))
 	}
@@ -123,6 +129,7 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	if err := s.store.MarkVMCreated(ctx, vm.ID, created.State, created.Reason, created.StartedFrom); err != nil {
 		return api.VM{}, s.failCreate(ctx, chain, vm, fromStore(err, "record created VM "+vm.ID))
 	}
+	timing.Since(ctx, "record", step)
 	chain.commit()
 	vm.ObservedState, vm.Reason, vm.StartedFrom = created.State, created.Reason, created.StartedFrom
 	s.log.Info("vm created", "vm", vm.ID, "name", vm.Name, "host", vm.HostName, "state", created.State)
@@ -365,10 +372,12 @@ func (s *Service) setPower(ctx context.Context, vm store.VM, want string) error 
 func (s *Service) DeleteVM(ctx context.Context, id string) error {
 	ctx, cancel := detached(ctx, createTimeout)
 	defer cancel()
+	step := time.Now()
 	vm, err := s.store.GetVM(ctx, id)
 	if err != nil {
 		return fromStore(err, "read vm "+id)
 	}
+	step = timing.Since(ctx, "read", step)
 	address, alive, _ := s.view.agent(vm.HostName)
 	// A VM its agent reported missing holds no capacity and runs nowhere.
 	if vm.ObservedState != api.StateMissing || alive {
@@ -379,10 +388,12 @@ func (s *Service) DeleteVM(ctx context.Context, id string) error {
 		if err != nil && !errors.Is(err, agentapi.ErrNotFound) {
 			return fromAgent(err, vm.HostName, "delete VM "+id)
 		}
+		step = timing.Since(ctx, "agent", step)
 	}
 	if err := s.forgetVM(ctx, id, vm.HostName); err != nil {
 		return internal(err, "release capacity of vm "+id)
 	}
+	timing.Since(ctx, "release", step)
 	s.log.Info("vm deleted", "vm", id, "name", vm.Name, "host", vm.HostName)
 	return nil
 }

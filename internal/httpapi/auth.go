@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/httpserver"
 )
 
 // The one place where requests are authenticated and scopes decided.
@@ -120,7 +121,7 @@ func isUnauthorized(err error) bool {
 func authenticate(t tokens) echo.MiddlewareFunc {
 	return func(next echo.HandlerFunc) echo.HandlerFunc {
 		return func(c echo.Context) error {
-			secret, ok := bearerToken(c.Request())
+			secret, ok := httpserver.BearerToken(c.Request())
 			if !ok {
 				return unauthorized(c)
 			}
@@ -151,16 +152,6 @@ func principalName(p control.Principal) string {
 	return p.TokenID + " (" + p.Name + ")"
 }
 
-// bearerToken is the token of an `Authorization: Bearer <token>` header
-// (the scheme exactly as RFC 6750 writes it).
-func bearerToken(r *http.Request) (string, bool) {
-	secret, ok := strings.CutPrefix(r.Header.Get(echo.HeaderAuthorization), "Bearer ")
-	if !ok || secret == "" {
-		return "", false
-	}
-	return secret, true
-}
-
 func unauthorized(c echo.Context) error {
 	c.Response().Header().Set(echo.HeaderWWWAuthenticate, `Bearer realm="kvmd"`)
 	return &control.Error{Code: api.CodeUnauthorized, Message: "unauthorized"}
@@ -180,19 +171,4 @@ func describeScopes(scopes []string, ok bool) string {
 		return "a scope decision this server does not have (report this route as a bug)"
 	}
 	return "scope " + strings.Join(scopes, " or ")
-}
-
-// metricsAuth guards /metrics with its own token when one is set.
-func metricsAuth(token string) echo.MiddlewareFunc {
-	want := sha256.Sum256([]byte(token))
-	return func(next echo.HandlerFunc) echo.HandlerFunc {
-		return func(c echo.Context) error {
-			secret, ok := bearerToken(c.Request())
-			got := sha256.Sum256([]byte(secret))
-			if subtle.ConstantTimeCompare(got[:], want[:]) != 1 || !ok {
-				return unauthorized(c)
-			}
-			return next(c)
-		}
-	}
 }

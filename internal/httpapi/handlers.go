@@ -9,11 +9,13 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/labstack/echo/v4"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
 )
 
 type handlers struct{ svc *control.Service }
@@ -69,14 +71,18 @@ func (h *handlers) deleteHost(c echo.Context) error {
 }
 
 func (h *handlers) createVM(c echo.Context) error {
+	ctx, timings := timing.NewContext(c.Request().Context())
+	start := time.Now()
 	var in api.VMCreate
 	if err := decode(c, &in); err != nil {
 		return err
 	}
-	out, err := h.svc.CreateVM(c.Request().Context(), in, c.Request().Header.Get("Idempotency-Key"))
+	timings.Add("decode", time.Since(start))
+	out, err := h.svc.CreateVM(ctx, in, c.Request().Header.Get("Idempotency-Key"))
 	if err != nil {
 		return err
 	}
+	c.Response().Header().Set("Server-Timing", timings.Header())
 	return c.JSON(http.StatusCreated, out)
 }
 
@@ -149,9 +155,11 @@ func (h *handlers) updateVM(c echo.Context) error {
 }
 
 func (h *handlers) deleteVM(c echo.Context) error {
-	if err := h.svc.DeleteVM(c.Request().Context(), c.Param("id")); err != nil {
+	ctx, timings := timing.NewContext(c.Request().Context())
+	if err := h.svc.DeleteVM(ctx, c.Param("id")); err != nil {
 		return err
 	}
+	c.Response().Header().Set("Server-Timing", timings.Header())
 	return c.NoContent(http.StatusNoContent)
 }
 

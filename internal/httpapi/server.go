@@ -7,15 +7,14 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
-	"time"
 
 	"github.com/labstack/echo/v4"
-	"github.com/labstack/echo/v4/middleware"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/httpserver"
 )
 
 // MaxBodyBytes is the largest request body accepted (1 MiB).
@@ -49,23 +48,23 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 		return nil, err
 	}
 
-	e := echo.New()
-	e.HideBanner, e.HidePort = true, true
-	// Log the peer address, not a client-supplied X-Forwarded-For.
-	e.IPExtractor = echo.ExtractIPDirect()
-	e.HTTPErrorHandler = errorHandler(log)
-	e.Use(middleware.RequestID())
-	e.Use(requestLog(log, requests))
-	e.Use(middleware.Recover())
-	// "1MiB": Echo reads "1M" as 10^6 bytes, less than MaxBodyBytes.
-	e.Use(middleware.BodyLimit("1MiB"))
+	e := httpserver.New(httpserver.Config{
+		Logger:    log,
+		Requests:  requests,
+		CodeLabel: http.StatusText,
+		Envelope:  errorAnswer,
+		Caller: func(c echo.Context) (string, bool) {
+			p, ok := c.Get(principalKey).(control.Principal)
+			return principalName(p), ok
+		},
+	})
 
 	h := &handlers{svc: svc}
 	e.GET("/healthz", h.healthz)
 	e.GET("/readyz", h.readyz)
 	var metricsGuard []echo.MiddlewareFunc
 	if opts.MetricsToken != "" {
-		metricsGuard = append(metricsGuard, metricsAuth(opts.MetricsToken))
+		metricsGuard = append(metricsGuard, httpserver.StaticToken(opts.MetricsToken, unauthorized))
 	}
 	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(svc.Registry(), promhttp.HandlerOpts{})), metricsGuard...)
 
@@ -97,41 +96,6 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	return e, nil
 }
 
-// requestLog writes the response of a failed handler itself (so that the
-// log line has the final status) and logs one JSON line per request:
-// 5xx at error with the cause, 4xx at debug, the rest at info.
-func requestLog(log *slog.Logger, requests *prometheus.CounterVec) echo.MiddlewareFunc {
-	return func(next echo.HandlerFunc) echo.HandlerFunc {
-		return func(c echo.Context) error {
-			start := time.Now()
-			err := next(c)
-			if err != nil {
-				c.Error(err)
-			}
-			req, res := c.Request(), c.Response()
-			requests.WithLabelValues(req.Method, c.Path(), http.StatusText(res.Status)).Inc()
-			attrs := []any{
-				"request_id", res.Header().Get(echo.HeaderXRequestID),
-				"method", req.Method, "path", req.URL.Path, "route", c.Path(),
-				"status", res.Status, "duration_ms", float64(time.Since(start).Microseconds()) / 1000,
-				"remote", c.RealIP(),
-			}
-			if p, ok := c.Get(principalKey).(control.Principal); ok {
-				attrs = append(attrs, "token", principalName(p))
-			}
-			switch {
-			case res.Status >= 500:
-				log.Error("request failed", append(attrs, "err", err)...)
-			case res.Status >= 400:
-				log.Debug("request refused", append(attrs, "err", err)...)
-			default:
-				log.Info("request", attrs...)
-			}
-			return nil
-		}
-	}
-}
-
 // statusOf maps an error code of the envelope to its HTTP status.
 var statusOf = map[string]int{
 	api.CodeInvalid:             http.StatusBadRequest,
@@ -149,29 +113,18 @@ var statusOf = map[string]int{
 	api.CodeInternal:            http.StatusInternalServerError,
 }
 
-// errorHandler is the one place where errors become HTTP answers.
-func errorHandler(log *slog.Logger) echo.HTTPErrorHandler {
-	return func(err error, c echo.Context) {
-		if c.Response().Committed {
-			return
-		}
-		body := toEnvelope(err)
-		status, ok := statusOf[body.Error.Code]
-		if !ok {
-			status = http.StatusInternalServerError
-		}
-		if status >= 500 && body.Error.Code == api.CodeInternal {
-			body.Error.Message += "; see the server log for request id " + c.Response().Header().Get(echo.HeaderXRequestID)
-		}
-		if c.Request().Method == http.MethodHead {
-			err = c.NoContent(status)
-		} else {
-			err = c.JSON(status, body)
-		}
-		if err != nil {
-			log.Error("write error response", "err", err)
-		}
+// errorAnswer maps an error to its status and envelope: the one place
+// where the control API's errors become HTTP answers.
+func errorAnswer(c echo.Context, err error) (int, any) {
+	body := toEnvelope(err)
+	status, ok := statusOf[body.Error.Code]
+	if !ok {
+		status = http.StatusInternalServerError
 	}
+	if status >= 500 && body.Error.Code == api.CodeInternal {
+		body.Error.Message += "; see the server log for request id " + httpserver.RequestID(c)
+	}
+	return status, body
 }
 
 func toEnvelope(err error) api.ErrorBody {

@@ -18,6 +18,7 @@ import (
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/httpserver"
 )
 
 // The fleet page (/ui): a read-only, server-rendered view of hosts, VMs,
@@ -118,7 +119,7 @@ func (a uiAuth) session(c echo.Context) (bool, error) {
 // bearer says whether the request carries a valid token in its
 // Authorization header (curl and scripts may use the page like the API).
 func (a uiAuth) bearer(c echo.Context) (bool, error) {
-	secret, ok := bearerToken(c.Request())
+	secret, ok := httpserver.BearerToken(c.Request())
 	if !ok {
 		return false, nil
 	}
@@ -204,7 +205,7 @@ func (u *uiHandlers) fleet(c echo.Context) error {
 func (u *uiHandlers) login(c echo.Context) error {
 	secret := c.FormValue("token")
 	if secret == "" {
-		secret, _ = bearerToken(c.Request())
+		secret, _ = httpserver.BearerToken(c.Request())
 	}
 	digest, ok, err := u.auth.login(c, secret)
 	if err != nil {

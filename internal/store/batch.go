@@ -23,12 +23,16 @@ var errStoreClosed = errors.New("store is closed")
 // queue for it anyway; sharing the commit writes each touched page to the
 // WAL once per batch instead of once per reservation, which was about half
 // of a reservation's cost. A lone reservation is a batch of one.
+//
+// On PostgreSQL the batcher groups the same way (commitPostgres): a batch
+// is one pipeline of reservation statements, one round trip and one commit.
 type reservationBatcher struct {
-	db    *gorm.DB
-	queue chan pendingReservation
-	stop  chan struct{}
-	wg    sync.WaitGroup
-	once  sync.Once
+	db     *gorm.DB
+	commit func(batch []pendingReservation)
+	queue  chan pendingReservation
+	stop   chan struct{}
+	wg     sync.WaitGroup
+	once   sync.Once
 }
 
 type pendingReservation struct {
@@ -36,9 +40,17 @@ type pendingReservation struct {
 	result chan error
 }
 
-func newReservationBatcher(db *gorm.DB) *reservationBatcher {
-	b := &reservationBatcher{db: db, queue: make(chan pendingReservation), stop: make(chan struct{})}
-	b.wg.Go(b.run)
+// newReservationBatcher starts committers goroutines that each take a batch
+// of queued reservations and commit it with commit (nil: the SQLite
+// transaction of commitSQLite).
+func newReservationBatcher(db *gorm.DB, committers int, commit func([]pendingReservation)) *reservationBatcher {
+	b := &reservationBatcher{db: db, commit: commit, queue: make(chan pendingReservation), stop: make(chan struct{})}
+	if b.commit == nil {
+		b.commit = b.commitSQLite
+	}
+	for range committers {
+		b.wg.Go(b.run)
+	}
 	return b
 }
 
@@ -88,7 +100,7 @@ func (b *reservationBatcher) run() {
 	}
 }
 
-func (b *reservationBatcher) commit(batch []pendingReservation) {
+func (b *reservationBatcher) commitSQLite(batch []pendingReservation) {
 	results := make([]error, len(batch))
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()

@@ -58,7 +58,7 @@ type Store struct {
 	db      *gorm.DB
 	dialect string
 	log     *slog.Logger
-	batcher *reservationBatcher // SQLite only
+	batcher *reservationBatcher
 	// statements counts the SQL statements issued through gorm (Statements).
 	statements atomic.Int64
 }
@@ -130,7 +130,9 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 		return nil, err
 	}
 	if dialect == DialectSQLite {
-		s.batcher = newReservationBatcher(db)
+		s.batcher = newReservationBatcher(db, 1, nil)
+	} else {
+		s.batcher = newReservationBatcher(db, postgresCommitters, s.commitPostgres)
 	}
 	return s, nil
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -113,7 +114,7 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 		vm.NICs = []NIC{}
 	}
 	var err error
-	if s.dialect == DialectPostgres {
+	if s.dialect == DialectPostgres && !sharesCommits(vm) {
 		err = s.reserveInOneStatement(ctx, vm)
 	} else {
 		err = s.batcher.reserve(ctx, vm)
@@ -151,9 +152,18 @@ func (s *Store) reserveInOneStatement(ctx context.Context, vm VM) error {
 	if err != nil {
 		return err
 	}
+	// Straight to database/sql, not through gorm: the statement is already
+	// SQL with $n placeholders, and gorm's Raw + Scan rebuilt it and
+	// rendered it with its arguments for a trace log on every call (a tenth
+	// of a placement's CPU).
+	sqlDB, err := s.db.DB()
+	if err != nil {
+		return err
+	}
 	var placed int
 	for attempt := 0; ; attempt++ {
-		err = s.db.WithContext(ctx).Raw(query, args...).Scan(&placed).Error
+		s.statements.Add(1)
+		err = sqlDB.QueryRowContext(ctx, query, args...).Scan(&placed)
 		if !retryable(err) || attempt == 4 || ctx.Err() != nil {
 			break
 		}
@@ -237,7 +247,29 @@ func (s *Store) GroupCounts(ctx context.Context, group, spreadBy string) (map[st
 	return out, nil
 }
 
-// reserveStatement builds the reservation statement of reserveInOneStatement.
+// pgArgs collects the arguments of a PostgreSQL statement and names
+// their placeholders ($1, $2, ...).
+type pgArgs []any
+
+// add appends the arguments and writes their placeholders to sql, each
+// with its cast ("" for none), separated by commas.
+func (a *pgArgs) add(sql *strings.Builder, casts []string, vals ...any) {
+	for i, v := range vals {
+		if i > 0 {
+			sql.WriteString(", ")
+		}
+		*a = append(*a, v)
+		sql.WriteByte('$')
+		sql.WriteString(strconv.Itoa(len(*a)))
+		if i < len(casts) && casts[i] != "" {
+			sql.WriteString("::")
+			sql.WriteString(casts[i])
+		}
+	}
+}
+
+// reserveStatement builds the reservation statement of reserveInOneStatement
+// with PostgreSQL's $n placeholders.
 func reserveStatement(vm VM) (string, []any, error) {
 	labels, err := jsonText(vm.Labels)
 	if err != nil {
@@ -253,20 +285,17 @@ func reserveStatement(vm VM) (string, []any, error) {
 	}
 	g := vm.Group
 	r := vm.Resources
-	args := []any{r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName, r.VCPUs, r.MemoryMiB, r.DiskMiB}
-	if g.Name != "" {
-		args = append(args, g.Name, g.SpreadBy, g.Domain, g.Cap)
-	}
-	args = append(args,
-		vm.ID, vm.Name, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.PowerState, vm.ObservedState, vm.Reason,
-		vm.StartedFrom, vm.ForkID, vm.ForkSlot, labels, nics, vm.Placement, vm.Constraints, g.Name, g.SpreadBy, g.Domain, g.Cap,
-		vm.Owner, guest, vm.CreatedAt, vm.UpdatedAt)
+	// The resources are $1-$3 and the host $4; the WHERE and the VM row
+	// reuse them.
+	args := make(pgArgs, 0, 32+4*len(vm.NICs)+2*len(vm.Labels))
+	args = append(args, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName)
 	var sql strings.Builder
+	sql.Grow(2048)
 	sql.WriteString(`WITH reserved AS (
 		UPDATE hosts SET
-			alloc_vcpus = alloc_vcpus + ?, alloc_memory_mib = alloc_memory_mib + ?, alloc_disk_mib = alloc_disk_mib + ?
-		WHERE name = ? AND alive AND schedulable
-			AND alloc_vcpus + ? <= cap_vcpus AND alloc_memory_mib + ? <= cap_memory_mib AND alloc_disk_mib + ? <= cap_disk_mib
+			alloc_vcpus = alloc_vcpus + $1, alloc_memory_mib = alloc_memory_mib + $2, alloc_disk_mib = alloc_disk_mib + $3
+		WHERE name = $4 AND alive AND schedulable
+			AND alloc_vcpus + $1 <= cap_vcpus AND alloc_memory_mib + $2 <= cap_memory_mib AND alloc_disk_mib + $3 <= cap_disk_mib
 		RETURNING name
 	)`)
 	if g.Name != "" {
@@ -275,7 +304,11 @@ func reserveStatement(vm VM) (string, []any, error) {
 		// reservation goes with it.
 		sql.WriteString(`, slot AS (
 		INSERT INTO group_domains (group_name, spread_by, domain, vm_count, vm_cap)
-		SELECT ?, ?, ?, 1, ?::integer FROM reserved
+		SELECT `)
+		args.add(&sql, []string{"text", "text", "text"}, g.Name, g.SpreadBy, g.Domain)
+		sql.WriteString(", 1, ")
+		args.add(&sql, []string{"integer"}, g.Cap)
+		sql.WriteString(` FROM reserved
 		ON CONFLICT (group_name, spread_by, domain) DO UPDATE
 			SET vm_count = group_domains.vm_count + 1, vm_cap = excluded.vm_cap
 		RETURNING 1
@@ -285,8 +318,17 @@ func reserveStatement(vm VM) (string, []any, error) {
 		INSERT INTO vms (id, name, host_name, image, vcpus, memory_mib, disk_mib, power_state, observed_state,
 			reason, started_from, holds_capacity, fork_id, fork_slot, labels, nics, placement,
 			constraints, group_name, spread_by, spread_domain, group_cap, owner_replica, guest, created_at, updated_at)
-		SELECT ?, ?, name, ?, ?, ?, ?, ?, ?, ?, ?, TRUE, ?::text, ?::integer, ?, ?, ?,
-			?, ?, ?, ?, ?::integer, ?::text, ?::text, ?::timestamp, ?::timestamp FROM reserved
+		SELECT `)
+	args.add(&sql, []string{"text", "text"}, vm.ID, vm.Name)
+	sql.WriteString(", name, ")
+	args.add(&sql, []string{"text"}, vm.Image)
+	sql.WriteString(", $1, $2, $3, ")
+	args.add(&sql, []string{"text", "text", "text", "text"}, vm.PowerState, vm.ObservedState, vm.Reason, vm.StartedFrom)
+	sql.WriteString(", TRUE, ")
+	args.add(&sql, []string{"text", "integer", "text", "text", "text", "text", "text", "text", "text", "integer", "text", "text", "timestamp", "timestamp"},
+		vm.ForkID, vm.ForkSlot, labels, nics, vm.Placement,
+		vm.Constraints, g.Name, g.SpreadBy, g.Domain, g.Cap, vm.Owner, guest, vm.CreatedAt, vm.UpdatedAt)
+	sql.WriteString(` FROM reserved
 		RETURNING id
 	)`)
 	if len(vm.NICs) > 0 {
@@ -299,8 +341,9 @@ func reserveStatement(vm VM) (string, []any, error) {
 			if i > 0 {
 				sql.WriteString(", ")
 			}
-			sql.WriteString("(?::integer, ?::text, ?::text, ?::bigint)")
-			args = append(args, i, n.Network, n.MACAddress, nicAddress(n))
+			sql.WriteByte('(')
+			args.add(&sql, []string{"integer", "text", "text", "bigint"}, i, n.Network, n.MACAddress, nicAddress(n))
+			sql.WriteByte(')')
 		}
 		sql.WriteString(`) AS n(i, net, mac, addr) RETURNING 1)`)
 	}
@@ -314,8 +357,9 @@ func reserveStatement(vm VM) (string, []any, error) {
 				sql.WriteString(", ")
 			}
 			first = false
-			sql.WriteString("(?::text, ?::text)")
-			args = append(args, k, v)
+			sql.WriteByte('(')
+			args.add(&sql, []string{"text", "text"}, k, v)
+			sql.WriteByte(')')
 		}
 		sql.WriteString(`) AS l(k, v) RETURNING 1)`)
 	}

@@ -167,21 +167,22 @@ func ProcessesUnder(dir string) []int {
 	return out
 }
 
-// handedOverProcesses finds the QEMU of a VM in dir that started as a warm
-// VM: its command line names a pool directory that now links to dir. Kill
-// uses it when the metadata naming that directory (Process.LaunchDir) is
-// lost, so that a delete still ends the process.
-func handedOverProcesses(dir string) []launched {
+// handedOverTo matches the pid files of the QEMU of a VM in dir that
+// started as a warm VM: its command line names a pool directory that now
+// links to dir. Kill uses it when the metadata naming that directory
+// (Process.LaunchDir) is lost, so that a delete still ends the process.
+// It matches nothing when dir does not resolve.
+func handedOverTo(dir string) func(pidfile string) bool {
 	want, err := filepath.EvalSymlinks(dir)
 	if err != nil {
-		return nil
+		return func(string) bool { return false }
 	}
-	return qemuProcesses(func(pf string) bool {
+	return func(pf string) bool {
 		launchDir := filepath.Dir(pf)
 		if fi, err := os.Lstat(launchDir); err != nil || fi.Mode()&os.ModeSymlink == 0 {
 			return false
 		}
 		got, err := filepath.EvalSymlinks(launchDir)
 		return err == nil && got == want
-	})
+	}
 }

@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
 )
 
@@ -72,9 +74,33 @@ func checkProcess(p agent.Process, pidfile string) (bool, string) {
 	return true, ""
 }
 
-// waitGone polls until p is no longer the VM's live QEMU, or timeout.
+// waitGone waits until p is no longer the VM's live QEMU, or timeout: on
+// the process's pidfd, which wakes the wait the moment it exits, and by
+// polling where the kernel has no pidfds (before Linux 5.3).
 func waitGone(p agent.Process, pidfile string, timeout time.Duration) bool {
 	deadline := time.Now().Add(timeout)
+	if fd, err := unix.PidfdOpen(p.PID, 0); err == nil {
+		defer func() { _ = unix.Close(fd) }()
+		// Opened after p may have gone: exited (start time) tells whether
+		// the pidfd is p's at all, before and after each wake.
+		for !exited(p, pidfile) {
+			left := time.Until(deadline)
+			if left <= 0 {
+				return false
+			}
+			fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+			n, err := unix.Poll(fds, int(left.Milliseconds())+1)
+			if err != nil && !errors.Is(err, unix.EINTR) {
+				break // poll below
+			}
+			if n > 0 && !exited(p, pidfile) {
+				time.Sleep(time.Millisecond) // exited, not yet reaped in /proc's view
+			}
+		}
+		if exited(p, pidfile) {
+			return true
+		}
+	}
 	for {
 		if exited(p, pidfile) {
 			return true

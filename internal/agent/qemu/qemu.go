@@ -411,18 +411,16 @@ func (d *Driver) Shutdown(ctx context.Context, m *agent.Machine, grace time.Dura
 // Kill ends QEMU at once.
 func (d *Driver) Kill(_ context.Context, m *agent.Machine) error {
 	var errs []error
-	if err := killProcess(m.Process, pidfileOf(m)); err != nil {
+	pidfile := pidfileOf(m)
+	if err := killProcess(m.Process, pidfile); err != nil {
 		errs = append(errs, err)
 	}
-	for _, p := range findProcesses(pidfileOf(m)) {
-		if err := killProcess(p, pidfileOf(m)); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	// A warm VM handed to m whose metadata no longer names its pool
-	// directory (pool.go).
-	for _, h := range handedOverProcesses(m.Dir) {
-		if err := killProcess(h.process, h.pidfile); err != nil {
+	// Any other QEMU of m's pid file, and a warm VM handed to m whose
+	// metadata no longer names its pool directory (pool.go): one pass over
+	// /proc finds both.
+	handed := handedOverTo(m.Dir)
+	for _, l := range qemuProcesses(func(pf string) bool { return pf == pidfile || handed(pf) }) {
+		if err := killProcess(l.process, l.pidfile); err != nil {
 			errs = append(errs, err)
 		}
 	}
