@@ -72,6 +72,10 @@ type Agent struct {
 
 	vms   *registry[vmRecord]        // VMs by id
 	snaps *registry[*snapshotRecord] // snapshots by id (snapshot_registry.go); a nil record until complete
+	// pulls are the snapshot pulls under way, by snapshot id
+	// (snapshot_pull.go), under pullsMu.
+	pullsMu sync.Mutex
+	pulls   map[string]*pullWatch
 
 	images *image.Cache // registered images (images.go); nil without ImageCacheDir
 

@@ -69,6 +69,33 @@ type Snapshotter interface {
 	AdoptPulled(ctx context.Context, dir string, files SnapshotFiles, from PulledFrom) ([]string, error)
 }
 
+// EarlySpawner is a Snapshotter that can start a child's process while
+// the snapshot it starts from is still being pulled, so that the start
+// overlaps the transfer of the RAM image (snapshot_spawn.go).
+type EarlySpawner interface {
+	// StartSpawn is Spawn up to the point where the child's memory would be
+	// loaded: it makes m's disk, an overlay that names the frozen disk in
+	// dir (where the snapshot will be), and starts m's process waiting for
+	// its state, with the snapshot's files opened in at (where they are
+	// now, at == dir once the snapshot is in place). In at, the disk chain
+	// is complete and adopted (AdoptPulled); the RAM image exists at its
+	// full size but may still be written: StartSpawn may map it, never
+	// read it. Nothing reads the device state or the RAM image before
+	// Finish, which the caller calls only once every file is verified and
+	// in dir. m.Process is set as by Boot. On error, no process is left
+	// (m's disk and NICs may be).
+	StartSpawn(ctx context.Context, m *Machine, dir, at string, files SnapshotFiles) (PendingSpawn, error)
+}
+
+// PendingSpawn is a child started by EarlySpawner.StartSpawn.
+type PendingSpawn interface {
+	// Finish loads the child's state from the snapshot, now verified and
+	// in place, and continues it. On error no process is left.
+	Finish(ctx context.Context) error
+	// Abort ends the child's process.
+	Abort()
+}
+
 // PulledFrom is what AdoptPulled may let a pulled snapshot's disks sit on.
 type PulledFrom struct {
 	Image string // the snapshot's image, on this agent

@@ -15,6 +15,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
@@ -94,8 +95,10 @@ func (a *Agent) verifyPeer(ctx context.Context, p *peer) error {
 // ensureSnapshot returns snapshot id, pulling it (and the snapshots it builds
 // on) from the agent at address when it is not here. Concurrent callers
 // needing the same pull wait for one. chain holds the ids being pulled
-// further up, against cycles in metadata sent by another agent.
-func (a *Agent) ensureSnapshot(ctx context.Context, id string, from *peer, chain []string) (*snapshotRecord, error) {
+// further up, against cycles in metadata sent by another agent. ready,
+// when set, is called when this call pulls id, as soon as its disk files
+// are here (see pullReady).
+func (a *Agent) ensureSnapshot(ctx context.Context, id string, from *peer, chain []string, ready pullReady) (*snapshotRecord, error) {
 	if slices.Contains(chain, id) || len(chain) >= maxSnapshotDepth {
 		return nil, errConflict("snapshot %s: its parents %v form a cycle or are more than %d deep", id, chain, maxSnapshotDepth)
 	}
@@ -122,7 +125,7 @@ func (a *Agent) ensureSnapshot(ctx context.Context, id string, from *peer, chain
 			e.Details = map[string]any{"snapshot": id}
 			return nil, e
 		}
-		rec, err := a.pullSnapshot(ctx, id, from, append(slices.Clone(chain), id))
+		rec, err := a.pullSnapshot(ctx, id, from, append(slices.Clone(chain), id), ready)
 		if err != nil {
 			a.snaps.drop(s)
 			s.unlock()
@@ -141,11 +144,88 @@ func errPull(id, address string, err error) *Error {
 		Message: fmt.Sprintf("pull snapshot %s from agent %s failed", id, address), Err: err}
 }
 
+// pullReady is told, during a pull, that it is ready (see pullWatch). It
+// must not block: the RAM image and the device state arrive after it
+// returns, and the snapshot is verified and in place only when
+// ensureSnapshot returns without error.
+type pullReady func(w *pullWatch)
+
+// pullWatch is a pull under way, for the children of its snapshot that
+// start from its files before it ends (snapshot_spawn.go). ready is
+// closed once the pull directory at holds the snapshot's disk files,
+// checked and adopted, and its RAM image (if any) at its full size, still
+// being written; rec is then a copy of the snapshot's metadata. done is
+// closed when the pull ended, ok when the snapshot is verified and in
+// place. A child opens files in at only between joinPull and
+// leavePull: the pull moves the directory into place only after every
+// child that joined has left.
+type pullWatch struct {
+	ready, done chan struct{}
+	at          string
+	rec         snapshotRecord
+	ok          bool
+
+	committing bool // under Agent.pullsMu: no child joins any more
+	opening    sync.WaitGroup
+}
+
+// joinPull says whether a child may open the files of w's pull directory;
+// it must then call leavePull once it opened them or gave up.
+func (a *Agent) joinPull(w *pullWatch) bool {
+	a.pullsMu.Lock()
+	defer a.pullsMu.Unlock()
+	if w.committing {
+		return false
+	}
+	w.opening.Add(1)
+	return true
+}
+
+func (a *Agent) leavePull(w *pullWatch) { w.opening.Done() }
+
+// closePull lets no more children join w and waits for those that did to
+// leave.
+func (a *Agent) closePull(w *pullWatch) {
+	a.pullsMu.Lock()
+	w.committing = true
+	a.pullsMu.Unlock()
+	w.opening.Wait()
+}
+
+// watchPull registers the pull of snapshot id that begins.
+func (a *Agent) watchPull(id string) *pullWatch {
+	w := &pullWatch{ready: make(chan struct{}), done: make(chan struct{})}
+	a.pullsMu.Lock()
+	defer a.pullsMu.Unlock()
+	if a.pulls == nil {
+		a.pulls = map[string]*pullWatch{}
+	}
+	a.pulls[id] = w
+	return w
+}
+
+// endPull ends the pull of snapshot id that w watches.
+func (a *Agent) endPull(id string, w *pullWatch, ok bool) {
+	a.pullsMu.Lock()
+	delete(a.pulls, id)
+	a.pullsMu.Unlock()
+	w.ok = ok
+	close(w.done)
+}
+
+// pullUnderWay is the pull of snapshot id under way, or nil.
+func (a *Agent) pullUnderWay(id string) *pullWatch {
+	a.pullsMu.Lock()
+	defer a.pullsMu.Unlock()
+	return a.pulls[id]
+}
+
 // pullSnapshot copies snapshot id from the agent at address into a pull
 // directory, checks every file's size and sha256 against the metadata, and
-// renames the directory into place only when all match. The caller holds
-// the snapshot's lock.
-func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain []string) (*snapshotRecord, error) {
+// renames the directory into place only when all match. The disk files
+// come first, then (after ready, when set) the device state and the RAM
+// image. The caller holds the snapshot's lock.
+func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain []string, ready pullReady) (*snapshotRecord, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), pullTimeout)
 	defer cancel()
 	start := time.Now()
@@ -175,7 +255,7 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 		return nil, errConflict("snapshot %s is of image %s, which this agent does not have: %v", id, rec.Image, err)
 	}
 	if rec.Parent != "" {
-		if _, err := a.ensureSnapshot(ctx, rec.Parent, from, chain); err != nil {
+		if _, err := a.ensureSnapshot(ctx, rec.Parent, from, chain, nil); err != nil {
 			return nil, fmt.Errorf("snapshot %s builds on snapshot %s: %w", id, rec.Parent, err)
 		}
 	}
@@ -184,20 +264,36 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 		return nil, fmt.Errorf("pull snapshot %s: %w", id, err)
 	}
 	done := false
+	w := a.watchPull(id)
 	defer func() {
+		// After the removal below: a child that started from the pull
+		// directory learns the outcome only once it is settled.
+		defer a.endPull(id, w, done)
 		if !done {
+			// Children that are opening the files go first: QEMU would
+			// create a RAM image missing from a directory being removed.
+			a.closePull(w)
 			if err := os.RemoveAll(dir); err != nil {
 				a.log.Warn("remove unfinished pull", "snapshot", id, "dir", dir, "err", err)
 			}
 		}
 	}()
 	var bytes int64
-	for _, f := range rec.Files {
-		if err := a.pullFile(ctx, c, id, dir, f); err != nil {
-			a.log.Warn("snapshot pull rejected", "snapshot", id, "from", address, "file", f.Name, "err", err)
-			return nil, errPull(id, address, err)
+	pull := func(disks bool) error {
+		for _, f := range rec.Files {
+			if isDiskFile(f) != disks {
+				continue
+			}
+			if err := a.pullFile(ctx, c, id, dir, f, f.Kind == agentapi.SnapshotFileRAM); err != nil {
+				a.log.Warn("snapshot pull rejected", "snapshot", id, "from", address, "file", f.Name, "err", err)
+				return errPull(id, address, err)
+			}
+			bytes += f.SizeBytes
 		}
-		bytes += f.SizeBytes
+		return nil
+	}
+	if err := pull(true); err != nil {
+		return nil, err
 	}
 	if err := a.adoptPulled(ctx, dir, rec); err != nil {
 		a.log.Warn("snapshot pull refused: its disk chain", "snapshot", id, "from", address, "err", err)
@@ -205,23 +301,62 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 		e.Details = map[string]any{"snapshot": id}
 		return nil, e
 	}
+	disks := time.Since(start)
+	// The RAM image exists at its full size (a hole) before anything may
+	// map it; pullFile then fills it in.
+	for _, f := range rec.Files {
+		if f.Kind == agentapi.SnapshotFileRAM {
+			if err := createSized(filepath.Join(dir, f.Name), f.SizeBytes); err != nil {
+				return nil, fmt.Errorf("pull snapshot %s: %w", id, err)
+			}
+		}
+	}
+	w.at, w.rec = dir, *rec
+	w.rec.Files, w.rec.NICs = slices.Clone(rec.Files), cloneNICs(rec.NICs)
+	close(w.ready)
+	if ready != nil {
+		ready(w)
+	}
+	if err := pull(false); err != nil {
+		return nil, err
+	}
+	for _, f := range rec.Files {
+		// The RAM image is read-only, as at the source (adoptPulled did
+		// the disks).
+		if f.Kind == agentapi.SnapshotFileRAM {
+			if err := os.Chmod(filepath.Join(dir, f.Name), 0o444); err != nil {
+				return nil, fmt.Errorf("pull snapshot %s: %w", id, err)
+			}
+		}
+	}
+	closePull := time.Now()
+	a.closePull(w)
+	opening := time.Since(closePull)
 	if err := a.commitSnapshotDir(dir, rec); err != nil {
 		return nil, fmt.Errorf("pull snapshot %s: %w", id, err)
 	}
 	done = true
-	a.log.Info("snapshot pulled", "snapshot", id, "from", address, "bytes", bytes, "ms", time.Since(start).Milliseconds())
+	a.log.Info("snapshot pulled", "snapshot", id, "from", address, "bytes", bytes, "disks_ms", disks.Milliseconds(),
+		"children_opening_ms", opening.Milliseconds(),
+		"ms", time.Since(start).Milliseconds())
 	return rec, nil
 }
 
-// pullFile streams one file into dir and checks it against f.
-func (a *Agent) pullFile(ctx context.Context, c *agentapi.Client, id, dir string, f agentapi.SnapshotFile) error {
+// pullFile streams one file into dir and checks it against f. created
+// says that the pull made the file already (createSized), to be filled in:
+// written only by this pull, in a directory of its own.
+func (a *Agent) pullFile(ctx context.Context, c *agentapi.Client, id, dir string, f agentapi.SnapshotFile, created bool) error {
 	body, _, err := c.OpenSnapshotFile(ctx, id, f.Name)
 	if err != nil {
 		return fmt.Errorf("open file %s: %w", f.Name, err)
 	}
 	defer func() { _ = body.Close() }()
 	path := filepath.Join(dir, f.Name)
-	out, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o640)
+	flags := os.O_CREATE | os.O_EXCL | os.O_WRONLY
+	if created {
+		flags = os.O_WRONLY
+	}
+	out, err := os.OpenFile(path, flags, 0o640)
 	if err != nil {
 		return err
 	}
@@ -248,6 +383,24 @@ func (a *Agent) pullFile(ctx context.Context, c *agentapi.Client, id, dir string
 		return fmt.Errorf("file %s: sha256 %s, the metadata says %s: corrupted in transit or changed at the source", f.Name, sum, f.SHA256)
 	}
 	return nil
+}
+
+// isDiskFile says whether f is a file of a snapshot's disk chain.
+func isDiskFile(f agentapi.SnapshotFile) bool {
+	return f.Kind == agentapi.SnapshotFileDisk || f.Kind == agentapi.SnapshotFileBacking
+}
+
+// createSized creates the file path with size bytes, all a hole.
+func createSized(path string, size int64) error {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o640)
+	if err != nil {
+		return err
+	}
+	err = f.Truncate(size)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }
 
 // adoptPulled has the driver check the disk chain of a pulled snapshot and
@@ -284,7 +437,7 @@ func (a *Agent) adoptPulled(ctx context.Context, dir string, rec *snapshotRecord
 			}
 			rec.Files[i].SizeBytes, rec.Files[i].SHA256 = size, sum
 		}
-		if f.Kind != agentapi.SnapshotFileMemory {
+		if isDiskFile(f) {
 			if err := os.Chmod(path, 0o444); err != nil {
 				return err
 			}

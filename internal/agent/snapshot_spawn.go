@@ -51,50 +51,138 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 	if err != nil {
 		return fail(err)
 	}
-	rec, err := a.ensureSnapshot(ctx, src.ID, from, nil)
-	if err != nil {
-		return fail(err)
+	// prepare checks the snapshot against the spec and makes the child's
+	// directory, record and seed; it returns the machine to start.
+	prepare := func(rec *snapshotRecord) (*Machine, error) {
+		if rec.Image != spec.Image || rec.VCPUs != spec.VCPUs || rec.MemoryMiB != spec.MemoryMiB || rec.DiskMiB != spec.DiskMiB {
+			return nil, errInvalid("snapshot %s is of a vm with image %s, %d vcpus, %d MiB memory, %d MiB disk: a vm started from it must have that shape",
+				src.ID, rec.Image, rec.VCPUs, rec.MemoryMiB, rec.DiskMiB)
+		}
+		if err := checkChildNICs(src.ID, rec.NICs, spec.NICs); err != nil {
+			return nil, err
+		}
+		// The child's devices must match the snapshot's: a seed disk exactly
+		// when its source had one. The child's seed is its own (its id, its
+		// hostname); the running guest reads it at its next boot.
+		switch {
+		case rec.SeedDisk && r.Seed == nil:
+			r.Seed = &agentapi.SeedSpec{InstanceID: e.id}
+		case !rec.SeedDisk && r.Seed != nil:
+			return nil, errInvalid("snapshot %s is of a vm without a seed disk: a vm started from it cannot have one (its devices must match the saved state); start it without a seed", src.ID)
+		}
+		r.GuestNICs = cloneNICs(rec.NICs)
+		e.set(r)
+		if err := os.MkdirAll(a.vmDir(e.id), 0o750); err != nil {
+			return nil, err
+		}
+		if err := a.saveRecord(&r); err != nil {
+			return nil, err
+		}
+		if err := a.ensureSeed(r); err != nil {
+			return nil, err
+		}
+		return machineOf(a, r), nil
 	}
+	// A child of a snapshot pulled from another agent starts while the
+	// RAM image arrives (EarlySpawner): its overlay and its QEMU are made
+	// once the disk files are here, by the pull this child makes or by
+	// one that another child of the snapshot made first; it loads its
+	// state only after the whole snapshot is verified and in place. Should
+	// that early start fail, or the pull it used, the child starts as
+	// without it.
+	var early *earlySpawn
+	var ready pullReady
+	var watched *pullWatch
+	if es, ok := sn.(EarlySpawner); ok && from != nil {
+		ready = func(w *pullWatch) {
+			if !a.joinPull(w) {
+				return
+			}
+			early = &earlySpawn{done: make(chan struct{})}
+			early.m, early.prepErr = prepare(&w.rec)
+			if early.prepErr != nil {
+				a.leavePull(w)
+				close(early.done)
+				return
+			}
+			files, m := w.rec.files(), early.m
+			go func() {
+				defer close(early.done)
+				defer a.leavePull(w)
+				early.p, early.err = es.StartSpawn(ctx, m, a.snapDir(src.ID), w.at, files)
+			}()
+		}
+		if w := a.pullUnderWay(src.ID); w != nil {
+			select {
+			case <-w.ready:
+				ready(w)
+				ready, watched = nil, w
+			case <-w.done:
+			case <-ctx.Done():
+			}
+		}
+	}
+	rec, err := a.ensureSnapshot(ctx, src.ID, from, nil, ready)
 	pulled := time.Since(start)
-	if rec.Image != spec.Image || rec.VCPUs != spec.VCPUs || rec.MemoryMiB != spec.MemoryMiB || rec.DiskMiB != spec.DiskMiB {
-		return fail(errInvalid("snapshot %s is of a vm with image %s, %d vcpus, %d MiB memory, %d MiB disk: a vm started from it must have that shape",
-			src.ID, rec.Image, rec.VCPUs, rec.MemoryMiB, rec.DiskMiB))
+	if early != nil && err == nil && early.prepErr == nil {
+		<-early.done
+		if early.err != nil || (watched != nil && !watched.ok) {
+			if early.p != nil {
+				early.p.Abort()
+			}
+			// The start without it attaches the NICs afresh.
+			if rerr := a.releaseNetwork(context.WithoutCancel(ctx), early.m); rerr != nil {
+				return fail(rerr)
+			}
+			a.log.Warn("early start of a child failed, starting it without", "vm", e.id, "snapshot", src.ID, "err", early.err)
+			early = nil
+		}
 	}
-	if err := checkChildNICs(src.ID, rec.NICs, spec.NICs); err != nil {
-		return fail(err)
-	}
-	// The child's devices must match the snapshot's: a seed disk exactly
-	// when its source had one. The child's seed is its own (its id, its
-	// hostname); the running guest reads it at its next boot.
+	var m *Machine
 	switch {
-	case rec.SeedDisk && r.Seed == nil:
-		r.Seed = &agentapi.SeedSpec{InstanceID: e.id}
-	case !rec.SeedDisk && r.Seed != nil:
-		return fail(errInvalid("snapshot %s is of a vm without a seed disk: a vm started from it cannot have one (its devices must match the saved state); start it without a seed", src.ID))
-	}
-	r.GuestNICs = cloneNICs(rec.NICs)
-	e.set(r)
-	if err := os.MkdirAll(a.vmDir(e.id), 0o750); err != nil {
+	case early != nil:
+		<-early.done
+		switch {
+		case err != nil:
+			if early.p != nil {
+				early.p.Abort()
+			}
+			return fail(err)
+		case early.prepErr != nil:
+			return fail(early.prepErr)
+		}
+		m = early.m
+		if err := early.p.Finish(ctx); err != nil {
+			return fail(err)
+		}
+	case err != nil:
 		return fail(err)
-	}
-	if err := a.saveRecord(&r); err != nil {
-		return fail(err)
-	}
-	if err := a.ensureSeed(r); err != nil {
-		return fail(err)
-	}
-	m := machineOf(a, r)
-	if err := sn.Spawn(ctx, m, a.snapDir(src.ID), rec.files()); err != nil {
-		return fail(err)
+	default:
+		if m, err = prepare(rec); err != nil {
+			return fail(err)
+		}
+		if err := sn.Spawn(ctx, m, a.snapDir(src.ID), rec.files()); err != nil {
+			return fail(err)
+		}
 	}
 	r.State, r.Process, r.Disk, r.NICs = agentapi.StateRunning, m.Process, m.Disk, m.NICs
 	if err := a.saveRecord(&r); err != nil {
 		return fail(err)
 	}
 	e.set(r)
-	a.log.Info("vm started from snapshot", "vm", e.id, "snapshot", src.ID, "pid", r.Process.PID,
+	a.log.Info("vm started from snapshot", "vm", e.id, "snapshot", src.ID, "pid", r.Process.PID, "early", early != nil,
 		"snapshot_ready_ms", pulled.Milliseconds(), "total_ms", time.Since(start).Milliseconds())
 	return r.wire(), nil
+}
+
+// earlySpawn is a child started while its snapshot is pulled: done is
+// closed once StartSpawn returned p or err (or prepare failed, prepErr).
+type earlySpawn struct {
+	done    chan struct{}
+	m       *Machine
+	p       PendingSpawn
+	prepErr error
+	err     error
 }
 
 // guestView is a VM's NICs as its guest sees them.

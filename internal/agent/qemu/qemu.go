@@ -69,6 +69,9 @@ type Driver struct {
 	snapshotPauses atomic.Int64
 	// qmpSessions counts the QMP sessions opened (qmp.go).
 	qmpSessions atomic.Int64
+	// earlyStarts counts the children started while their snapshot was
+	// still being pulled (StartSpawn in snapshot.go).
+	earlyStarts atomic.Int64
 	// net makes the host side of NICs (taps, bridges, leases, NAT rules);
 	// ports are the host ports of user-mode forwards (network.go).
 	net   *network.Host
@@ -187,7 +190,10 @@ func (d *Driver) Create(ctx context.Context, m *agent.Machine) error {
 // putting it through the migration stream (snapshot.go); or, for a child
 // started from a RAM image, that file mapped copy-on-write: the child
 // faults pages in as it touches them instead of loading them all first.
-func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, ramImage string, nics []string) []string {
+//
+// child, for a VM started from a snapshot, says where that snapshot's
+// files are when QEMU starts (see childFiles).
+func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, child childFiles, nics []string) []string {
 	cpu := "max"
 	if d.accel == "kvm" {
 		cpu = "host"
@@ -197,7 +203,7 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, ramI
 		"-name", "guest=" + m.ID + ",debug-threads=on",
 		"-machine", img.Machine + ",memory-backend=" + ramObjectID, "-accel", d.accel, "-cpu", cpu,
 		"-smp", strconv.FormatInt(m.VCPUs, 10), "-m", strconv.FormatInt(m.MemoryMiB, 10) + "M",
-		"-object", ramObject(m.MemoryMiB, ramImage),
+		"-object", ramObject(m.MemoryMiB, child.ram),
 		"-nodefaults", "-no-user-config", "-display", "none",
 		"-chardev", "file,id=console,append=on,path=" + qemuOptQuote(filepath.Join(m.Dir, consoleFileName)),
 		"-serial", "chardev:console",
@@ -229,6 +235,11 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, ramI
 	}
 	if m.DiskMiB > 0 {
 		drive := "if=none,id=disk0,format=qcow2,discard=unmap,file=" + qemuOptQuote(diskPath(m))
+		if child.backing != "" {
+			// The frozen disk is opened where it is now; the overlay's
+			// header keeps naming it where it will be.
+			drive += ",backing.file.filename=" + qemuOptQuote(child.backing)
+		}
 		dev := blk + ",drive=disk0"
 		if img.Kind == agent.ImageDisk {
 			dev += ",bootindex=0"
@@ -277,17 +288,24 @@ func qemuOptQuote(v string) string { return strings.ReplaceAll(v, ",", ",,") }
 // QMP socket listens, its pid file is written) and leaves the VM running in
 // a session of its own, not a child that dies with the agent.
 func (d *Driver) Boot(ctx context.Context, m *agent.Machine, opts agent.BootOptions) error {
-	q, err := d.boot(ctx, m, opts, "")
+	q, err := d.boot(ctx, m, opts, childFiles{})
 	if err != nil {
 		return err
 	}
 	return q.Close()
 }
 
-// boot is Boot, with the RAM of m mapped from ramImage when it is set. It
+// childFiles are the files of the snapshot a child starts from, where
+// QEMU opens them: ram, the RAM image to map ("" for a memfd), and
+// backing, the frozen disk under the child's overlay when it is not (yet)
+// where the overlay's header names it ("" to follow the header): a
+// snapshot still being pulled (StartSpawn).
+type childFiles struct{ ram, backing string }
+
+// boot is Boot, with the RAM of m mapped from child.ram when it is set. It
 // returns the QMP session that checked the new QEMU, for the caller to go
 // on with or close.
-func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOptions, ramImage string) (*monitor, error) {
+func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOptions, child childFiles) (*monitor, error) {
 	t0 := time.Now()
 	img, err := d.loadImage(m.Image)
 	if err != nil {
@@ -318,7 +336,7 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	// QEMU that nobody records is worse than a finished one.
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), startTimeout)
 	defer cancel()
-	cmd := exec.CommandContext(sctx, d.qemu, d.args(m, img, opts, ramImage, nics)...)
+	cmd := exec.CommandContext(sctx, d.qemu, d.args(m, img, opts, child, nics)...)
 	cmd.Dir = m.Dir
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	var out bytes.Buffer

@@ -34,6 +34,17 @@ package qemu
 // front: pages come in from the page cache as the guest touches them, and
 // the children of one host share the pages they only read.
 //
+// A child of a snapshot that is being pulled from another agent starts
+// early (StartSpawn): once the frozen disk chain is here and checked, its
+// overlay is made and its QEMU started with -incoming defer, opening the
+// frozen disk in the pull directory (backing.file.filename overrides the
+// name in the overlay's header, which names the snapshot's own directory)
+// and mapping the RAM image there, created at its full size and still
+// being written. QEMU writes no guest RAM while it waits for incoming
+// state. migrate-incoming, the first read of the state and of the RAM,
+// comes only once the pull has checked every file's sha256 and moved the
+// directory into place (Finish); a pull that fails ends the child's QEMU.
+//
 // A VM whose RAM is not a memfd (a child: its RAM is that private mapping)
 // is snapshotted with its RAM in memory.state, and its children load it
 // from there into a memfd of their own.
@@ -45,6 +56,7 @@ package qemu
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -118,13 +130,33 @@ func (d *Driver) activeDisk(ctx context.Context, q *monitor, m *agent.Machine) (
 			g, _ := strconv.Atoi(sm[1])
 			return g, b.Inserted.Image.VirtualSize, nil
 		}
-		if sm := diskFilePattern.FindStringSubmatch(filepath.Base(b.Inserted.File)); sm != nil {
+		if sm := diskFilePattern.FindStringSubmatch(filepath.Base(blockFileName(b.Inserted.File))); sm != nil {
 			g, _ := strconv.Atoi(sm[1]) // "" for disk.qcow2: 0
 			return g, b.Inserted.Image.VirtualSize, nil
 		}
 		return 0, 0, fmt.Errorf("vm %s: drive %s is node %q on %q, not a disk chain file of this driver", m.ID, driveID, b.Inserted.NodeName, b.Inserted.File)
 	}
 	return 0, 0, fmt.Errorf("vm %s: qemu has no drive %s", m.ID, driveID)
+}
+
+// blockFileName is the file of a drive as query-block names it: QEMU
+// names a drive opened with options for its backing file (a child started
+// while its snapshot was pulled, StartSpawn) by a json: pseudo-filename,
+// whose top-level file.filename is the drive's own file.
+func blockFileName(name string) string {
+	rest, ok := strings.CutPrefix(name, "json:")
+	if !ok {
+		return name
+	}
+	var v struct {
+		File struct {
+			Filename string `json:"filename"`
+		} `json:"file"`
+	}
+	if err := json.Unmarshal([]byte(rest), &v); err != nil {
+		return name
+	}
+	return v.File.Filename
 }
 
 func (d *Driver) qemuImgCreate(ctx context.Context, path, backing string, size int64) error {
@@ -369,39 +401,97 @@ func copyRAM(path, memfd string, size int64) (string, error) {
 
 // Spawn implements agent.Snapshotter (see the file comment).
 func (d *Driver) Spawn(ctx context.Context, m *agent.Machine, dir string, files agent.SnapshotFiles) error {
-	t0 := time.Now()
-	m.Disk = ""
-	if m.DiskMiB > 0 {
-		if files.Disk == "" {
-			return fmt.Errorf("start vm %s: the snapshot has no disk, the vm has %d MiB", m.ID, m.DiskMiB)
-		}
-		backing, err := filepath.Rel(m.Dir, filepath.Join(dir, files.Disk))
-		if err != nil {
-			return fmt.Errorf("start vm %s: %w", m.ID, err)
-		}
-		if err := d.qemuImgCreate(ctx, diskPath(m), backing, m.DiskMiB<<20); err != nil {
-			return fmt.Errorf("start vm %s: %w", m.ID, err)
-		}
-	}
-	t1 := time.Now()
-	state, ram := filepath.Join(dir, files.Memory), ""
-	if files.RAM != "" {
-		ram = filepath.Join(dir, files.RAM)
-	}
-	q, err := d.boot(ctx, m, agent.BootOptions{Incoming: state}, ram)
+	p, err := d.startSpawn(ctx, m, dir, dir, files)
 	if err != nil {
 		return err
 	}
-	defer func() { _ = q.Close() }()
-	err = q.migrateSetCapabilities(ctx, migrationCaps(ram != "")...)
-	if err == nil {
-		err = q.migrateIncoming(ctx, "exec:cat "+shellQuote(state))
-	}
+	return p.Finish(ctx)
+}
+
+var _ agent.EarlySpawner = (*Driver)(nil)
+
+// StartSpawn implements agent.EarlySpawner: the child's overlay names the
+// frozen disk in dir, where the snapshot will be, while QEMU opens it and
+// maps the RAM image in at, where the files are now. QEMU reads neither
+// the RAM image nor the device state before Finish.
+func (d *Driver) StartSpawn(ctx context.Context, m *agent.Machine, dir, at string, files agent.SnapshotFiles) (agent.PendingSpawn, error) {
+	d.earlyStarts.Add(1)
+	p, err := d.startSpawn(ctx, m, dir, at, files)
 	if err != nil {
+		return nil, err // not a nil *pendingSpawn in an interface
+	}
+	return p, nil
+}
+
+// EarlyStarts is how many children StartSpawn began to start while their
+// snapshot was still being pulled.
+func (d *Driver) EarlyStarts() int64 { return d.earlyStarts.Load() }
+
+// pendingSpawn is a child's QEMU started with -incoming defer, waiting
+// for its state.
+type pendingSpawn struct {
+	d       *Driver
+	m       *agent.Machine
+	q       *monitor
+	state   string // the device state file in the snapshot's own directory
+	ram     bool
+	t0, t1  time.Time
+	started time.Time
+}
+
+func (d *Driver) startSpawn(ctx context.Context, m *agent.Machine, dir, at string, files agent.SnapshotFiles) (*pendingSpawn, error) {
+	t0 := time.Now()
+	m.Disk = ""
+	var child childFiles
+	if m.DiskMiB > 0 {
+		if files.Disk == "" {
+			return nil, fmt.Errorf("start vm %s: the snapshot has no disk, the vm has %d MiB", m.ID, m.DiskMiB)
+		}
+		backing, err := filepath.Rel(m.Dir, filepath.Join(dir, files.Disk))
+		if err != nil {
+			return nil, fmt.Errorf("start vm %s: %w", m.ID, err)
+		}
+		// -u: the frozen disk need not be there yet (StartSpawn).
+		if err := d.qemuImgCreate(ctx, diskPath(m), backing, m.DiskMiB<<20); err != nil {
+			return nil, fmt.Errorf("start vm %s: %w", m.ID, err)
+		}
+		if at != dir {
+			child.backing = filepath.Join(at, files.Disk)
+		}
+	}
+	t1 := time.Now()
+	state := filepath.Join(dir, files.Memory)
+	if files.RAM != "" {
+		child.ram = filepath.Join(at, files.RAM)
+	}
+	q, err := d.boot(ctx, m, agent.BootOptions{Incoming: state}, child)
+	if err != nil {
+		return nil, err
+	}
+	if err := q.migrateSetCapabilities(ctx, migrationCaps(child.ram != "")...); err != nil {
+		_ = q.Close()
+		d.killLeftovers(m)
+		return nil, fmt.Errorf("start vm %s: set the migration capabilities: %w", m.ID, err)
+	}
+	return &pendingSpawn{d: d, m: m, q: q, state: state, ram: child.ram != "", t0: t0, t1: t1, started: time.Now()}, nil
+}
+
+// Abort implements agent.PendingSpawn.
+func (p *pendingSpawn) Abort() {
+	_ = p.q.Close()
+	p.d.killLeftovers(p.m)
+}
+
+// Finish implements agent.PendingSpawn: it loads the device state (and
+// with it the guest's view of its RAM) and continues the child.
+func (p *pendingSpawn) Finish(ctx context.Context) error {
+	d, m, q := p.d, p.m, p.q
+	defer func() { _ = q.Close() }()
+	t2 := time.Now()
+	if err := q.migrateIncoming(ctx, "exec:cat "+shellQuote(p.state)); err != nil {
 		d.killLeftovers(m)
 		return fmt.Errorf("start vm %s: load the snapshot's device state: %w", m.ID, err)
 	}
-	t2 := time.Now()
 	if err := d.waitIncoming(ctx, q, m); err != nil {
 		d.killLeftovers(m)
 		return err
@@ -411,8 +501,9 @@ func (d *Driver) Spawn(ctx context.Context, m *agent.Machine, dir string, files 
 		d.killLeftovers(m)
 		return fmt.Errorf("start vm %s: continue after loading the snapshot: %w", m.ID, err)
 	}
-	d.log.Info("vm continued from snapshot", "vm", m.ID, "ram_mapped", ram != "", "overlay_ms", t1.Sub(t0).Milliseconds(),
-		"qemu_start_ms", t2.Sub(t1).Milliseconds(), "load_wait_ms", t3.Sub(t2).Milliseconds(), "cont_ms", time.Since(t3).Milliseconds())
+	d.log.Info("vm continued from snapshot", "vm", m.ID, "ram_mapped", p.ram, "overlay_ms", p.t1.Sub(p.t0).Milliseconds(),
+		"qemu_start_ms", p.started.Sub(p.t1).Milliseconds(), "files_wait_ms", t2.Sub(p.started).Milliseconds(),
+		"load_wait_ms", t3.Sub(t2).Milliseconds(), "cont_ms", time.Since(t3).Milliseconds())
 	return nil
 }
 

@@ -144,10 +144,11 @@ func generationID(t *testing.T, dir, id string) string {
 }
 
 // tamperProxy forwards to an agent; with tamper set it flips one byte of
-// every snapshot file it serves.
+// every snapshot file it serves, or with only set, of that file alone.
 type tamperProxy struct {
 	srv    *httptest.Server
 	tamper atomic.Bool
+	only   atomic.Pointer[string]
 }
 
 func startTamperProxy(t *testing.T, target string) *tamperProxy {
@@ -160,6 +161,9 @@ func startTamperProxy(t *testing.T, target string) *tamperProxy {
 	rp := httputil.NewSingleHostReverseProxy(u)
 	rp.ModifyResponse = func(resp *http.Response) error {
 		if !p.tamper.Load() || !strings.Contains(resp.Request.URL.Path, "/files/") || resp.StatusCode != http.StatusOK {
+			return nil
+		}
+		if only := p.only.Load(); only != nil && !strings.HasSuffix(resp.Request.URL.Path, "/files/"+*only) {
 			return nil
 		}
 		b, err := io.ReadAll(resp.Body)
@@ -285,13 +289,50 @@ func TestForkGuest(t *testing.T) {
 			t.Fatalf("a tampered pull left %s/%s", sub, entries[0].Name())
 		}
 	}
+	// The child's QEMU starts once the disk files are in: a device state
+	// or RAM image tampered with after that ends it before it loads
+	// anything, and leaves nothing either.
+	for _, name := range []string{"memory.state", "memory.ram"} {
+		proxy.only.Store(&name)
+		early := b.driver.EarlyStarts()
+		if _, err := b.client.CreateVM(ctx, "far", remote); err == nil || !strings.Contains(err.Error(), "file "+name) {
+			t.Fatalf("child from a pull with %s tampered: %v, want that file rejected", name, err)
+		}
+		// The client retries a failed pull (a 502): one early start each.
+		if b.driver.EarlyStarts() == early {
+			t.Fatalf("child from a pull with %s tampered: no early start, want its qemu started before the file came", name)
+		}
+		if pids := qemu.ProcessesUnder(b.dir); len(pids) != 0 {
+			t.Fatalf("a pull with %s tampered left qemu %v", name, pids)
+		}
+		for _, sub := range []string{"vms", "snapshots"} {
+			if entries, _ := os.ReadDir(filepath.Join(b.dir, sub)); len(entries) != 0 {
+				t.Fatalf("a pull with %s tampered left %s/%s", name, sub, entries[0].Name())
+			}
+		}
+	}
+	proxy.only.Store(nil)
 	proxy.tamper.Store(false)
+	early := b.driver.EarlyStarts()
 	if vm, err := b.client.CreateVM(ctx, "far", remote); err != nil || vm.State != agentapi.StateRunning {
 		t.Fatalf("child on another agent = %+v, %v", vm, err)
 	}
 	if ts := b.waitTicks(t, "far", 1); ts[0] != point+1 {
 		t.Errorf("child on another agent starts at tick %d; the snapshot was taken after tick %d", ts[0], point)
 	}
+	if b.driver.EarlyStarts() != early+1 {
+		t.Errorf("child on another agent: %d early starts, want 1 (its qemu starts while the ram image arrives)", b.driver.EarlyStarts()-early)
+	}
+	// A child started while its snapshot was pulled (its QEMU opened the
+	// frozen disk in the pull directory) is a VM like any other: it can be
+	// snapshotted and forked in turn.
+	if _, err := b.client.CreateSnapshot(ctx, "far-s", agentapi.SnapshotSpec{VMID: "far"}); err != nil {
+		t.Fatalf("snapshot of the child on another agent: %v", err)
+	}
+	farChild := guest
+	farChild.Snapshot = &agentapi.SnapshotSource{ID: "far-s"}
+	spawnChildren(ctx, t, b.client, farChild, []string{"far-c"})
+	b.waitTicks(t, "far-c", 1)
 
 	// Without pause_source the source goes on by itself.
 	if _, err := a.client.CreateSnapshot(ctx, "s2", agentapi.SnapshotSpec{VMID: "src"}); err != nil {
@@ -302,6 +343,18 @@ func TestForkGuest(t *testing.T) {
 	}
 	n := len(ticks(a.console(t, "src")))
 	a.waitTicks(t, "src", n+2)
+
+	// Two children of one snapshot on another agent: one pulls it, the
+	// other waits for that pull; each starts early or after it.
+	two := guest
+	two.Snapshot = &agentapi.SnapshotSource{ID: "s2", Address: proxy.srv.URL, PublicKey: agentapi.EncodeKey(a.ag.PublicKey())}
+	early = b.driver.EarlyStarts()
+	spawnChildren(ctx, t, b.client, two, []string{"far2a", "far2b"})
+	if n := b.driver.EarlyStarts() - early; n < 1 || n > 2 {
+		t.Errorf("two children on another agent: %d early starts, want 1 or 2", n)
+	}
+	b.waitTicks(t, "far2a", 1)
+	b.waitTicks(t, "far2b", 1)
 
 	// A restart keeps snapshots and children; a child is a normal VM: a
 	// start after a stop boots it from its own disk.
