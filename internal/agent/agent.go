@@ -72,10 +72,12 @@ type Agent struct {
 
 	vms   *registry[vmRecord]        // VMs by id
 	snaps *registry[*snapshotRecord] // snapshots by id (snapshot_registry.go); a nil record until complete
-	// pulls are the snapshot pulls under way, by snapshot id
+	// pulls are the snapshot pulls under way, by snapshot id, and
+	// pullWaiters the children that wait for one to get ready
 	// (snapshot_pull.go), under pullsMu.
-	pullsMu sync.Mutex
-	pulls   map[string]*pullWatch
+	pullsMu     sync.Mutex
+	pulls       map[string]*pullWatch
+	pullWaiters pullWaiters
 
 	images *image.Cache // registered images (images.go); nil without ImageCacheDir
 

@@ -95,10 +95,8 @@ func (a *Agent) verifyPeer(ctx context.Context, p *peer) error {
 // ensureSnapshot returns snapshot id, pulling it (and the snapshots it builds
 // on) from the agent at address when it is not here. Concurrent callers
 // needing the same pull wait for one. chain holds the ids being pulled
-// further up, against cycles in metadata sent by another agent. ready,
-// when set, is called when this call pulls id, as soon as its disk files
-// are here (see pullReady).
-func (a *Agent) ensureSnapshot(ctx context.Context, id string, from *peer, chain []string, ready pullReady) (*snapshotRecord, error) {
+// further up, against cycles in metadata sent by another agent.
+func (a *Agent) ensureSnapshot(ctx context.Context, id string, from *peer, chain []string) (*snapshotRecord, error) {
 	if slices.Contains(chain, id) || len(chain) >= maxSnapshotDepth {
 		return nil, errConflict("snapshot %s: its parents %v form a cycle or are more than %d deep", id, chain, maxSnapshotDepth)
 	}
@@ -125,7 +123,7 @@ func (a *Agent) ensureSnapshot(ctx context.Context, id string, from *peer, chain
 			e.Details = map[string]any{"snapshot": id}
 			return nil, e
 		}
-		rec, err := a.pullSnapshot(ctx, id, from, append(slices.Clone(chain), id), ready)
+		rec, err := a.pullSnapshot(ctx, id, from, append(slices.Clone(chain), id))
 		if err != nil {
 			a.snaps.drop(s)
 			s.unlock()
@@ -144,29 +142,75 @@ func errPull(id, address string, err error) *Error {
 		Message: fmt.Sprintf("pull snapshot %s from agent %s failed", id, address), Err: err}
 }
 
-// pullReady is told, during a pull, that it is ready (see pullWatch). It
-// must not block: the RAM image and the device state arrive after it
-// returns, and the snapshot is verified and in place only when
-// ensureSnapshot returns without error.
-type pullReady func(w *pullWatch)
-
 // pullWatch is a pull under way, for the children of its snapshot that
-// start from its files before it ends (snapshot_spawn.go). ready is
-// closed once the pull directory at holds the snapshot's disk files,
-// checked and adopted, and its RAM image (if any) at its full size, still
-// being written; rec is then a copy of the snapshot's metadata. done is
-// closed when the pull ended, ok when the snapshot is verified and in
-// place. A child opens files in at only between joinPull and
-// leavePull: the pull moves the directory into place only after every
+// start from its files before it ends (snapshot_spawn.go). Once it is
+// ready, the pull directory at holds the snapshot's disk files, checked
+// and adopted, and its RAM image (if any) at its full size, still being
+// written; rec is then a copy of the snapshot's metadata. done is closed
+// when the pull ended, ok (under Agent.pullsMu) when the snapshot is
+// verified and in place. A child opens files in at only between joinPull
+// and leavePull: the pull moves or removes the directory only after every
 // child that joined has left.
 type pullWatch struct {
-	ready, done chan struct{}
-	at          string
-	rec         snapshotRecord
-	ok          bool
+	at   string
+	rec  snapshotRecord
+	done chan struct{}
 
-	committing bool // under Agent.pullsMu: no child joins any more
-	opening    sync.WaitGroup
+	// Under Agent.pullsMu.
+	ready, committing, ok bool
+	opening               sync.WaitGroup
+}
+
+// pullWaiters are the channels that hear of the next pull of a snapshot
+// that gets ready, by snapshot id, under Agent.pullsMu.
+type pullWaiters map[string][]chan *pullWatch
+
+// awaitPull returns a channel that hears of the first pull of snapshot id
+// that is ready (one under way and ready already, or a later one), and a
+// function that stops listening.
+func (a *Agent) awaitPull(id string) (<-chan *pullWatch, func()) {
+	ch := make(chan *pullWatch, 1)
+	a.pullsMu.Lock()
+	defer a.pullsMu.Unlock()
+	if w := a.pulls[id]; w != nil && w.ready && !w.committing {
+		ch <- w
+		return ch, func() {}
+	}
+	if a.pullWaiters == nil {
+		a.pullWaiters = pullWaiters{}
+	}
+	a.pullWaiters[id] = append(a.pullWaiters[id], ch)
+	return ch, func() {
+		a.pullsMu.Lock()
+		defer a.pullsMu.Unlock()
+		a.pullWaiters[id] = slices.DeleteFunc(a.pullWaiters[id], func(c chan *pullWatch) bool { return c == ch })
+		if len(a.pullWaiters[id]) == 0 {
+			delete(a.pullWaiters, id)
+		}
+	}
+}
+
+// watchPull registers the pull of snapshot id that begins.
+func (a *Agent) watchPull(id string) *pullWatch {
+	w := &pullWatch{done: make(chan struct{})}
+	a.pullsMu.Lock()
+	defer a.pullsMu.Unlock()
+	if a.pulls == nil {
+		a.pulls = map[string]*pullWatch{}
+	}
+	a.pulls[id] = w
+	return w
+}
+
+// readyPull tells the waiters of snapshot id that w is ready.
+func (a *Agent) readyPull(id string, w *pullWatch) {
+	a.pullsMu.Lock()
+	defer a.pullsMu.Unlock()
+	w.ready = true
+	for _, ch := range a.pullWaiters[id] {
+		ch <- w // buffered, and each hears once
+	}
+	delete(a.pullWaiters, id)
 }
 
 // joinPull says whether a child may open the files of w's pull directory;
@@ -192,40 +236,30 @@ func (a *Agent) closePull(w *pullWatch) {
 	w.opening.Wait()
 }
 
-// watchPull registers the pull of snapshot id that begins.
-func (a *Agent) watchPull(id string) *pullWatch {
-	w := &pullWatch{ready: make(chan struct{}), done: make(chan struct{})}
-	a.pullsMu.Lock()
-	defer a.pullsMu.Unlock()
-	if a.pulls == nil {
-		a.pulls = map[string]*pullWatch{}
-	}
-	a.pulls[id] = w
-	return w
-}
-
 // endPull ends the pull of snapshot id that w watches.
 func (a *Agent) endPull(id string, w *pullWatch, ok bool) {
 	a.pullsMu.Lock()
-	delete(a.pulls, id)
-	a.pullsMu.Unlock()
+	if a.pulls[id] == w {
+		delete(a.pulls, id)
+	}
 	w.ok = ok
+	a.pullsMu.Unlock()
 	close(w.done)
 }
 
-// pullUnderWay is the pull of snapshot id under way, or nil.
-func (a *Agent) pullUnderWay(id string) *pullWatch {
+// pullOK says whether w's pull ended with the snapshot in place.
+func (a *Agent) pullOK(w *pullWatch) bool {
 	a.pullsMu.Lock()
 	defer a.pullsMu.Unlock()
-	return a.pulls[id]
+	return w.ok
 }
 
 // pullSnapshot copies snapshot id from the agent at address into a pull
 // directory, checks every file's size and sha256 against the metadata, and
 // renames the directory into place only when all match. The disk files
-// come first, then (after ready, when set) the device state and the RAM
-// image. The caller holds the snapshot's lock.
-func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain []string, ready pullReady) (*snapshotRecord, error) {
+// come first, then (once the pull is ready, see pullWatch) the device
+// state and the RAM image. The caller holds the snapshot's lock.
+func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain []string) (*snapshotRecord, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), pullTimeout)
 	defer cancel()
 	start := time.Now()
@@ -255,7 +289,7 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 		return nil, errConflict("snapshot %s is of image %s, which this agent does not have: %v", id, rec.Image, err)
 	}
 	if rec.Parent != "" {
-		if _, err := a.ensureSnapshot(ctx, rec.Parent, from, chain, nil); err != nil {
+		if _, err := a.ensureSnapshot(ctx, rec.Parent, from, chain); err != nil {
 			return nil, fmt.Errorf("snapshot %s builds on snapshot %s: %w", id, rec.Parent, err)
 		}
 	}
@@ -313,10 +347,7 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 	}
 	w.at, w.rec = dir, *rec
 	w.rec.Files, w.rec.NICs = slices.Clone(rec.Files), cloneNICs(rec.NICs)
-	close(w.ready)
-	if ready != nil {
-		ready(w)
-	}
+	a.readyPull(id, w)
 	if err := pull(false); err != nil {
 		return nil, err
 	}

@@ -86,47 +86,38 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 	// A child of a snapshot pulled from another agent starts while the
 	// RAM image arrives (EarlySpawner): its overlay and its QEMU are made
 	// once the disk files are here, by the pull this child makes or by
-	// one that another child of the snapshot made first; it loads its
-	// state only after the whole snapshot is verified and in place. Should
-	// that early start fail, or the pull it used, the child starts as
-	// without it.
+	// one that another child of the snapshot made; it loads its state only
+	// after the whole snapshot is verified and in place. Should that early
+	// start fail, or the pull it used, the child starts as without it.
 	var early *earlySpawn
-	var ready pullReady
-	var watched *pullWatch
-	if es, ok := sn.(EarlySpawner); ok && from != nil {
-		ready = func(w *pullWatch) {
-			if !a.joinPull(w) {
-				return
-			}
-			early = &earlySpawn{done: make(chan struct{})}
-			early.m, early.prepErr = prepare(&w.rec)
-			if early.prepErr != nil {
-				a.leavePull(w)
-				close(early.done)
-				return
-			}
-			files, m := w.rec.files(), early.m
-			go func() {
-				defer close(early.done)
-				defer a.leavePull(w)
-				early.p, early.err = es.StartSpawn(ctx, m, a.snapDir(src.ID), w.at, files)
-			}()
-		}
-		if w := a.pullUnderWay(src.ID); w != nil {
+	var rec *snapshotRecord
+	es, canEarly := sn.(EarlySpawner)
+	if canEarly && from != nil {
+		pulls, stop := a.awaitPull(src.ID)
+		got := make(chan struct{})
+		go func() {
+			defer close(got)
+			rec, err = a.ensureSnapshot(ctx, src.ID, from, nil)
+		}()
+		for waiting := true; waiting; {
 			select {
-			case <-w.ready:
-				ready(w)
-				ready, watched = nil, w
-			case <-w.done:
-			case <-ctx.Done():
+			case w := <-pulls:
+				if early == nil && a.joinPull(w) {
+					early = &earlySpawn{w: w, done: make(chan struct{})}
+					early.start(ctx, a, es, prepare, src.ID)
+				}
+			case <-got:
+				waiting = false
 			}
 		}
+		stop()
+	} else {
+		rec, err = a.ensureSnapshot(ctx, src.ID, from, nil)
 	}
-	rec, err := a.ensureSnapshot(ctx, src.ID, from, nil, ready)
 	pulled := time.Since(start)
 	if early != nil && err == nil && early.prepErr == nil {
 		<-early.done
-		if early.err != nil || (watched != nil && !watched.ok) {
+		if early.err != nil || !a.pullOK(early.w) {
 			if early.p != nil {
 				early.p.Abort()
 			}
@@ -175,14 +166,33 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 	return r.wire(), nil
 }
 
-// earlySpawn is a child started while its snapshot is pulled: done is
-// closed once StartSpawn returned p or err (or prepare failed, prepErr).
+// earlySpawn is a child started from the files of pull w while it is
+// under way: done is closed once StartSpawn returned p or err (or prepare
+// failed, prepErr).
 type earlySpawn struct {
+	w       *pullWatch
 	done    chan struct{}
 	m       *Machine
 	p       PendingSpawn
 	prepErr error
 	err     error
+}
+
+// start prepares the child (on the caller's goroutine) and starts its
+// process (on another); the child has joined the pull.
+func (s *earlySpawn) start(ctx context.Context, a *Agent, es EarlySpawner, prepare func(*snapshotRecord) (*Machine, error), id string) {
+	s.m, s.prepErr = prepare(&s.w.rec)
+	if s.prepErr != nil {
+		a.leavePull(s.w)
+		close(s.done)
+		return
+	}
+	files, m, w := s.w.rec.files(), s.m, s.w
+	go func() {
+		defer close(s.done)
+		defer a.leavePull(w)
+		s.p, s.err = es.StartSpawn(ctx, m, a.snapDir(id), w.at, files)
+	}()
 }
 
 // guestView is a VM's NICs as its guest sees them.
