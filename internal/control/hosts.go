@@ -199,9 +199,15 @@ func apiHost(h store.Host) api.Host {
 		CPUAllocationRatio: h.CPUAllocationRatio, MemoryReservedMiB: h.MemoryReservedMiB,
 		Capacity:  apiResources(h.Capacity),
 		Allocated: apiResources(h.Allocated),
-		Free: api.Resources{VCPUs: h.Capacity.VCPUs - h.Allocated.VCPUs, MemoryMiB: h.Capacity.MemoryMiB - h.Allocated.MemoryMiB,
-			DiskMiB: h.Capacity.DiskMiB - h.Allocated.DiskMiB},
-		WarmPool: []api.WarmPoolTarget{},
+		Warm:      apiResources(h.Warm),
+		// Free leaves out what VMs and warm VMs hold. A create may still
+		// take the warm VMs' share: the agent evicts them for it.
+		Free: api.Resources{VCPUs: max(0, h.Capacity.VCPUs-h.Allocated.VCPUs-h.Warm.VCPUs),
+			MemoryMiB: max(0, h.Capacity.MemoryMiB-h.Allocated.MemoryMiB-h.Warm.MemoryMiB),
+			DiskMiB:   max(0, h.Capacity.DiskMiB-h.Allocated.DiskMiB-h.Warm.DiskMiB)},
+		WarmPool:  []api.WarmPoolTarget{},
+		Isolation: h.Isolation,
+		RetiredAt: h.RetiredAt,
 	}
 	if out.Labels == nil {
 		out.Labels = map[string]string{}

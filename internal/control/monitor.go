@@ -139,7 +139,8 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool, l leas
 		}
 		return
 	}
-	facts := store.HostFacts{Total: agentResources(info.Capacity), Accel: info.Accel, Driver: info.Driver, Images: info.Images}
+	facts := store.HostFacts{Total: agentResources(info.Capacity), Accel: info.Accel, Driver: info.Driver, Images: info.Images,
+		Warm: agentResources(info.Warm), Isolation: info.Isolation}
 	if err := s.store.RecordHostSeen(ctx, h.Name, facts, capacityOf); err != nil {
 		if !errors.Is(err, store.ErrNotFound) {
 			log.Error("host monitor: record sync", "err", err)
