@@ -19,7 +19,14 @@ const (
 	StateError    = "error"
 	StateMissing  = "missing"
 	StateUnknown  = "unknown"
+	// StateLost: the VM's host was retired (its agent is gone for good).
+	StateLost = "lost"
 )
+
+// Gone says whether a VM in this observed state runs nowhere and holds no
+// capacity: missing (its agent lost it) or lost (its host was retired).
+// Such a VM is only deleted, and made again.
+func Gone(state string) bool { return state == StateMissing || state == StateLost }
 
 // How a VM was started.
 const (

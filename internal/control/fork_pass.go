@@ -142,8 +142,8 @@ func (s *Service) runForkPass(ctx context.Context, crash context.CancelCauseFunc
 				// agent again; its create is idempotent on the child's id.
 				starts = append(starts, c)
 				continue
-			case api.StateMissing:
-				// Its agent lost it and its capacity is released: make it again.
+			case api.StateMissing, api.StateLost:
+				// Its agent (or host) lost it and its capacity is released: make it again.
 				if err := s.DeleteVM(ctx, c.ID); err != nil && !isCode(err, api.CodeNotFound) {
 					return err
 				}

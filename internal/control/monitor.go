@@ -81,6 +81,9 @@ func (s *Service) syncHosts(ctx context.Context, first bool) leases {
 	sem := make(chan struct{}, maxConcurrentSyncs)
 	var wg sync.WaitGroup
 	for _, h := range hosts {
+		if h.RetiredAt != nil {
+			continue // its agent is gone for good: nothing to ask
+		}
 		wg.Go(func() {
 			sem <- struct{}{}
 			defer func() { <-sem }()

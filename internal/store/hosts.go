@@ -114,7 +114,10 @@ func (s *Store) UpsertHosts(ctx context.Context, hosts []Host) error {
 				"address", "labels", "schedulable", "alive", "missed_syncs", "last_seen", "accel", "driver", "images",
 				"cpu_allocation_ratio", "memory_reserved_mib", "total_vcpus", "total_memory_mib", "total_disk_mib",
 				"cap_vcpus", "cap_memory_mib", "cap_disk_mib", "warm_pool", "agent_key", "updated_at",
+				"warm_vcpus", "warm_memory_mib", "warm_disk_mib", "isolation",
 			}),
+			// A retired host stays retired: it never comes back alive.
+			Where: clause.Where{Exprs: []clause.Expression{clause.Expr{SQL: "hosts.retired_at IS NULL"}}},
 		}).CreateInBatches(&rows, 200).Error
 	})
 	if err != nil && isDuplicate(err) {
