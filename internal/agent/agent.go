@@ -16,6 +16,7 @@ import (
 	"regexp"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/image"
@@ -83,6 +84,9 @@ type Agent struct {
 	addresses []string
 
 	pool *pool // the warm pool and its filler, the one goroutine Close stops
+	// placedCapacity is the host capacity the control plane last sent with
+	// a create (VMSpec.HostCapacity); nil until one did (usable).
+	placedCapacity atomic.Pointer[agentapi.Resources]
 	// syncs are the background syncs of snapshot files (snapshot_sync.go),
 	// which Close hurries (closing) and waits for.
 	syncs     sync.WaitGroup
@@ -406,6 +410,10 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 	if err := checkID(id); err != nil {
 		return agentapi.VM{}, false, err
 	}
+	if spec.HostCapacity != nil {
+		c := *spec.HostCapacity
+		a.placedCapacity.Store(&c)
+	}
 	src := spec.ImageSource
 	spec, err := a.resolveImage(spec)
 	if err != nil {
@@ -721,6 +729,26 @@ func (a *Agent) capacity() (agentapi.Resources, error) {
 		capacity.DiskMiB = a.cfg.Capacity.DiskMiB
 	}
 	return capacity, nil
+}
+
+// usable is what the agent keeps its VMs and warm VMs within: its
+// capacity, lowered to the capacity the control plane last said it places
+// by (VMSpec.HostCapacity: memory reserved for the host is no room for a
+// warm VM either).
+func (a *Agent) usable() (agentapi.Resources, error) {
+	c, err := a.capacity()
+	if err != nil {
+		return c, err
+	}
+	if p := a.placedCapacity.Load(); p != nil {
+		if p.MemoryMiB > 0 {
+			c.MemoryMiB = min(c.MemoryMiB, p.MemoryMiB)
+		}
+		if p.DiskMiB > 0 {
+			c.DiskMiB = min(c.DiskMiB, p.DiskMiB)
+		}
+	}
+	return c, nil
 }
 
 // allocated is what the user VMs take (those being created included) and

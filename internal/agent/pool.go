@@ -303,6 +303,10 @@ func (p *pool) run() {
 // returns how long until a backoff ends (0: none pending).
 func (p *pool) fill() time.Duration {
 	info, infoErr := p.a.Info(p.ctx)
+	usable, uerr := p.a.usable()
+	if infoErr == nil {
+		infoErr = uerr
+	}
 	p.mu.Lock()
 	type count struct{ ready, booting int }
 	counts := map[poolKey]*count{}
@@ -359,8 +363,8 @@ func (p *pool) fill() time.Duration {
 					retry = 10 * time.Second
 					break
 				}
-				if info.Allocated.MemoryMiB+held.MemoryMiB+key.MemoryMiB > info.Capacity.MemoryMiB ||
-					info.Allocated.DiskMiB+held.DiskMiB+key.DiskMiB > info.Capacity.DiskMiB {
+				if info.Allocated.MemoryMiB+held.MemoryMiB+key.MemoryMiB > usable.MemoryMiB ||
+					info.Allocated.DiskMiB+held.DiskMiB+key.DiskMiB > usable.DiskMiB {
 					if !p.short[key] {
 						p.short[key] = true
 						p.log.Warn("warm pool below target: the host's memory or disk is taken by vms; it refills when they are deleted",
@@ -556,7 +560,7 @@ func (p *pool) held() agentapi.Resources {
 // warm VMs go first, oldest first, then boots in flight are stopped. The
 // filler boots replacements only once there is room again (fill).
 func (p *pool) makeRoom(vm string) {
-	capacity, err := p.a.capacity()
+	capacity, err := p.a.usable()
 	if err != nil {
 		p.log.Error("read host capacity; no warm vm evicted for the create", "vm", vm, "err", err)
 		return

@@ -886,3 +886,35 @@ func TestWarmVMsAreEvictedToMakeRoomForAUserVM(t *testing.T) {
 	// The evicted warm VM is destroyed, not kept aside.
 	waitFor(t, "one warm vm directory", func() bool { return len(warmDirs(t, h.dir)) == 1 })
 }
+
+// TestWarmVMsStayWithinTheControlPlanesCapacity: the control plane places
+// by less than the agent has (memory reserved for the host) and says so
+// with each create (host_capacity); the warm pool keeps within that too.
+// A host of 2048 MiB placed as 1536 MiB keeps two warm VMs of 256 MiB; a
+// create of 1280 MiB would make 1792 MiB, within the host but over what
+// the control plane places by: one warm VM is evicted, none booted back.
+func TestWarmVMsStayWithinTheControlPlanesCapacity(t *testing.T) {
+	d := newPoolDriver()
+	h := startPoolAgentWith(t, t.TempDir(), d, agent.PoolOptions{}, agentapi.Resources{VCPUs: 8, MemoryMiB: 2048, DiskMiB: 1 << 20})
+	ctx := context.Background()
+	if _, err := h.client.SetPool(ctx, "sim", poolShape(2)); err != nil {
+		t.Fatal(err)
+	}
+	waitReady(t, h, 2)
+	spec := agentapi.VMSpec{Image: "sim", VCPUs: 1, MemoryMiB: 1280, DiskMiB: 512,
+		HostCapacity: &agentapi.Resources{VCPUs: 8, MemoryMiB: 1536, DiskMiB: 1 << 20}}
+	if _, err := h.client.CreateVM(ctx, "placed", spec); err != nil {
+		t.Fatal(err)
+	}
+	info, err := h.client.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if used := info.Allocated.MemoryMiB + info.Warm.MemoryMiB; used > 1536 {
+		t.Fatalf("vms %d MiB + warm vms %d MiB = %d MiB, over the 1536 MiB the control plane places by",
+			info.Allocated.MemoryMiB, info.Warm.MemoryMiB, used)
+	}
+	if r := poolRow(t, h.client, "sim"); r.Ready != 1 || r.Booting != 0 {
+		t.Fatalf("pool after the create: %+v; want one warm vm left and none booting", r)
+	}
+}

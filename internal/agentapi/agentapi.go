@@ -84,6 +84,11 @@ type VMSpec struct {
 	Snapshot  *SnapshotSource `json:"snapshot,omitempty"`
 	// NoWarm asks for a cold boot even when a warm VM matches.
 	NoWarm bool `json:"no_warm,omitempty"`
+	// HostCapacity is the host's capacity as the control plane places by it
+	// (total less reserved memory): the agent keeps its VMs and warm VMs
+	// within it (and within its own), evicting warm VMs for this VM. It
+	// is not part of the VM's shape.
+	HostCapacity *Resources `json:"host_capacity,omitempty"`
 	// NICs are the VM's network interfaces in order (none: no NIC).
 	NICs []NIC `json:"nics,omitempty"`
 	// ImageSource, when set, is a registered image: the agent fetches it

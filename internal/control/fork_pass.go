@@ -340,7 +340,7 @@ func (s *Service) startChild(ctx context.Context, crash context.CancelCauseFunc,
 		return s.failCreate(ctx, chain, vm, err)
 	}
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
-		DiskMiB: vm.Resources.DiskMiB, Snapshot: src, NICs: agentNICs(nics)}
+		DiskMiB: vm.Resources.DiskMiB, Snapshot: src, NICs: agentNICs(nics), HostCapacity: s.view.hostCapacity(vm.HostName)}
 	if img, ierr := s.store.GetImage(ctx, vm.Image); ierr == nil {
 		isrc := s.imageSource(img, vm.HostName)
 		spec.ImageSource = &isrc

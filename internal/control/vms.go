@@ -95,7 +95,7 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	})
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Stopped: in.PowerState == api.PowerStopped,
-		NICs: agentNICs(nics), NoWarm: !warmCapable(nics)}
+		NICs: agentNICs(nics), NoWarm: !warmCapable(nics), HostCapacity: s.view.hostCapacity(vm.HostName)}
 	if img != nil {
 		src := s.imageSource(*img, vm.HostName)
 		spec.ImageSource = &src
