@@ -604,9 +604,11 @@ func (p *pool) makeRoom(vm string) {
 	if len(victims) > 0 {
 		p.save()
 	}
-	for _, w := range append(victims, stopped...) {
-		p.log.Info("warm vm evicted to make room for a vm", "vm", vm, "warm_vm", w.ID, "image", w.Image,
-			"memory_mib", w.MemoryMiB, "disk_mib", w.DiskMiB, "state", w.State)
+	for state, ws := range map[string][]*warmVM{warmReady: victims, warmBooting: stopped} {
+		for _, w := range ws {
+			p.log.Info("warm vm evicted to make room for a vm", "vm", vm, "warm_vm", w.ID, "image", w.Image,
+				"memory_mib", w.MemoryMiB, "disk_mib", w.DiskMiB, "state", state)
+		}
 	}
 	for _, w := range victims {
 		p.destroy(p.machine(w))
