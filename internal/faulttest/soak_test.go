@@ -7,6 +7,7 @@ import (
 	"maps"
 	"math/rand/v2"
 	"os"
+	"path/filepath"
 	"slices"
 	"sort"
 	"strings"
@@ -38,8 +39,8 @@ const (
 )
 
 // TestSoak runs mixed creates, deletes, forks and fork deletes from
-// soakWorkers workers against 2 replicas of kvmd control (default settings,
-// one PostgreSQL database) and 3 sim agents, while a chaos loop restarts
+// soakWorkers workers against 2 replicas of kvmd control (default settings
+// but soakFlags, one PostgreSQL database) and 3 sim agents, while a chaos loop restarts
 // agents and kills -9 and restarts replicas. Throughout it samples every
 // host's allocation against its capacity (as the control plane and as the
 // agents see it); at the end, with the chaos stopped, it waits until
@@ -56,9 +57,17 @@ func TestSoak(t *testing.T) {
 	bin := buildKVMD(t)
 	dbURL := testenv.PostgresURL(t)
 	ctx := ctxT(t, d+15*time.Minute)
+	logDir := os.Getenv(LogDirEnv)
+	if logDir == "" {
+		if logDir, err = os.MkdirTemp("", "kvmd-soak-logs-"); err != nil {
+			t.Fatal(err)
+		}
+		t.Setenv(LogDirEnv, logDir)
+	}
+	t.Logf("kvmd control logs (warnings and errors) are kept in %s", logDir)
 	s := &soak{t: t, bin: bin, dbURL: dbURL, rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 14))}
 	for range soakReplicas {
-		s.replicas = append(s.replicas, startKVMDFlags(t, bin, dbURL, "", nil))
+		s.replicas = append(s.replicas, startKVMDFlags(t, bin, dbURL, "", soakFlags))
 	}
 	agents := map[string]agentLister{}
 	for i := range soakHosts {
@@ -111,7 +120,8 @@ func TestSoak(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("control plane and agents never agreed after the soak: %v", lastErr)
+			s.explain(ctx, agents)
+			t.Fatalf("control plane and agents never agreed after the soak: %v (kvmd logs in %s)", lastErr, logDir)
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
@@ -128,7 +138,7 @@ func TestSoak(t *testing.T) {
 		states[vm.ObservedState]++
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "soak: %v of chaos on %d sim agents and %d replicas (PostgreSQL, default settings), %d workers\n", ran.Round(time.Second), soakHosts, soakReplicas, soakWorkers)
+	fmt.Fprintf(&b, "soak: %v of chaos on %d sim agents and %d replicas (PostgreSQL, default settings but --orphan-grace 1m), %d workers\n", ran.Round(time.Second), soakHosts, soakReplicas, soakWorkers)
 	for _, op := range slices.Sorted(maps.Keys(s.ops)) {
 		fmt.Fprintf(&b, "  %-12s %s\n", op, s.ops[op].String())
 	}
@@ -137,6 +147,7 @@ func TestSoak(t *testing.T) {
 		s.samples.Load(), len(s.oversub), 100*s.peak())
 	fmt.Fprintf(&b, "  end: agreement %v after the chaos stopped; %d rows by state %v; leaked capacity on %d hosts; orphan VMs 0 (ledger)\n",
 		settled.Round(time.Millisecond), len(vms), states, len(leaks))
+	fmt.Fprintf(&b, "  settled by the replicas (their logs): %s\n", logCounts(t, logDir))
 	t.Log(b.String())
 	fmt.Print(b.String())
 	for _, o := range s.oversub {
@@ -144,6 +155,79 @@ func TestSoak(t *testing.T) {
 	}
 	for _, l := range leaks {
 		t.Error("leaked capacity: " + l)
+	}
+}
+
+// soakFlags are kvmd control's defaults but for the orphan sweep's grace:
+// a VM that an agent makes after its create was given up (the PUT of a
+// killed replica that the agent serves after the create's row was
+// dropped) is deleted once it is this old; the default 15 minutes would
+// outlast the soak's end.
+var soakFlags = []string{"--orphan-grace", "1m"}
+
+// soakLogMessages are the kvmd log messages the soak counts: what the host
+// monitors settled.
+var soakLogMessages = map[string]string{
+	"orphans deleted":            "deleted a VM that its agent ran without a row in the database",
+	"orphans kept":               "runs on its host without a database row and the database never deleted it",
+	"unfinished creates dropped": "vm create never reached its agent",
+	"marked missing":             "vm missing on its host; capacity released",
+	"reclaimed":                  "vm marked missing runs on its host again",
+	"failed-create cleanups":     "finished the cleanup of a failed create",
+}
+
+// logCounts counts soakLogMessages in the kvmd logs of dir.
+func logCounts(t *testing.T, dir string) string {
+	files, _ := filepath.Glob(filepath.Join(dir, "kvmd-control-*.log"))
+	counts := map[string]int{}
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Errorf("read kvmd log: %v", err)
+			continue
+		}
+		for what, msg := range soakLogMessages {
+			counts[what] += strings.Count(string(b), msg)
+		}
+	}
+	var out []string
+	for _, what := range slices.Sorted(maps.Keys(soakLogMessages)) {
+		out = append(out, fmt.Sprintf("%s %d", what, counts[what]))
+	}
+	return strings.Join(out, ", ")
+}
+
+// explain logs, for every VM an agent runs without a row that holds
+// capacity, what the database has of it.
+func (s *soak) explain(ctx context.Context, agents map[string]agentLister) {
+	conn, err := pgx.Connect(ctx, s.dbURL)
+	if err != nil {
+		s.t.Log(err)
+		return
+	}
+	defer func() { _ = conn.Close(context.Background()) }()
+	for host, list := range agents {
+		ids, err := list(ctx)
+		if err != nil {
+			continue
+		}
+		for _, id := range ids {
+			var state, reason string
+			var holds bool
+			var owner *string
+			err := conn.QueryRow(ctx, "SELECT observed_state, reason, holds_capacity, owner_replica FROM vms WHERE id = $1", id).
+				Scan(&state, &reason, &holds, &owner)
+			var tomb *time.Time
+			_ = conn.QueryRow(ctx, "SELECT deleted_at FROM deleted_vms WHERE vm_id = $1", id).Scan(&tomb)
+			switch {
+			case errors.Is(err, pgx.ErrNoRows):
+				s.t.Logf("host %s runs vm %s: no row; tombstone %v", host, id, tomb)
+			case err != nil:
+				s.t.Logf("host %s runs vm %s: read row: %v", host, id, err)
+			case !holds:
+				s.t.Logf("host %s runs vm %s: row %s holding nothing (%s), owner %v", host, id, state, reason, owner)
+			}
+		}
 	}
 }
 
@@ -307,7 +391,7 @@ func (s *soak) chaos(ctx context.Context) {
 		s.mu.Unlock()
 		victim.kill()
 		time.Sleep(time.Duration(s.intn(3000)) * time.Millisecond)
-		next := startKVMDFlags(s.t, s.bin, s.dbURL, "", nil)
+		next := startKVMDFlags(s.t, s.bin, s.dbURL, "", soakFlags)
 		s.mu.Lock()
 		s.replicas = append(s.replicas, next)
 		s.mu.Unlock()
