@@ -16,6 +16,7 @@ import (
 	"regexp"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/image"
@@ -88,6 +89,9 @@ type Agent struct {
 	addresses []string
 
 	pool *pool // the warm pool and its filler, the one goroutine Close stops
+	// placedCapacity is the host capacity the control plane last sent with
+	// a create (VMSpec.HostCapacity); nil until one did (usable).
+	placedCapacity atomic.Pointer[agentapi.Resources]
 	// syncs are the background syncs of snapshot files (snapshot_sync.go),
 	// which Close hurries (closing) and waits for.
 	syncs     sync.WaitGroup
@@ -384,6 +388,10 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 		return agentapi.VM{}, false, err
 	}
 	start := time.Now()
+	if spec.HostCapacity != nil {
+		c := *spec.HostCapacity
+		a.placedCapacity.Store(&c)
+	}
 	src := spec.ImageSource
 	spec, err := a.resolveImage(spec)
 	if err != nil {
@@ -456,6 +464,8 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 	fail := func(err error) (agentapi.VM, error) {
 		return a.abandonCreate(ctx, e, r, fmt.Errorf("create vm %s: %w", e.id, err))
 	}
+	// A cold boot adds to what the host runs: warm VMs make room for it.
+	a.pool.makeRoom(e.id)
 	if err := os.MkdirAll(a.vmDir(e.id), 0o750); err != nil {
 		return fail(err)
 	}
@@ -630,12 +640,50 @@ func (a *Agent) Console(ctx context.Context, id string, max int64) ([]byte, erro
 	return a.cfg.Driver.Console(m, max)
 }
 
-// Info returns the host's capacity, what its VMs take, and the driver.
+// Info returns the host's capacity, what its VMs and its warm pool take,
+// and the driver.
 func (a *Agent) Info(ctx context.Context) (agentapi.Info, error) {
 	d := a.cfg.Driver
+	capacity, err := a.capacity()
+	if err != nil {
+		return agentapi.Info{}, err
+	}
+	alloc, count := a.allocated()
+	warm := a.pool.held()
+	accel, note := d.Accel()
+	host, _ := os.Hostname()
+	return agentapi.Info{
+		Hostname: host, Capacity: capacity, Allocated: alloc, Warm: warm,
+		Free: agentapi.Resources{
+			VCPUs:     max(0, capacity.VCPUs-alloc.VCPUs-warm.VCPUs),
+			MemoryMiB: max(0, capacity.MemoryMiB-alloc.MemoryMiB-warm.MemoryMiB),
+			DiskMiB:   max(0, capacity.DiskMiB-alloc.DiskMiB-warm.DiskMiB),
+		},
+		Accel: accel, AccelNote: note, Driver: d.Name(), Images: d.Images(), Isolation: a.isolation(),
+		VMCount: count, Pool: a.pool.status(), AgentStart: a.started, ImageCache: a.imageList(),
+	}, nil
+}
+
+// Isolator is a driver that runs each VM in a resource-limited container of
+// the host (the qemu driver: a cgroup v2 per VM). Isolation says which, or
+// why not ("none: <reason>").
+type Isolator interface {
+	Isolation() string
+}
+
+func (a *Agent) isolation() string {
+	if i, ok := a.cfg.Driver.(Isolator); ok {
+		return i.Isolation()
+	}
+	return "none: the " + a.cfg.Driver.Name() + " driver runs no process per vm"
+}
+
+// capacity is the host's capacity: what the host has, or the configured
+// figures where they are set.
+func (a *Agent) capacity() (agentapi.Resources, error) {
 	capacity, err := hostCapacity(a.cfg.StateDir)
 	if err != nil {
-		return agentapi.Info{}, fmt.Errorf("read host capacity: %w", err)
+		return agentapi.Resources{}, fmt.Errorf("read host capacity: %w", err)
 	}
 	if a.cfg.Capacity.VCPUs > 0 {
 		capacity.VCPUs = a.cfg.Capacity.VCPUs
@@ -646,6 +694,32 @@ func (a *Agent) Info(ctx context.Context) (agentapi.Info, error) {
 	if a.cfg.Capacity.DiskMiB > 0 {
 		capacity.DiskMiB = a.cfg.Capacity.DiskMiB
 	}
+	return capacity, nil
+}
+
+// usable is what the agent keeps its VMs and warm VMs within: its
+// capacity, lowered to the capacity the control plane last said it places
+// by (VMSpec.HostCapacity: memory reserved for the host is no room for a
+// warm VM either).
+func (a *Agent) usable() (agentapi.Resources, error) {
+	c, err := a.capacity()
+	if err != nil {
+		return c, err
+	}
+	if p := a.placedCapacity.Load(); p != nil {
+		if p.MemoryMiB > 0 {
+			c.MemoryMiB = min(c.MemoryMiB, p.MemoryMiB)
+		}
+		if p.DiskMiB > 0 {
+			c.DiskMiB = min(c.DiskMiB, p.DiskMiB)
+		}
+	}
+	return c, nil
+}
+
+// allocated is what the user VMs take (those being created included) and
+// how many there are.
+func (a *Agent) allocated() (agentapi.Resources, int) {
 	var alloc agentapi.Resources
 	count := 0
 	for _, e := range a.vms.all() {
@@ -659,18 +733,7 @@ func (a *Agent) Info(ctx context.Context) (agentapi.Info, error) {
 		alloc.MemoryMiB += r.MemoryMiB
 		alloc.DiskMiB += r.DiskMiB
 	}
-	accel, note := d.Accel()
-	host, _ := os.Hostname()
-	return agentapi.Info{
-		Hostname: host, Capacity: capacity, Allocated: alloc,
-		Free: agentapi.Resources{
-			VCPUs:     max(0, capacity.VCPUs-alloc.VCPUs),
-			MemoryMiB: max(0, capacity.MemoryMiB-alloc.MemoryMiB),
-			DiskMiB:   max(0, capacity.DiskMiB-alloc.DiskMiB),
-		},
-		Accel: accel, AccelNote: note, Driver: d.Name(), Images: d.Images(),
-		VMCount: count, Pool: a.pool.status(), AgentStart: a.started, ImageCache: a.imageList(),
-	}, nil
+	return alloc, count
 }
 
 // abandonCreate undoes a create that failed with err: it removes what the

@@ -127,6 +127,11 @@ type warmVM struct {
 	MACAddress string    `json:"mac_address,omitempty"`
 	Process    Process   `json:"process"`
 	CreatedAt  time.Time `json:"created_at"`
+
+	// cancel stops the boot of a booting warm VM (evicted: makeRoom).
+	cancel context.CancelFunc
+	// evicted: its boot was stopped to make room, not a failure.
+	evicted bool
 }
 
 func (w *warmVM) key() poolKey { return poolKey{w.Image, w.VCPUs, w.MemoryMiB, w.DiskMiB} }
@@ -315,6 +320,10 @@ func (p *pool) fill() time.Duration {
 		return quiet
 	}
 	info, infoErr := p.a.Info(p.ctx)
+	usable, uerr := p.a.usable()
+	if infoErr == nil {
+		infoErr = uerr
+	}
 	p.mu.Lock()
 	type count struct{ ready, booting int }
 	counts := map[poolKey]*count{}
@@ -371,8 +380,8 @@ func (p *pool) fill() time.Duration {
 					retry = 10 * time.Second
 					break
 				}
-				if info.Allocated.MemoryMiB+held.MemoryMiB+key.MemoryMiB > info.Capacity.MemoryMiB ||
-					info.Allocated.DiskMiB+held.DiskMiB+key.DiskMiB > info.Capacity.DiskMiB {
+				if info.Allocated.MemoryMiB+held.MemoryMiB+key.MemoryMiB > usable.MemoryMiB ||
+					info.Allocated.DiskMiB+held.DiskMiB+key.DiskMiB > usable.DiskMiB {
 					if !p.short[key] {
 						p.short[key] = true
 						p.log.Warn("warm pool below target: the host's memory or disk is taken by vms; it refills when they are deleted",
@@ -448,8 +457,15 @@ func (p *pool) boot(w *warmVM) {
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(p.ctx, p.opts.BootTimeout)
 	defer cancel()
+	p.mu.Lock()
+	w.cancel = cancel
+	p.mu.Unlock()
 	err := p.bootWarm(ctx, w, m)
 	p.mu.Lock()
+	w.cancel = nil
+	if err == nil && w.evicted {
+		err = errors.New("evicted to make room for a vm")
+	}
 	if err == nil && p.ctx.Err() == nil {
 		w.State = warmReady
 		delete(p.failures, w.key())
@@ -459,7 +475,7 @@ func (p *pool) boot(w *warmVM) {
 		return
 	}
 	delete(p.entries, w.ID)
-	if p.ctx.Err() == nil {
+	if p.ctx.Err() == nil && !w.evicted {
 		b := p.failures[w.key()]
 		b.failures++
 		b.until = time.Now().Add(min(maxPoolBackoff, time.Second<<min(b.failures-1, 6)))
@@ -467,9 +483,12 @@ func (p *pool) boot(w *warmVM) {
 	}
 	p.mu.Unlock()
 	p.save()
-	if p.ctx.Err() != nil {
+	switch {
+	case p.ctx.Err() != nil:
 		p.log.Info("warm boot cancelled: the agent stops", "warm_vm", w.ID)
-	} else {
+	case w.evicted:
+		p.log.Info("warm boot stopped: evicted to make room for a vm", "warm_vm", w.ID)
+	default:
 		p.log.Error("warm boot failed; retrying later", "warm_vm", w.ID, "image", w.Image, "err", err)
 	}
 	p.destroy(m)
@@ -537,6 +556,98 @@ func (p *pool) removeDir(dir string) {
 	if err := os.RemoveAll(trash); err != nil {
 		p.log.Warn("remove warm vm directory", "dir", trash, "err", err)
 	}
+}
+
+// held is what the warm pool holds: its ready and booting warm VMs.
+func (p *pool) held() agentapi.Resources {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var r agentapi.Resources
+	for _, w := range p.entries {
+		r.VCPUs += w.VCPUs
+		r.MemoryMiB += w.MemoryMiB
+		r.DiskMiB += w.DiskMiB
+	}
+	return r
+}
+
+// makeRoom evicts warm VMs while the user VMs (vm, being created, counted
+// among them) and the warm pool together take more memory or disk than the
+// host has: a user VM never waits for, nor is refused for, a warm VM. Ready
+// warm VMs go first, oldest first, then boots in flight are stopped. The
+// filler boots replacements only once there is room again (fill).
+func (p *pool) makeRoom(vm string) {
+	capacity, err := p.a.usable()
+	if err != nil {
+		p.log.Error("read host capacity; no warm vm evicted for the create", "vm", vm, "err", err)
+		return
+	}
+	alloc, _ := p.a.allocated()
+	p.mu.Lock()
+	var held agentapi.Resources
+	var victims []*warmVM
+	for _, w := range p.entries {
+		held.MemoryMiB += w.MemoryMiB
+		held.DiskMiB += w.DiskMiB
+	}
+	over := func() bool {
+		return alloc.MemoryMiB+held.MemoryMiB > capacity.MemoryMiB || alloc.DiskMiB+held.DiskMiB > capacity.DiskMiB
+	}
+	var stopped []*warmVM
+	for _, state := range []string{warmReady, warmBooting} {
+		for _, w := range p.sortedByAge(state) {
+			if !over() {
+				break
+			}
+			held.MemoryMiB -= w.MemoryMiB
+			held.DiskMiB -= w.DiskMiB
+			if state == warmReady {
+				delete(p.entries, w.ID)
+				victims = append(victims, w)
+			} else if !w.evicted {
+				// Its boot ends, removes its entry and destroys it.
+				w.evicted = true
+				if w.cancel != nil {
+					w.cancel()
+				}
+				stopped = append(stopped, w)
+			}
+		}
+	}
+	p.mu.Unlock()
+	if len(victims) == 0 && len(stopped) == 0 {
+		return
+	}
+	if len(victims) > 0 {
+		p.save()
+	}
+	for state, ws := range map[string][]*warmVM{warmReady: victims, warmBooting: stopped} {
+		for _, w := range ws {
+			p.log.Info("warm vm evicted to make room for a vm", "vm", vm, "warm_vm", w.ID, "image", w.Image,
+				"memory_mib", w.MemoryMiB, "disk_mib", w.DiskMiB, "state", state)
+		}
+	}
+	for _, w := range victims {
+		p.destroy(p.machine(w))
+	}
+}
+
+// sortedByAge returns the warm VMs in state, oldest first, any shape;
+// p.mu is held.
+func (p *pool) sortedByAge(state string) []*warmVM {
+	var out []*warmVM
+	for _, w := range p.entries {
+		if w.State == state {
+			out = append(out, w)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if !out[i].CreatedAt.Equal(out[j].CreatedAt) {
+			return out[i].CreatedAt.Before(out[j].CreatedAt)
+		}
+		return out[i].ID < out[j].ID
+	})
+	return out
 }
 
 // take removes the oldest ready warm VM of key from the pool and the

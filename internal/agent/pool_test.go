@@ -182,10 +182,15 @@ type poolAgent struct {
 
 func startPoolAgent(t *testing.T, dir string, d agent.Driver, opts agent.PoolOptions) *poolAgent {
 	t.Helper()
+	return startPoolAgentWith(t, dir, d, opts, agentapi.Resources{VCPUs: 64, MemoryMiB: 64 << 10, DiskMiB: 1 << 20})
+}
+
+func startPoolAgentWith(t *testing.T, dir string, d agent.Driver, opts agent.PoolOptions, capacity agentapi.Resources) *poolAgent {
+	t.Helper()
 	logs := &syncBuffer{}
 	a, err := agent.New(context.Background(), agent.Config{
 		StateDir: dir, Driver: d, Token: token, Pool: opts,
-		Capacity: agentapi.Resources{VCPUs: 64, MemoryMiB: 64 << 10, DiskMiB: 1 << 20},
+		Capacity: capacity,
 		Logger:   slog.New(slog.NewJSONHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
 	})
 	if err != nil {
@@ -834,5 +839,82 @@ func TestWarmVMsBootWithAUserNICAndServeCreatesOfThatNIC(t *testing.T) {
 	vm2, err := h.client.CreateVM(ctx, "u2", withNICs(user("02:00:00:00:00:11")))
 	if err != nil || vm2.StartedFrom != agentapi.StartedWarm || vm2.NICs[0].MACAddress == mac {
 		t.Fatalf("create u2 = %+v, %v; want a warm start with a MAC other than %s", vm2, err, mac)
+	}
+}
+
+// TestWarmVMsAreEvictedToMakeRoomForAUserVM: a host of 1024 MiB keeps two
+// warm VMs of 256 MiB; a cold create of 768 MiB (another shape) would make
+// user VMs and warm VMs take 1280 MiB. The oldest warm VMs are evicted
+// until both fit, the create succeeds, the host's info counts the pool, and
+// the filler does not boot the evicted VMs back while there is no room.
+func TestWarmVMsAreEvictedToMakeRoomForAUserVM(t *testing.T) {
+	d := newPoolDriver()
+	capacity := agentapi.Resources{VCPUs: 8, MemoryMiB: 1024, DiskMiB: 1 << 20}
+	h := startPoolAgentWith(t, t.TempDir(), d, agent.PoolOptions{}, capacity)
+	ctx := context.Background()
+	if _, err := h.client.SetPool(ctx, "sim", poolShape(2)); err != nil {
+		t.Fatal(err)
+	}
+	waitReady(t, h, 2)
+	info, err := h.client.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Warm.MemoryMiB != 512 || info.Free.MemoryMiB != 512 {
+		t.Fatalf("info with two warm vms: warm %+v free %+v; want 512 MiB warm and 512 MiB free", info.Warm, info.Free)
+	}
+
+	big := agentapi.VMSpec{Image: "sim", VCPUs: 1, MemoryMiB: 768, DiskMiB: 512}
+	vm, err := h.client.CreateVM(ctx, "big", big)
+	if err != nil || vm.State != agentapi.StateRunning {
+		t.Fatalf("create big = %+v, %v; want running", vm, err)
+	}
+	info, err = h.client.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if used := info.Allocated.MemoryMiB + info.Warm.MemoryMiB; used > capacity.MemoryMiB {
+		t.Fatalf("user vms %d MiB + warm vms %d MiB = %d MiB on a host of %d MiB",
+			info.Allocated.MemoryMiB, info.Warm.MemoryMiB, used, capacity.MemoryMiB)
+	}
+	if r := poolRow(t, h.client, "sim"); r.Ready != 1 || r.Booting != 0 {
+		t.Fatalf("pool after the create: %+v; want the one warm vm that still fits", r)
+	}
+	if !strings.Contains(h.logs.String(), "warm vm evicted to make room for a vm") {
+		t.Errorf("the eviction is not logged:\n%s", h.logs.String())
+	}
+	// The evicted warm VM is destroyed, not kept aside.
+	waitFor(t, "one warm vm directory", func() bool { return len(warmDirs(t, h.dir)) == 1 })
+}
+
+// TestWarmVMsStayWithinTheControlPlanesCapacity: the control plane places
+// by less than the agent has (memory reserved for the host) and says so
+// with each create (host_capacity); the warm pool keeps within that too.
+// A host of 2048 MiB placed as 1536 MiB keeps two warm VMs of 256 MiB; a
+// create of 1280 MiB would make 1792 MiB, within the host but over what
+// the control plane places by: one warm VM is evicted, none booted back.
+func TestWarmVMsStayWithinTheControlPlanesCapacity(t *testing.T) {
+	d := newPoolDriver()
+	h := startPoolAgentWith(t, t.TempDir(), d, agent.PoolOptions{}, agentapi.Resources{VCPUs: 8, MemoryMiB: 2048, DiskMiB: 1 << 20})
+	ctx := context.Background()
+	if _, err := h.client.SetPool(ctx, "sim", poolShape(2)); err != nil {
+		t.Fatal(err)
+	}
+	waitReady(t, h, 2)
+	spec := agentapi.VMSpec{Image: "sim", VCPUs: 1, MemoryMiB: 1280, DiskMiB: 512,
+		HostCapacity: &agentapi.Resources{VCPUs: 8, MemoryMiB: 1536, DiskMiB: 1 << 20}}
+	if _, err := h.client.CreateVM(ctx, "placed", spec); err != nil {
+		t.Fatal(err)
+	}
+	info, err := h.client.Info(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if used := info.Allocated.MemoryMiB + info.Warm.MemoryMiB; used > 1536 {
+		t.Fatalf("vms %d MiB + warm vms %d MiB = %d MiB, over the 1536 MiB the control plane places by",
+			info.Allocated.MemoryMiB, info.Warm.MemoryMiB, used)
+	}
+	if r := poolRow(t, h.client, "sim"); r.Ready != 1 || r.Booting != 0 {
+		t.Fatalf("pool after the create: %+v; want one warm vm left and none booting", r)
 	}
 }

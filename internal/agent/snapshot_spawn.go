@@ -72,6 +72,7 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 		}
 		r.GuestNICs = cloneNICs(rec.NICs)
 		e.set(r)
+		a.pool.makeRoom(e.id)
 		if err := os.MkdirAll(a.vmDir(e.id), 0o750); err != nil {
 			return nil, err
 		}

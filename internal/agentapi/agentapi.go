@@ -37,10 +37,18 @@ type Resources struct {
 
 // Info is the answer of GET /v1/info.
 type Info struct {
-	Hostname   string       `json:"hostname"`
-	Capacity   Resources    `json:"capacity"`
-	Allocated  Resources    `json:"allocated"`
-	Free       Resources    `json:"free"`
+	Hostname  string    `json:"hostname"`
+	Capacity  Resources `json:"capacity"`
+	Allocated Resources `json:"allocated"`
+	// Warm is what the warm pool holds (ready and booting warm VMs). Free
+	// is capacity less allocated and warm; a create that needs the warm
+	// VMs' share evicts them (they are never counted twice).
+	Warm Resources `json:"warm"`
+	Free Resources `json:"free"`
+	// Isolation says how each VM is held to its shape: "cgroup v2 ..." or
+	// "none: <why>" (the agent not root, no cgroup2 controllers, the sim
+	// driver).
+	Isolation  string       `json:"isolation,omitempty"`
 	Accel      string       `json:"accel"`
 	Driver     string       `json:"driver"`
 	Images     []string     `json:"images"`
@@ -76,6 +84,11 @@ type VMSpec struct {
 	Snapshot  *SnapshotSource `json:"snapshot,omitempty"`
 	// NoWarm asks for a cold boot even when a warm VM matches.
 	NoWarm bool `json:"no_warm,omitempty"`
+	// HostCapacity is the host's capacity as the control plane places by it
+	// (total less reserved memory): the agent keeps its VMs and warm VMs
+	// within it (and within its own), evicting warm VMs for this VM. It
+	// is not part of the VM's shape.
+	HostCapacity *Resources `json:"host_capacity,omitempty"`
 	// NICs are the VM's network interfaces in order (none: no NIC).
 	NICs []NIC `json:"nics,omitempty"`
 	// ImageSource, when set, is a registered image: the agent fetches it

@@ -19,7 +19,14 @@ const (
 	StateError    = "error"
 	StateMissing  = "missing"
 	StateUnknown  = "unknown"
+	// StateLost: the VM's host was retired (its agent is gone for good).
+	StateLost = "lost"
 )
+
+// Gone says whether a VM in this observed state runs nowhere and holds no
+// capacity: missing (its agent lost it) or lost (its host was retired).
+// Such a VM is only deleted, and made again.
+func Gone(state string) bool { return state == StateMissing || state == StateLost }
 
 // How a VM was started.
 const (
@@ -86,8 +93,17 @@ type Host struct {
 	MemoryReservedMiB  int64             `json:"memory_reserved_mib"`
 	Capacity           Resources         `json:"capacity"`
 	Allocated          Resources         `json:"allocated"`
-	Free               Resources         `json:"free"`
-	WarmPool           []WarmPoolTarget  `json:"warm_pool"`
+	// Warm is what the host's warm pool holds (ready and booting warm
+	// VMs). Free is capacity less allocated and warm; a create may also
+	// use the warm share, the host's agent evicts warm VMs to make room.
+	Warm     Resources        `json:"warm"`
+	Free     Resources        `json:"free"`
+	WarmPool []WarmPoolTarget `json:"warm_pool"`
+	// Isolation is how the host's agent holds each VM to its shape:
+	// "cgroup v2 ..." or "none: <why>".
+	Isolation string `json:"isolation,omitempty"`
+	// RetiredAt is set once the host is retired (POST /v1/hosts/{name}/retire).
+	RetiredAt *time.Time `json:"retired_at,omitempty"`
 }
 
 // VMCreate is the body of POST /v1/vms.

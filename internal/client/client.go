@@ -166,6 +166,14 @@ func (c *Client) DeleteHost(ctx context.Context, name string) error {
 	return c.call(ctx, http.MethodDelete, "/v1/hosts/"+url.PathEscape(name), nil, nil, "", true)
 }
 
+// RetireHost retires a host whose agent is gone for good: its VMs are
+// marked lost and their capacity released. Retrying is safe.
+func (c *Client) RetireHost(ctx context.Context, name string) (api.Host, error) {
+	var out api.Host
+	err := c.call(ctx, http.MethodPost, "/v1/hosts/"+url.PathEscape(name)+"/retire", nil, &out, "", true)
+	return out, err
+}
+
 // CreateVM creates a VM. Every retry of this call sends the same
 // idempotencyKey, so a lost answer never makes a second VM. An empty key
 // gets a fresh random one.

@@ -30,8 +30,8 @@ func (s *Service) reserveDiskGrowth(ctx context.Context, vm store.VM, diskMiB in
 		return nil, nil
 	case diskMiB < from:
 		return nil, invalidf("disk_mib %d is smaller than VM %s's %d MiB disk: disks grow, never shrink; create a new VM for a smaller disk", diskMiB, vm.ID, from)
-	case vm.ObservedState == api.StateMissing:
-		return nil, conflictf("VM %s is missing on host %s; delete it and create it again", vm.ID, vm.HostName)
+	case api.Gone(vm.ObservedState):
+		return nil, conflictf("VM %s is %s on host %s; delete it and create it again", vm.ID, vm.ObservedState, vm.HostName)
 	}
 	if err := validateSize("disk_mib", diskMiB, 64<<20, "MiB"); err != nil {
 		return nil, err

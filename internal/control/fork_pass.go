@@ -142,8 +142,8 @@ func (s *Service) runForkPass(ctx context.Context, crash context.CancelCauseFunc
 				// agent again; its create is idempotent on the child's id.
 				starts = append(starts, c)
 				continue
-			case api.StateMissing:
-				// Its agent lost it and its capacity is released: make it again.
+			case api.StateMissing, api.StateLost:
+				// Its agent (or host) lost it and its capacity is released: make it again.
 				if err := s.DeleteVM(ctx, c.ID); err != nil && !isCode(err, api.CodeNotFound) {
 					return err
 				}
@@ -343,7 +343,8 @@ func (s *Service) startChild(ctx context.Context, crash context.CancelCauseFunc,
 		return s.failCreate(ctx, chain, vm, err)
 	}
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
-		DiskMiB: vm.Resources.DiskMiB, Snapshot: src, NICs: agentNICs(nics), Seed: seedSpec(vm.ID, vm.Guest)}
+		DiskMiB: vm.Resources.DiskMiB, Snapshot: src, NICs: agentNICs(nics), Seed: seedSpec(vm.ID, vm.Guest),
+		HostCapacity: s.view.hostCapacity(vm.HostName)}
 	if img, ierr := s.store.GetImage(ctx, vm.Image); ierr == nil {
 		isrc := s.imageSource(img, vm.HostName)
 		spec.ImageSource = &isrc

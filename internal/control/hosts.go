@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
@@ -20,6 +21,11 @@ func (s *Service) PutHost(ctx context.Context, name string, in api.HostPut) (api
 	if err := validateHostPut(name, in); err != nil {
 		return api.Host{}, err
 	}
+	if h, err := s.store.GetHost(ctx, name); err == nil && h.RetiredAt != nil {
+		return api.Host{}, &Error{Code: api.CodeConflict, Err: store.ErrHostRetired, Details: map[string]any{"host": name},
+			Message: fmt.Sprintf("host %s was retired at %s and never comes back; delete it (DELETE /v1/hosts/%s, which also removes its lost VMs) and register it again",
+				name, h.RetiredAt.Format(time.RFC3339), name)}
+	}
 	key, err := s.proveHost(ctx, name, in.Address)
 	if err != nil {
 		return api.Host{}, err
@@ -32,6 +38,7 @@ func (s *Service) PutHost(ctx context.Context, name string, in api.HostPut) (api
 		Name: name, Address: in.Address, Labels: in.Labels, Schedulable: true,
 		CPUAllocationRatio: 1, Accel: info.Accel, Driver: info.Driver, Images: info.Images,
 		Total: agentResources(info.Capacity), AgentKey: agentapi.EncodeKey(key),
+		Warm: agentResources(info.Warm), Isolation: info.Isolation,
 	}
 	if in.Schedulable != nil {
 		h.Schedulable = *in.Schedulable
@@ -161,8 +168,24 @@ func (s *Service) ListHosts(ctx context.Context, p Page) (api.List[api.Host], er
 }
 
 // DeleteHost deregisters a host; a conflict while VMs are placed there.
+// The lost VMs of a retired host run nowhere: they go with it.
 func (s *Service) DeleteHost(ctx context.Context, name string) error {
 	before, _ := s.store.GetHost(ctx, name)
+	if before.RetiredAt != nil {
+		vms, err := s.store.ListVMs(ctx, store.VMFilter{Host: name})
+		if err != nil {
+			return fromStore(err, "read the vms of host "+name)
+		}
+		for _, vm := range vms {
+			if !api.Gone(vm.ObservedState) {
+				continue // placed by nothing after the retire; kept for DeleteHost to refuse
+			}
+			if err := s.forgetVM(ctx, vm.ID, name); err != nil {
+				return internal(err, fmt.Sprintf("delete lost vm %s of retired host %s", vm.ID, name))
+			}
+			s.log.Info("lost vm of a retired host deleted", "vm", vm.ID, "name", vm.Name, "host", name)
+		}
+	}
 	err := s.store.DeleteHost(ctx, name)
 	if errors.Is(err, store.ErrHostInUse) {
 		n, _ := s.store.CountVMsOnHost(ctx, name)
@@ -199,9 +222,15 @@ func apiHost(h store.Host) api.Host {
 		CPUAllocationRatio: h.CPUAllocationRatio, MemoryReservedMiB: h.MemoryReservedMiB,
 		Capacity:  apiResources(h.Capacity),
 		Allocated: apiResources(h.Allocated),
-		Free: api.Resources{VCPUs: h.Capacity.VCPUs - h.Allocated.VCPUs, MemoryMiB: h.Capacity.MemoryMiB - h.Allocated.MemoryMiB,
-			DiskMiB: h.Capacity.DiskMiB - h.Allocated.DiskMiB},
-		WarmPool: []api.WarmPoolTarget{},
+		Warm:      apiResources(h.Warm),
+		// Free leaves out what VMs and warm VMs hold. A create may still
+		// take the warm VMs' share: the agent evicts them for it.
+		Free: api.Resources{VCPUs: max(0, h.Capacity.VCPUs-h.Allocated.VCPUs-h.Warm.VCPUs),
+			MemoryMiB: max(0, h.Capacity.MemoryMiB-h.Allocated.MemoryMiB-h.Warm.MemoryMiB),
+			DiskMiB:   max(0, h.Capacity.DiskMiB-h.Allocated.DiskMiB-h.Warm.DiskMiB)},
+		WarmPool:  []api.WarmPoolTarget{},
+		Isolation: h.Isolation,
+		RetiredAt: h.RetiredAt,
 	}
 	if out.Labels == nil {
 		out.Labels = map[string]string{}
@@ -213,4 +242,33 @@ func apiHost(h store.Host) api.Host {
 		out.WarmPool = append(out.WarmPool, api.WarmPoolTarget{Image: p.Image, VCPUs: p.VCPUs, MemoryMiB: p.MemoryMiB, DiskMiB: p.DiskMiB, Size: p.Size})
 	}
 	return out
+}
+
+// RetireHost retires a host whose agent is gone for good (POST
+// /v1/hosts/{name}/retire): in one transaction its VMs are marked lost and
+// release their capacity, and the host takes no VM again (store.RetireHost).
+// A host whose agent still answers is refused: its VMs still run, so drain
+// it and delete them, or stop the agent first. Retiring a retired host
+// changes nothing.
+func (s *Service) RetireHost(ctx context.Context, name string) (api.Host, error) {
+	h, err := s.store.GetHost(ctx, name)
+	if err != nil {
+		return api.Host{}, fromStore(err, "read host "+name)
+	}
+	if h.RetiredAt == nil && h.Alive {
+		return api.Host{}, &Error{Code: api.CodeConflict, Details: map[string]any{"host": name},
+			Message: fmt.Sprintf("host %s's agent still answers, so its VMs still run there; retire only a host whose agent is gone for good "+
+				"(stop it and wait until the host shows alive = false), or drain it (schedulable = false) and delete its VMs", name)}
+	}
+	reason := fmt.Sprintf("host %s was retired: its agent is gone for good; delete this VM and create it again", name)
+	retired, lost, err := s.store.RetireHost(ctx, name, api.StateLost, reason)
+	if err != nil {
+		return api.Host{}, fromStore(err, "retire host "+name)
+	}
+	s.view.setWarm(name, nil)
+	s.refreshHost(ctx, name)
+	if len(lost) > 0 || h.RetiredAt == nil {
+		s.log.Warn("host retired: its vms are lost and their capacity released", "host", name, "lost_vms", len(lost), "vms", lost)
+	}
+	return apiHost(retired), nil
 }

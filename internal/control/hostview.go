@@ -161,6 +161,20 @@ func (v *hostView) agent(name string) (address string, alive, known bool) {
 	return v.addr[name], h.Alive, ok
 }
 
+// hostCapacity is a host's capacity as placement counts it (total less
+// reserved memory, times the vCPU ratio), for the agent to keep its VMs
+// and warm VMs within; nil when the host is unknown.
+func (v *hostView) hostCapacity(name string) *agentapi.Resources {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	h, ok := v.ix.Get(name)
+	if !ok {
+		return nil
+	}
+	c := h.Capacity()
+	return &agentapi.Resources{VCPUs: c.VCPUs, MemoryMiB: c.MemoryMiB, DiskMiB: c.DiskMiB}
+}
+
 // agentKey is the identity key pinned for a host's agent ("" when none).
 func (v *hostView) agentKey(name string) string {
 	v.mu.Lock()

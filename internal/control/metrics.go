@@ -107,7 +107,7 @@ type hostStateCounts struct {
 }
 
 // vmStates are the series of kvmd_vms, zero when no VM is in them.
-var vmStates = []string{api.StateCreating, api.StateRunning, api.StatePaused, api.StateStopped, api.StateError, api.StateMissing}
+var vmStates = []string{api.StateCreating, api.StateRunning, api.StatePaused, api.StateStopped, api.StateError, api.StateMissing, api.StateLost}
 
 // setHost records the states of one host's VM rows, read at readAt.
 func (c *vmStateCounts) setHost(host string, readAt time.Time, rows []store.VM) {

@@ -81,6 +81,9 @@ func (s *Service) syncHosts(ctx context.Context, first bool) leases {
 	sem := make(chan struct{}, maxConcurrentSyncs)
 	var wg sync.WaitGroup
 	for _, h := range hosts {
+		if h.RetiredAt != nil {
+			continue // its agent is gone for good: nothing to ask
+		}
 		wg.Go(func() {
 			sem <- struct{}{}
 			defer func() { <-sem }()
@@ -139,7 +142,8 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool, l leas
 		}
 		return
 	}
-	facts := store.HostFacts{Total: agentResources(info.Capacity), Accel: info.Accel, Driver: info.Driver, Images: info.Images}
+	facts := store.HostFacts{Total: agentResources(info.Capacity), Accel: info.Accel, Driver: info.Driver, Images: info.Images,
+		Warm: agentResources(info.Warm), Isolation: info.Isolation}
 	if err := s.store.RecordHostSeen(ctx, h.Name, facts, capacityOf); err != nil {
 		if !errors.Is(err, store.ErrNotFound) {
 			log.Error("host monitor: record sync", "err", err)

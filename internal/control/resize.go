@@ -30,8 +30,8 @@ func (s *Service) resizeVM(ctx context.Context, vm store.VM, want store.Shape) e
 		return nil
 	}
 	switch vm.ObservedState {
-	case api.StateMissing:
-		return conflictf("VM %s is missing on host %s; delete it and create it again", vm.ID, vm.HostName)
+	case api.StateMissing, api.StateLost:
+		return conflictf("VM %s is %s on host %s; delete it and create it again", vm.ID, vm.ObservedState, vm.HostName)
 	case api.StateCreating:
 		return conflictf("VM %s is still being created; resize it once it is up", vm.ID)
 	}

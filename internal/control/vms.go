@@ -99,7 +99,8 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	})
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Stopped: in.PowerState == api.PowerStopped,
-		NICs: agentNICs(nics), NoWarm: !warmCapable(nics) || vm.Guest != nil, Seed: seedSpec(vm.ID, vm.Guest)}
+		NICs: agentNICs(nics), NoWarm: !warmCapable(nics) || vm.Guest != nil, Seed: seedSpec(vm.ID, vm.Guest),
+		HostCapacity: s.view.hostCapacity(vm.HostName)}
 	if img != nil {
 		src := s.imageSource(*img, vm.HostName)
 		spec.ImageSource = &src
@@ -342,8 +343,8 @@ func (s *Service) UpdateVM(ctx context.Context, id string, in api.VMPatch) (api.
 }
 
 func (s *Service) setPower(ctx context.Context, vm store.VM, want string) error {
-	if vm.ObservedState == api.StateMissing {
-		return conflictf("VM %s is missing on host %s; delete it and create it again", vm.ID, vm.HostName)
+	if api.Gone(vm.ObservedState) {
+		return conflictf("VM %s is %s on host %s; delete it and create it again", vm.ID, vm.ObservedState, vm.HostName)
 	}
 	if observedPower(vm.ObservedState) == want {
 		if vm.PowerState == want {
@@ -379,8 +380,9 @@ func (s *Service) DeleteVM(ctx context.Context, id string) error {
 	}
 	step = timing.Since(ctx, "read", step)
 	address, alive, _ := s.view.agent(vm.HostName)
-	// A VM its agent reported missing holds no capacity and runs nowhere.
-	if vm.ObservedState != api.StateMissing || alive {
+	// A VM its agent reported missing, or lost with its retired host,
+	// holds no capacity and runs nowhere.
+	if !api.Gone(vm.ObservedState) || alive {
 		if !alive {
 			return unavailable(nil, "host %s does not answer, and VM %s may still run there, so it is kept with its capacity reserved; retry when the host is back", vm.HostName, id)
 		}
@@ -455,7 +457,7 @@ func apiVM(vm store.VM, hostAlive bool) api.VM {
 	if out.Labels == nil {
 		out.Labels = map[string]string{}
 	}
-	if !hostAlive && vm.ObservedState != api.StateMissing {
+	if !hostAlive && !api.Gone(vm.ObservedState) {
 		out.ObservedState = api.StateUnknown
 	}
 	if vm.Placement != "" {

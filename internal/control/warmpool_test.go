@@ -256,3 +256,47 @@ func TestWarmPreference(t *testing.T) {
 		t.Errorf("create with b loaded: host %s started_from %s, want a and cold", vm.Host, vm.StartedFrom)
 	}
 }
+
+// TestWarmPoolCountsAsCapacityAndMakesRoom: a host's warm VMs show in its
+// warm and free capacity; a create that needs their share succeeds, its
+// agent evicting warm VMs until user VMs and warm VMs fit the host again.
+func TestWarmPoolCountsAsCapacityAndMakesRoom(t *testing.T) {
+	eachDatabase(t, func(t *testing.T, dbURL string) {
+		ctx := ctxT(t)
+		ag := testenv.StartAgent(t, testenv.AgentOptions{Driver: "sim", VCPUs: 8, MemoryMiB: 2048, DiskMiB: 102400})
+		c := testenv.StartControl(t, testenv.ControlOptions{DatabaseURL: dbURL})
+		if _, err := c.Client.PutHost(ctx, "h1", api.HostPut{Address: ag.Address, WarmPool: warmTarget(2)}); err != nil {
+			t.Fatal(err)
+		}
+		host := func() api.Host {
+			h, err := c.Client.GetHost(ctx, "h1")
+			if err != nil {
+				t.Fatal(err)
+			}
+			return h
+		}
+		eventually(t, "host h1 counts its 2 warm VMs", func() bool { return host().Warm.MemoryMiB == 1024 })
+		if h := host(); h.Free.MemoryMiB != 1024 || h.Free.DiskMiB != 102400-2048 {
+			t.Fatalf("free with 2 warm VMs of 512 MiB on 2048 MiB = %+v, want 1024 MiB memory and the warm disks out", h.Free)
+		}
+
+		vm, err := c.Client.CreateVM(ctx, api.VMCreate{Name: "big", Image: "sim", VCPUs: 2, MemoryMiB: 1536, DiskMiB: 1024}, "")
+		if err != nil {
+			t.Fatalf("a create that needs the warm VMs' share: %v", err)
+		}
+		if vm.ObservedState != "running" {
+			t.Fatalf("vm big is %s, want running", vm.ObservedState)
+		}
+		info, err := ag.Client.Info(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if used := info.Allocated.MemoryMiB + info.Warm.MemoryMiB; used > 2048 {
+			t.Fatalf("agent runs %d MiB of vms and %d MiB of warm vms on 2048 MiB", info.Allocated.MemoryMiB, info.Warm.MemoryMiB)
+		}
+		eventually(t, "host h1 shows the evicted pool", func() bool {
+			h := host()
+			return h.Allocated.MemoryMiB == 1536 && h.Warm.MemoryMiB == 512 && h.Free.MemoryMiB == 0
+		})
+	})
+}

@@ -66,7 +66,7 @@ func realAgent(a *testenv.Agent) agentLister {
 
 // ledger checks through the control API that no host is over capacity,
 // that each host's allocation equals the sum of its VM rows that hold
-// capacity (every state but missing), that no row is left in creating,
+// capacity (every state but missing and lost), that no row is left in creating,
 // and that each agent runs exactly the VMs whose rows hold capacity on
 // its host. It returns the first disagreement.
 func ledger(ctx context.Context, c *client.Client, agents map[string]agentLister) error {
@@ -84,7 +84,7 @@ func ledger(ctx context.Context, c *client.Client, agents map[string]agentLister
 		if vm.ObservedState == api.StateCreating {
 			return fmt.Errorf("vm %s (%s) on %s is still creating", vm.ID, vm.Name, vm.Host)
 		}
-		if vm.ObservedState == api.StateMissing {
+		if api.Gone(vm.ObservedState) {
 			continue
 		}
 		s := sum[vm.Host]

@@ -60,6 +60,10 @@ type kvmdControl struct {
 	done chan struct{}
 }
 
+// LogDirEnv, when set, is a directory where each kvmd control of these
+// tests writes its log (kvmd-control-*.log), kept after the test.
+const LogDirEnv = "KVM_FAULTTEST_LOG_DIR"
+
 // shortened are the flags of startKVMD: a short host monitor interval and
 // grace periods.
 var shortened = []string{"--sync-interval", "200ms", "--create-grace", "1s", "--orphan-grace", "1s"}
@@ -90,7 +94,11 @@ func startKVMDFlags(t *testing.T, bin, databaseURL, dataDir string, flags []stri
 	}
 	cmd := exec.Command(bin, args...)
 	cmd.Env = []string{"PATH=" + os.Getenv("PATH")} // no KVMD_* from the caller's environment
-	log, err := os.Create(filepath.Join(t.TempDir(), "kvmd.log"))
+	logDir := t.TempDir()
+	if d := os.Getenv(LogDirEnv); d != "" {
+		logDir = d
+	}
+	log, err := os.CreateTemp(logDir, "kvmd-control-*.log")
 	if err != nil {
 		t.Fatal(err)
 	}

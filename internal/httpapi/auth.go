@@ -58,6 +58,7 @@ func RouteScopes(method, route string) (scopes []string, ok bool) {
 	case "tokens":
 		return adminOnly, true
 	case "hosts", "networks", "images":
+		// Writes, POST /v1/hosts/:name/retire included, are admin only.
 		if read {
 			return adminOrUser, true
 		}

@@ -70,6 +70,16 @@ func (h *handlers) deleteHost(c echo.Context) error {
 	return c.NoContent(http.StatusNoContent)
 }
 
+// retireHost is POST /v1/hosts/{name}/retire (admin): the host's agent is
+// gone for good; its VMs are marked lost and release their capacity.
+func (h *handlers) retireHost(c echo.Context) error {
+	out, err := h.svc.RetireHost(c.Request().Context(), c.Param("name"))
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, out)
+}
+
 func (h *handlers) createVM(c echo.Context) error {
 	ctx, timings := timing.NewContext(c.Request().Context())
 	start := time.Now()

@@ -74,6 +74,7 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	v1.GET("/hosts", h.listHosts)
 	v1.GET("/hosts/:name", h.getHost)
 	v1.DELETE("/hosts/:name", h.deleteHost)
+	v1.POST("/hosts/:name/retire", h.retireHost)
 	v1.POST("/vms", h.createVM)
 	v1.GET("/vms", h.listVMs)
 	v1.GET("/vms/:id", h.getVM)

@@ -339,9 +339,10 @@ func (u *uiHandlers) view(c echo.Context) (fleetView, error) {
 		}
 		v.Hosts = append(v.Hosts, uiHost{
 			Host: h, VMs: perHost[h.Name],
-			CPU:    usageOf(h.Allocated.VCPUs, h.Free.VCPUs),
-			Memory: usageOf(h.Allocated.MemoryMiB, h.Free.MemoryMiB),
-			Disk:   usageOf(h.Allocated.DiskMiB, h.Free.DiskMiB),
+			// Against the capacity: free also leaves out the warm pool.
+			CPU:    usageOf(h.Allocated.VCPUs, h.Capacity.VCPUs-h.Allocated.VCPUs),
+			Memory: usageOf(h.Allocated.MemoryMiB, h.Capacity.MemoryMiB-h.Allocated.MemoryMiB),
+			Disk:   usageOf(h.Allocated.DiskMiB, h.Capacity.DiskMiB-h.Allocated.DiskMiB),
 		})
 		for _, w := range h.WarmPool {
 			v.WarmPools = append(v.WarmPools, uiWarmPool{Host: h.Name, WarmPoolTarget: w})

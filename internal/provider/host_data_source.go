@@ -59,7 +59,20 @@ func hostDataAttributes() map[string]schema.Attribute {
 		},
 		"capacity":  res("What the host can allocate to VMs: (total - reserved) x allocation ratio."),
 		"allocated": res("What the VMs placed on the host have reserved."),
-		"free":      res("Capacity minus allocated."),
+		"free":      res("Capacity minus allocated and warm."),
+		"warm":      res("What the host's warm pool holds (ready and booting warm VMs); the host's agent evicts warm VMs when a new VM needs their share."),
+		"isolation": schema.StringAttribute{
+			MarkdownDescription: "How the host's agent holds each VM to its shape: `cgroup v2: ...` (memory and CPU limits per VM), or `none: <why>`.",
+			Computed:            true,
+		},
+		"retired": schema.BoolAttribute{
+			MarkdownDescription: "Whether the host was retired (its agent gone for good; its VMs lost).",
+			Computed:            true,
+		},
+		"retired_at": schema.StringAttribute{
+			MarkdownDescription: "When the host was retired (RFC 3339, UTC); null while it is in service.",
+			Computed:            true,
+		},
 		"alive": schema.BoolAttribute{
 			MarkdownDescription: "Whether the host agent answered the control API's last check.",
 			Computed:            true,

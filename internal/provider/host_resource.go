@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/hashicorp/terraform-plugin-framework-validators/float64validator"
 	"github.com/hashicorp/terraform-plugin-framework-validators/int64validator"
@@ -37,6 +38,7 @@ var (
 	_ resource.Resource                = (*hostResource)(nil)
 	_ resource.ResourceWithConfigure   = (*hostResource)(nil)
 	_ resource.ResourceWithImportState = (*hostResource)(nil)
+	_ resource.ResourceWithModifyPlan  = (*hostResource)(nil)
 )
 
 // NewHostResource is the kvm_host resource.
@@ -119,7 +121,30 @@ func (r *hostResource) Schema(_ context.Context, _ resource.SchemaRequest, resp 
 			},
 			"capacity":  resourcesAttribute("What the host can allocate to VMs: (total - reserved) x allocation ratio."),
 			"allocated": resourcesAttribute("What the VMs placed on the host have reserved."),
-			"free":      resourcesAttribute("Capacity minus allocated."),
+			"free":      resourcesAttribute("Capacity minus allocated and warm."),
+			"warm": resourcesAttribute("What the host's warm pool holds (ready and booting warm VMs). A new VM may still " +
+				"use this share: the host's agent evicts warm VMs to make room before a create is refused."),
+			"isolation": schema.StringAttribute{
+				MarkdownDescription: "How the host's agent holds each VM to its shape: `cgroup v2: ...` (each QEMU in its own " +
+					"cgroup with `memory.max` and `cpu.max` from the VM's shape), or `none: <why>` (the agent not root, or no " +
+					"cgroup v2 memory and cpu controllers).",
+				Computed: true,
+			},
+			"retired": schema.BoolAttribute{
+				MarkdownDescription: "Set to `true` to retire a host whose agent is gone for good (the host shows `alive = false`): " +
+					"in one admin action the control API marks every VM placed there `lost` and releases their capacity, and the " +
+					"host takes no VM again. The plan warns with the VMs that will be lost; their `kvm_vm` resources are planned " +
+					"again elsewhere on the next run. A host whose agent still answers is refused. It cannot be undone: " +
+					"destroying the resource deregisters the host and removes its lost VMs; register the machine again as a new " +
+					"host. Defaults to `false`.",
+				Optional: true,
+				Computed: true,
+				Default:  booldefault.StaticBool(false),
+			},
+			"retired_at": schema.StringAttribute{
+				MarkdownDescription: "When the host was retired (RFC 3339, UTC); null while it is in service.",
+				Computed:            true,
+			},
 			"alive": schema.BoolAttribute{
 				MarkdownDescription: "Whether the host agent answered the control API's last check.",
 				Computed:            true,
@@ -176,6 +201,11 @@ func (r *hostResource) Create(ctx context.Context, req resource.CreateRequest, r
 	}
 	name := plan.Name.ValueString()
 	subject := fmt.Sprintf("registering host %q", name)
+	if plan.Retired.ValueBool() {
+		resp.Diagnostics.AddAttributeError(path.Root("retired"), summaryCreateHost, fmt.Sprintf(
+			"Host %q cannot be registered retired: retire a registered host whose agent is gone for good. Remove retired = true.", name))
+		return
+	}
 
 	// PUT registers or overwrites; refuse to silently take over a host that
 	// someone else registered.
@@ -229,12 +259,34 @@ func (r *hostResource) Read(ctx context.Context, req resource.ReadRequest, resp 
 }
 
 func (r *hostResource) Update(ctx context.Context, req resource.UpdateRequest, resp *resource.UpdateResponse) {
-	var plan hostModel
+	var plan, state hostModel
 	resp.Diagnostics.Append(req.Plan.Get(ctx, &plan)...)
+	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
 	if resp.Diagnostics.HasError() {
 		return
 	}
 	name := plan.Name.ValueString()
+	if plan.Retired.ValueBool() && !state.Retired.ValueBool() {
+		// The agent is gone: nothing else of the host can change, only the retire.
+		if !plan.Address.Equal(state.Address) || !plan.Labels.Equal(state.Labels) || !plan.Schedulable.Equal(state.Schedulable) ||
+			!plan.CPUAllocationRatio.Equal(state.CPUAllocationRatio) || !plan.MemoryReservedMiB.Equal(state.MemoryReservedMiB) ||
+			!plan.WarmPool.Equal(state.WarmPool) {
+			resp.Diagnostics.AddAttributeError(path.Root("retired"), summaryUpdateHost, fmt.Sprintf(
+				"Host %q is to be retired together with other changes. A host is retired because its agent is gone, so "+
+					"nothing else of it can change: apply retired = true alone, with its other arguments as they are.", name))
+			return
+		}
+		h, err := r.data.client.RetireHost(ctx, name)
+		r.data.wrote()
+		if err != nil {
+			addAPIError(&resp.Diagnostics, summaryUpdateHost, fmt.Sprintf("retiring host %q", name), err)
+			return
+		}
+		tflog.Warn(ctx, "retired host; its VMs are lost", map[string]any{"name": name, "retired_at": h.RetiredAt})
+		plan.fromAPI(h)
+		resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
+		return
+	}
 	in, err := hostPut(ctx, plan)
 	if err != nil {
 		resp.Diagnostics.AddAttributeError(path.Root("labels"), summaryUpdateHost, err.Error())
@@ -267,4 +319,48 @@ func (r *hostResource) Delete(ctx context.Context, req resource.DeleteRequest, r
 
 func (r *hostResource) ImportState(ctx context.Context, req resource.ImportStateRequest, resp *resource.ImportStateResponse) {
 	resource.ImportStatePassthroughID(ctx, path.Root("name"), req, resp)
+}
+
+// ModifyPlan shows what a retire does before it is applied: a warning names
+// the VMs the host's retire marks lost. Un-retiring is refused: a retired
+// host never comes back.
+func (r *hostResource) ModifyPlan(ctx context.Context, req resource.ModifyPlanRequest, resp *resource.ModifyPlanResponse) {
+	if req.State.Raw.IsNull() || req.Plan.Raw.IsNull() || r.data == nil {
+		return
+	}
+	var plan, state hostModel
+	resp.Diagnostics.Append(req.Plan.Get(ctx, &plan)...)
+	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
+	if resp.Diagnostics.HasError() || plan.Retired.IsUnknown() {
+		return
+	}
+	name := state.Name.ValueString()
+	switch {
+	case state.Retired.ValueBool() && !plan.Retired.ValueBool():
+		resp.Diagnostics.AddAttributeError(path.Root("retired"), summaryUpdateHost, fmt.Sprintf(
+			"Host %q is retired and cannot return to service. Keep retired = true, or destroy the resource (which "+
+				"deregisters the host and removes its lost VMs) and register the machine again as a new host.", name))
+	case plan.Retired.ValueBool() && !state.Retired.ValueBool():
+		vms, err := r.data.client.AllVMs(ctx, client.ListOptions{Host: name})
+		if err != nil {
+			addAPIError(&resp.Diagnostics, summaryUpdateHost, fmt.Sprintf("listing the VMs of host %q to plan its retire", name), err)
+			return
+		}
+		names := make([]string, 0, len(vms))
+		for _, vm := range vms {
+			if !api.Gone(vm.ObservedState) {
+				names = append(names, vm.Name)
+			}
+		}
+		detail := fmt.Sprintf("Host %q will be retired: it takes no VM again and cannot return to service.", name)
+		if len(names) > 0 {
+			detail += fmt.Sprintf(" Its %d VMs will be marked lost and their capacity released: %s. Their kvm_vm "+
+				"resources are planned again, on other hosts, on the next plan.", len(names), strings.Join(names, ", "))
+		}
+		if state.Alive.ValueBool() {
+			detail += " Its agent answered at the last refresh: the control API refuses to retire a host whose agent still " +
+				"answers (stop it, or wait until the host shows alive = false)."
+		}
+		resp.Diagnostics.AddAttributeWarning(path.Root("retired"), "Host will be retired", detail)
+	}
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"regexp"
 	"testing"
+	"time"
 
 	"github.com/hashicorp/terraform-plugin-testing/helper/resource"
 	"github.com/hashicorp/terraform-plugin-testing/knownvalue"
@@ -210,6 +211,125 @@ func TestAccHost_deregisterWithVMs(t *testing.T) {
 					}
 				},
 				Config: f.providerBlock(),
+			},
+		},
+	})
+}
+
+func retireConfig(f *fleet, gone, stays string, retired bool, staysSchedulable bool) string {
+	return f.providerBlock() + fmt.Sprintf(`
+resource "kvm_host" "gone" {
+  name    = "node-gone"
+  address = %q
+  retired = %t
+}
+
+resource "kvm_host" "stays" {
+  name        = "node-stays"
+  address     = %q
+  schedulable = %t
+}
+
+resource "kvm_vm" "a" {
+  name       = "on-gone"
+  image      = "sim"
+  vcpus      = 1
+  memory_mib = 512
+  disk_mib   = 2048
+  depends_on = [kvm_host.gone, kvm_host.stays]
+}
+`, gone, retired, stays, staysSchedulable)
+}
+
+// TestAccHost_retire: a host whose agent is gone for good is retired with
+// retired = true. The plan shows the change (retired false -> true, and a
+// warning naming the VMs it loses); the apply marks its VM lost and
+// releases the capacity; the next plan makes that kvm_vm again, on the
+// other host; un-retiring is refused at plan time; destroy deregisters
+// the retired host.
+func TestAccHost_retire(t *testing.T) {
+	f := newFleet(t)
+	gone, stays := f.startAgent(t), f.startAgent(t)
+	const vmAddr = "kvm_vm.a"
+	var lostID string
+	resource.Test(t, resource.TestCase{
+		ProtoV6ProviderFactories: factories(),
+		CheckDestroy:             f.checkHostsGone("node-gone", "node-stays"),
+		Steps: []resource.TestStep{
+			{
+				// node-stays takes no VM yet: the VM lands on node-gone.
+				Config: retireConfig(f, gone.Address, stays.Address, false, false),
+				ConfigStateChecks: []statecheck.StateCheck{
+					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("host"), knownvalue.StringExact("node-gone")),
+					statecheck.ExpectKnownValue("kvm_host.gone", tfjsonpath.New("retired"), knownvalue.Bool(false)),
+					statecheck.ExpectKnownValue("kvm_host.gone", tfjsonpath.New("retired_at"), knownvalue.Null()),
+				},
+				Check: func(s *terraform.State) error {
+					lostID = s.RootModule().Resources[vmAddr].Primary.ID
+					return nil
+				},
+			},
+			{
+				// The agent of node-gone goes away for good.
+				PreConfig: func() {
+					gone.Stop()
+					deadline := time.Now().Add(time.Minute)
+					for {
+						h, err := f.Control.Client.GetHost(ctxT(t), "node-gone")
+						if err == nil && !h.Alive {
+							return
+						}
+						if time.Now().After(deadline) {
+							t.Fatalf("host node-gone still alive a minute after its agent stopped: %+v %v", h, err)
+						}
+						time.Sleep(100 * time.Millisecond)
+					}
+				},
+				Config: retireConfig(f, gone.Address, stays.Address, true, true),
+				ConfigPlanChecks: resource.ConfigPlanChecks{
+					PreApply: []plancheck.PlanCheck{
+						plancheck.ExpectResourceAction("kvm_host.gone", plancheck.ResourceActionUpdate),
+						plancheck.ExpectKnownValue("kvm_host.gone", tfjsonpath.New("retired"), knownvalue.Bool(true)),
+						plancheck.ExpectUnknownValue("kvm_host.gone", tfjsonpath.New("retired_at")),
+					},
+					// Refreshed after the retire, the lost VM is to be made again.
+					PostApplyPostRefresh: []plancheck.PlanCheck{plancheck.ExpectResourceAction(vmAddr, plancheck.ResourceActionCreate)},
+				},
+				Check: func(*terraform.State) error {
+					ctx := ctxT(t)
+					vm, err := f.Control.Client.GetVM(ctx, lostID)
+					if err != nil {
+						return err
+					}
+					if vm.ObservedState != api.StateLost {
+						return fmt.Errorf("vm on the retired host is %s, want lost", vm.ObservedState)
+					}
+					h, err := f.Control.Client.GetHost(ctx, "node-gone")
+					if err != nil {
+						return err
+					}
+					if h.RetiredAt == nil || h.Allocated != (api.Resources{}) {
+						return fmt.Errorf("retired host = %+v; want retired_at set and nothing allocated", h)
+					}
+					return nil
+				},
+				ExpectNonEmptyPlan: true,
+			},
+			{
+				Config: retireConfig(f, gone.Address, stays.Address, true, true),
+				ConfigPlanChecks: resource.ConfigPlanChecks{
+					PreApply:             []plancheck.PlanCheck{plancheck.ExpectResourceAction(vmAddr, plancheck.ResourceActionCreate)},
+					PostApplyPostRefresh: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
+				},
+				ConfigStateChecks: []statecheck.StateCheck{
+					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("host"), knownvalue.StringExact("node-stays")),
+					statecheck.ExpectKnownValue("kvm_host.gone", tfjsonpath.New("retired"), knownvalue.Bool(true)),
+					statecheck.ExpectKnownValue("kvm_host.gone", tfjsonpath.New("alive"), knownvalue.Bool(false)),
+				},
+			},
+			{
+				Config:      retireConfig(f, gone.Address, stays.Address, false, true),
+				ExpectError: regexp.MustCompile(`(?s)is retired and cannot return to service`),
 			},
 		},
 	})

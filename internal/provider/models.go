@@ -26,6 +26,10 @@ type hostModel struct {
 	Driver             types.String  `tfsdk:"driver"`
 	Images             types.List    `tfsdk:"images"`
 	WarmPool           types.List    `tfsdk:"warm_pool"`
+	Warm               types.Object  `tfsdk:"warm"`
+	Isolation          types.String  `tfsdk:"isolation"`
+	Retired            types.Bool    `tfsdk:"retired"`
+	RetiredAt          types.String  `tfsdk:"retired_at"`
 }
 
 func (m *hostModel) fromAPI(h api.Host) {
@@ -43,6 +47,13 @@ func (m *hostModel) fromAPI(h api.Host) {
 	m.Driver = types.StringValue(h.Driver)
 	m.Images = stringList(h.Images)
 	m.WarmPool = warmPoolValue(h.WarmPool)
+	m.Warm = resourcesObject(h.Warm)
+	m.Isolation = types.StringValue(h.Isolation)
+	m.Retired = types.BoolValue(h.RetiredAt != nil)
+	m.RetiredAt = types.StringNull()
+	if h.RetiredAt != nil {
+		m.RetiredAt = timestamp(*h.RetiredAt)
+	}
 }
 
 // hostDataModel is a host as the data sources show it: the resource's

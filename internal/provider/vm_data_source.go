@@ -70,7 +70,7 @@ func (d *vmDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, res
 				Computed:            true,
 			},
 			"observed_state": computed("State the control API last observed on the host: `creating`, `running`, " +
-				"`paused`, `stopped`, `error`, `missing` or `unknown`."),
+				"`paused`, `stopped`, `error`, `missing`, `lost` or `unknown`."),
 			"started_from": computed("How the VM was started: `cold`, `warm` or `snapshot`."),
 			"placement_score": schema.Float64Attribute{
 				MarkdownDescription: "Score of the chosen host at placement time (lower is better).",

@@ -161,7 +161,7 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 			},
 			"observed_state": schema.StringAttribute{
 				MarkdownDescription: "State the control API last observed on the host: `creating`, `running`, `paused`, " +
-					"`stopped`, `error`, `missing` or `unknown` (the host does not answer).",
+					"`stopped`, `error`, `missing`, `lost` (its host was retired) or `unknown` (the host does not answer).",
 				Computed: true,
 			},
 			"started_from": schema.StringAttribute{
@@ -388,7 +388,8 @@ func (r *vmResource) waitForGuest(ctx context.Context, vm api.VM, waitFor string
 
 // create sends one logical create: one Idempotency-Key, which the client
 // reuses on each retry of a lost answer, a 5xx or a 409 in_flight. When the
-// name is held by a VM the control API marked missing (its host lost it), that
+// name is held by a VM the control API marked missing (its host lost it) or
+// lost (its host was retired), that
 // record is deleted first and the create runs once more under a new key: the
 // first attempt has definitely failed.
 func (r *vmResource) create(ctx context.Context, in api.VMCreate) (api.VM, error) {
@@ -398,12 +399,12 @@ func (r *vmResource) create(ctx context.Context, in api.VMCreate) (api.VM, error
 		return vm, err
 	}
 	holder, lookErr := findVMByName(ctx, r.data.client, in.Name)
-	if lookErr != nil || holder.ObservedState != api.StateMissing {
+	if lookErr != nil || !api.Gone(holder.ObservedState) {
 		return vm, err
 	}
-	tflog.Info(ctx, "deleting the missing VM that holds the name", map[string]any{"id": holder.ID, "name": holder.Name})
+	tflog.Info(ctx, "deleting the "+holder.ObservedState+" VM that holds the name", map[string]any{"id": holder.ID, "name": holder.Name})
 	if delErr := r.data.client.DeleteVM(ctx, holder.ID); delErr != nil && !errors.Is(delErr, client.ErrNotFound) {
-		return vm, errors.Join(err, fmt.Errorf("deleting missing VM %s that holds the name: %w", holder.ID, delErr))
+		return vm, errors.Join(err, fmt.Errorf("deleting %s VM %s that holds the name: %w", holder.ObservedState, holder.ID, delErr))
 	}
 	return r.data.client.CreateVM(ctx, in, client.NewIdempotencyKey())
 }
@@ -433,8 +434,8 @@ func (r *vmResource) Read(ctx context.Context, req resource.ReadRequest, resp *r
 	case err != nil:
 		addAPIError(&resp.Diagnostics, summaryReadVM, fmt.Sprintf("reading VM %s", id), err)
 		return
-	case vm.ObservedState == api.StateMissing:
-		tflog.Info(ctx, "VM is missing on its host; removing it from state", map[string]any{"id": id, "host": vm.Host})
+	case api.Gone(vm.ObservedState):
+		tflog.Info(ctx, "VM is "+vm.ObservedState+" with its host; removing it from state", map[string]any{"id": id, "host": vm.Host, "reason": vm.Reason})
 		resp.State.RemoveResource(ctx)
 		return
 	}

@@ -101,7 +101,7 @@ func (c stateChange[T]) waitFrom(ctx context.Context, obj T, state string) (T, e
 
 // vmStates is every state a VM can report, "" (not observed yet) included.
 var vmStates = []string{"", api.StateCreating, api.StateRunning, api.StatePaused, api.StateStopped,
-	api.StateUnknown, api.StateError, api.StateMissing}
+	api.StateUnknown, api.StateError, api.StateMissing, api.StateLost}
 
 // statesExcept is states without the given ones.
 func statesExcept(states []string, except ...string) []string {
@@ -114,7 +114,7 @@ func statesExcept(states []string, except ...string) []string {
 func waitForPower(ctx context.Context, c *client.Client, vm api.VM, want string) (api.VM, error) {
 	id := vm.ID
 	return stateChange[api.VM]{
-		Pending: statesExcept(vmStates, want, api.StateError, api.StateMissing),
+		Pending: statesExcept(vmStates, want, api.StateError, api.StateMissing, api.StateLost),
 		Target:  []string{want},
 		Refresh: func(ctx context.Context) (api.VM, string, error) {
 			next, err := c.GetVM(ctx, id)

@@ -146,7 +146,7 @@ func TestReleaseInstallsFromAFilesystemMirror(t *testing.T) {
 		t.Errorf("lock file: %v\n%s", err, lock)
 	}
 
-	// terraform plan of the quickstart: two VMs to add (exit code 2).
+	// terraform plan of the quickstart: two demo VMs and the cloud-init guest to add (exit code 2).
 	cmd := exec.CommandContext(ctx, "terraform", "plan", "-input=false", "-no-color", "-detailed-exitcode", "-var", "image=sim")
 	cmd.Dir, cmd.Env = work, tfEnv
 	plan, err := cmd.CombinedOutput()
@@ -154,7 +154,7 @@ func TestReleaseInstallsFromAFilesystemMirror(t *testing.T) {
 	if err == nil || !errors.As(err, &exit) || exit.ExitCode() != 2 {
 		t.Fatalf("terraform plan: %v (want exit status 2: changes)\n%s", err, plan)
 	}
-	for _, want := range []string{"kvm_vm.demo[0] will be created", "kvm_vm.demo[1] will be created", "Plan: 2 to add, 0 to change, 0 to destroy"} {
+	for _, want := range []string{"kvm_vm.demo[0] will be created", "kvm_vm.demo[1] will be created", "kvm_vm.guest will be created", "Plan: 3 to add, 0 to change, 0 to destroy"} {
 		if !bytes.Contains(plan, []byte(want)) {
 			t.Errorf("terraform plan lacks %q:\n%s", want, plan)
 		}

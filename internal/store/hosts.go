@@ -43,7 +43,14 @@ type Host struct {
 	Total              Resources         `gorm:"embedded;embeddedPrefix:total_"`
 	Capacity           Resources         `gorm:"embedded;embeddedPrefix:cap_"`
 	Allocated          Resources         `gorm:"embedded;embeddedPrefix:alloc_"`
-	WarmPool           []PoolTarget      `gorm:"column:warm_pool;serializer:json"`
+	// Warm is what the host's warm pool holds, as its agent last reported.
+	Warm     Resources    `gorm:"embedded;embeddedPrefix:warm_"`
+	WarmPool []PoolTarget `gorm:"column:warm_pool;serializer:json"`
+	// Isolation is how the agent holds each VM to its shape.
+	Isolation string `gorm:"column:isolation"`
+	// RetiredAt is when the host was retired (its agent gone for good); nil
+	// for a host in service.
+	RetiredAt *time.Time `gorm:"column:retired_at"`
 	// AgentKey is the ed25519 public key (base64) the host's agent proved;
 	// "" until it has (hosts registered before agents joined).
 	AgentKey  string    `gorm:"column:agent_key"`
@@ -56,10 +63,13 @@ func (Host) TableName() string { return "hosts" }
 
 // HostFacts is what a host's agent reports about itself.
 type HostFacts struct {
-	Total  Resources
-	Accel  string
-	Driver string
-	Images []string
+	Total Resources
+	// Warm is what the warm pool holds; Isolation as in Host.
+	Warm      Resources
+	Isolation string
+	Accel     string
+	Driver    string
+	Images    []string
 }
 
 // CapacityFunc computes usable capacity from totals, the vCPU allocation
@@ -104,7 +114,10 @@ func (s *Store) UpsertHosts(ctx context.Context, hosts []Host) error {
 				"address", "labels", "schedulable", "alive", "missed_syncs", "last_seen", "accel", "driver", "images",
 				"cpu_allocation_ratio", "memory_reserved_mib", "total_vcpus", "total_memory_mib", "total_disk_mib",
 				"cap_vcpus", "cap_memory_mib", "cap_disk_mib", "warm_pool", "agent_key", "updated_at",
+				"warm_vcpus", "warm_memory_mib", "warm_disk_mib", "isolation",
 			}),
+			// A retired host stays retired: it never comes back alive.
+			Where: clause.Where{Exprs: []clause.Expression{clause.Expr{SQL: "hosts.retired_at IS NULL"}}},
 		}).CreateInBatches(&rows, 200).Error
 	})
 	if err != nil && isDuplicate(err) {
@@ -232,16 +245,21 @@ func (s *Store) RecordHostSeen(ctx context.Context, name string, f HostFacts, ca
 		if err != nil {
 			return err
 		}
+		if h.RetiredAt != nil {
+			return fmt.Errorf("record sync of host %s: %w", name, ErrHostRetired)
+		}
 		c := capacity(f.Total, h.CPUAllocationRatio, h.MemoryReservedMiB)
 		t := now()
 		res := s.db.WithContext(ctx).Exec(`UPDATE hosts SET alive = TRUE, missed_syncs = 0, last_seen = ?,
 			accel = ?, driver = ?, images = ?,
 			total_vcpus = ?, total_memory_mib = ?, total_disk_mib = ?,
-			cap_vcpus = ?, cap_memory_mib = ?, cap_disk_mib = ?, updated_at = ?
-			WHERE name = ? AND cpu_allocation_ratio = ? AND memory_reserved_mib = ?`,
+			cap_vcpus = ?, cap_memory_mib = ?, cap_disk_mib = ?,
+			warm_vcpus = ?, warm_memory_mib = ?, warm_disk_mib = ?, isolation = ?, updated_at = ?
+			WHERE name = ? AND cpu_allocation_ratio = ? AND memory_reserved_mib = ? AND retired_at IS NULL`,
 			t, f.Accel, f.Driver, images,
 			f.Total.VCPUs, f.Total.MemoryMiB, f.Total.DiskMiB,
-			c.VCPUs, c.MemoryMiB, c.DiskMiB, t,
+			c.VCPUs, c.MemoryMiB, c.DiskMiB,
+			f.Warm.VCPUs, f.Warm.MemoryMiB, f.Warm.DiskMiB, f.Isolation, t,
 			name, h.CPUAllocationRatio, h.MemoryReservedMiB)
 		if res.Error != nil {
 			return fmt.Errorf("record sync of host %s: %w", name, res.Error)

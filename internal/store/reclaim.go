@@ -20,7 +20,7 @@ func (s *Store) ReclaimVM(ctx context.Context, id, observedState, reason, starte
 	reclaimed := false
 	err := s.inTx(ctx, func(tx *gorm.DB) error {
 		reclaimed = false // a retried transaction starts over
-		vm, err := getVM(tx, id)
+		vm, err := s.lockVM(tx, id)
 		if err != nil {
 			return err
 		}

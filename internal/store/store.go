@@ -32,6 +32,8 @@ var (
 	ErrGroupCap      = errors.New("the group is at its cap in this domain")
 	ErrHostInUse     = errors.New("host still has VMs")
 	ErrAgentKeyTaken = errors.New("agent identity key already pinned to another host")
+	// ErrHostRetired: the host was retired (its agent is gone for good).
+	ErrHostRetired = errors.New("host is retired")
 )
 
 // Dialects.

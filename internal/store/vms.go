@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"gorm.io/gorm"
+	"gorm.io/gorm/clause"
 )
 
 // VM is a row of vms.
@@ -442,7 +443,7 @@ func (s *Store) DeleteVM(ctx context.Context, id string) (VM, bool, error) {
 	)
 	err := s.inTx(ctx, func(tx *gorm.DB) error {
 		var err error
-		if vm, err = getVM(tx, id); err != nil {
+		if vm, err = s.lockVM(tx, id); err != nil {
 			return err
 		}
 		if released, err = releaseInTx(tx, vm); err != nil {
@@ -469,7 +470,7 @@ func (s *Store) ReleaseVM(ctx context.Context, id, observedState, reason string)
 	)
 	err := s.inTx(ctx, func(tx *gorm.DB) error {
 		var err error
-		if vm, err = getVM(tx, id); err != nil {
+		if vm, err = s.lockVM(tx, id); err != nil {
 			return err
 		}
 		if released, err = releaseInTx(tx, vm); err != nil || !released {
@@ -487,8 +488,27 @@ func (s *Store) GetVM(ctx context.Context, id string) (VM, error) {
 }
 
 func getVM(db *gorm.DB, id string) (VM, error) {
+	return takeVM(db.Where("id = ?", id), id)
+}
+
+// lockVM reads VM id in transaction tx and, on PostgreSQL, locks its row
+// until tx ends (SELECT ... FOR UPDATE); SQLite transactions are serial
+// already (BEGIN IMMEDIATE). Every transaction that moves a VM's capacity
+// (release, delete, reclaim) reads the row this way first, so two of them
+// never act on the same VM at once: without it a delete that found the VM
+// holding nothing could remove it after a reclaim took capacity back,
+// leaving the host allocated for ever.
+func (s *Store) lockVM(tx *gorm.DB, id string) (VM, error) {
+	q := tx.Where("id = ?", id)
+	if s.dialect == DialectPostgres {
+		q = q.Clauses(clause.Locking{Strength: "UPDATE"})
+	}
+	return takeVM(q, id)
+}
+
+func takeVM(q *gorm.DB, id string) (VM, error) {
 	var vm VM
-	err := db.Where("id = ?", id).Take(&vm).Error
+	err := q.Take(&vm).Error
 	if errors.Is(err, gorm.ErrRecordNotFound) {
 		return VM{}, fmt.Errorf("vm %s: %w", id, ErrNotFound)
 	}

@@ -76,6 +76,8 @@ type Driver struct {
 	// ports are the host ports of user-mode forwards (network.go).
 	net   *network.Host
 	ports hostPorts
+	// cg puts each QEMU in a cgroup of its own (cgroup.go).
+	cg *cgroups
 }
 
 var _ agent.Driver = (*Driver)(nil)
@@ -116,11 +118,15 @@ func New(ctx context.Context, opts Options) (*Driver, error) {
 		return nil, fmt.Errorf("qemu driver: %w", err)
 	}
 	d.log.Info("qemu accelerator chosen", "accel", d.accel, "why", d.accelNote, "qemu", d.qemu)
+	d.cg = detectCgroups("/proc/self/mounts", os.Geteuid(), d.log)
 	return d, nil
 }
 
 // Name is "qemu".
 func (d *Driver) Name() string { return "qemu" }
+
+// Isolation says how each VM is held to its shape (agent.Isolator).
+func (d *Driver) Isolation() string { return d.cg.note }
 
 // Accel is kvm or tcg, and why.
 func (d *Driver) Accel() (string, string) { return d.accel, d.accelNote }
@@ -339,6 +345,12 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	cmd := exec.CommandContext(sctx, d.qemu, d.args(m, img, opts, child, nics)...)
 	cmd.Dir = m.Dir
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	// Started inside its own cgroup: QEMU never runs, nor allocates,
+	// outside its limits.
+	if fd := d.cg.prepare(m.Dir, vmShape{m.ID, m.VCPUs, m.MemoryMiB}, d.accel == "tcg"); fd >= 0 {
+		defer func() { _ = syscall.Close(fd) }()
+		cmd.SysProcAttr.UseCgroupFD, cmd.SysProcAttr.CgroupFD = true, fd
+	}
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	// QEMU's daemon child points its stdio at /dev/null; should it keep
@@ -436,15 +448,20 @@ func (d *Driver) Kill(_ context.Context, m *agent.Machine) error {
 	// Any other QEMU of m's pid file, and a warm VM handed to m whose
 	// metadata no longer names its pool directory (pool.go): one pass over
 	// /proc finds both.
+	launchDirs := []string{m.Dir, m.Process.LaunchDir}
 	handed := handedOverTo(m.Dir)
 	for _, l := range qemuProcesses(func(pf string) bool { return pf == pidfile || handed(pf) }) {
 		if err := killProcess(l.process, l.pidfile); err != nil {
 			errs = append(errs, err)
 		}
+		if l.pidfile != pidfile {
+			launchDirs = append(launchDirs, filepath.Dir(l.pidfile))
+		}
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("kill qemu of vm %s: %w", m.ID, err)
 	}
+	d.cg.remove(launchDirs...)
 	return nil
 }
 
