@@ -117,12 +117,30 @@ func sameAttributes(a, b any) bool {
 	return sameFields(va, vb)
 }
 
-var attrValueType = reflect.TypeFor[attr.Value]()
+var (
+	attrValueType    = reflect.TypeFor[attr.Value]()
+	float64ValueType = reflect.TypeFor[types.Float64]()
+)
+
+// sameFloat64 compares as float64 values: a number read from state may
+// carry more precision than a float64 (Terraform sends a decimal that a
+// float64 cannot hold exactly as a string), and the float64 is what a Read
+// would write.
+func sameFloat64(a, b types.Float64) bool {
+	if a.IsNull() || a.IsUnknown() || b.IsNull() || b.IsUnknown() {
+		return a.Equal(b)
+	}
+	return a.ValueFloat64() == b.ValueFloat64()
+}
 
 func sameFields(a, b reflect.Value) bool {
 	for i := range a.NumField() {
 		fa, fb := a.Field(i), b.Field(i)
 		switch {
+		case fa.Type() == float64ValueType:
+			if !sameFloat64(fa.Interface().(types.Float64), fb.Interface().(types.Float64)) {
+				return false
+			}
 		case fa.Type().Implements(attrValueType):
 			if !fa.Interface().(attr.Value).Equal(fb.Interface().(attr.Value)) {
 				return false

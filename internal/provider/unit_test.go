@@ -3,6 +3,7 @@ package provider
 import (
 	"context"
 	"errors"
+	"math/big"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -140,6 +141,30 @@ func TestSameAttributesComparesEveryField(t *testing.T) {
 		if sameAttributes(base, m) {
 			t.Errorf("a model whose %s changed is the same as before", what)
 		}
+	}
+	// A score read from state may carry more precision than the float64 the
+	// API gave (Terraform sends such a number as a decimal string): the
+	// same float64 is the same score.
+	precise, _, err := big.ParseFloat("1.04773", 10, 512, big.ToNearestEven)
+	if err != nil {
+		t.Fatal(err)
+	}
+	score, err := types.Float64Type.ValueFromTerraform(context.Background(), tftypes.NewValue(tftypes.Number, precise))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fromState, fromAPI := base, base
+	fromState.PlacementScore = score.(types.Float64)
+	if fromState.PlacementScore.Equal(types.Float64Value(1.04773)) {
+		t.Fatal("the precise score is Equal to its float64: the case below tests nothing")
+	}
+	fromAPI.PlacementScore = types.Float64Value(1.04773)
+	if !sameAttributes(fromState, fromAPI) {
+		t.Error("the same placement score is not the same")
+	}
+	fromAPI.PlacementScore = types.Float64Value(1.04774)
+	if sameAttributes(fromState, fromAPI) {
+		t.Error("a changed placement score is the same")
 	}
 	if sameAttributes(base, struct{ ID types.String }{base.ID}) {
 		t.Error("models of different types are the same")
