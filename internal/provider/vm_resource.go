@@ -440,9 +440,14 @@ func nameTakenDetail(name string, err error) string {
 
 func (r *vmResource) Read(ctx context.Context, req resource.ReadRequest, resp *resource.ReadResponse) {
 	var state vmModel
-	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
-	if resp.Diagnostics.HasError() {
-		return
+	if dec, err := vmStateDecoder(); err != nil || dec.decode(ctx, req.State.Raw, &state) != nil {
+		// Not expected (the decoder follows the schema); the framework's
+		// own decoding then says what is wrong.
+		state = vmModel{}
+		resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
+		if resp.Diagnostics.HasError() {
+			return
+		}
 	}
 	id := state.ID.ValueString()
 	vm, err := r.data.getVM(ctx, id)
