@@ -470,7 +470,14 @@ func (r *vmResource) Read(ctx context.Context, req resource.ReadRequest, resp *r
 	if state.WaitFor.IsNull() {
 		state.WaitFor = types.StringValue(waitForRunning) // an import: the default
 	}
-	if sameAttributes(prior, state) {
+	// The framework hands over an empty list of blocks as null (and
+	// Terraform takes either for none): no network_interface blocks in state
+	// and none read back is no change.
+	cmp := state
+	if prior.NetworkInterfaces.IsNull() && !cmp.NetworkInterfaces.IsUnknown() && len(cmp.NetworkInterfaces.Elements()) == 0 {
+		cmp.NetworkInterfaces = prior.NetworkInterfaces
+	}
+	if sameAttributes(prior, cmp) {
 		// The usual refresh: nothing changed, and resp.State already holds
 		// the prior state; encoding it again would cost more than the rest
 		// of the Read.
