@@ -21,11 +21,13 @@ func main() {
 	flag.Parse()
 	provider.SilenceUnreadSDKLogs()
 	provider.TuneGC()
+	stopProfile := provider.StartCPUProfile()
 
 	err := providerserver.Serve(context.Background(), provider.New(version), providerserver.ServeOpts{
 		Address: "registry.terraform.io/kvmfleet/kvm",
 		Debug:   debug,
 	})
+	stopProfile()
 	if err != nil {
 		log.Fatal(err.Error())
 	}

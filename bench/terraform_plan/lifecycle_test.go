@@ -72,7 +72,7 @@ resource "kvm_vm" "vm" {
   disk_mib   = 64
 }
 `, proxy.URL, control.Token, n))
-	terraform := func(args ...string) time.Duration { return runTerraform(t, tf, rc, dir, args...).wall }
+	terraform := func(args ...string) time.Duration { return runTerraform(t, tf, rc, nil, dir, args...).wall }
 	for r := 1; r <= runs; r++ {
 		proxy.reset()
 		apply := terraform("apply", "-auto-approve", "-input=false")

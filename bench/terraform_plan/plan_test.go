@@ -32,6 +32,12 @@ const (
 	envCount = "KVM_BENCH_TFPLAN_N"     // resources per configuration, default 1000
 	envRuns  = "KVM_BENCH_TFPLAN_RUNS"  // plans of each kind, alternating, default 1
 	envFloor = "KVM_BENCH_TFPLAN_FLOOR" // set to 1 to also time the do-nothing floor providers
+	// envBaseline names a terraform-provider-kvm binary (another build, e.g.
+	// of main) to time beside this one, run by run, over the same VMs.
+	envBaseline = "KVM_BENCH_TFPLAN_BASELINE"
+	// envProfile names a folder for CPU profiles of the provider processes of
+	// the timed plans: <folder>/<kind>-run<r>/<binary>.<pid>.pprof.
+	envProfile = "KVM_BENCH_TFPLAN_PROFILE"
 )
 
 // The floor providers (./floorprovider): kvm_vm's schema, no work.
@@ -59,8 +65,14 @@ func TestTerraformPlanRefresh(t *testing.T) {
 	n := envInt(t, envCount, 1000)
 	runs := envInt(t, envRuns, 1)
 	withFloor := os.Getenv(envFloor) != ""
+	baseline := os.Getenv(envBaseline)
+	profileDir := os.Getenv(envProfile)
 	tf, work, bin := terraformAndProvider(t)
 	overrides := map[string]string{"kvmfleet/kvm": bin}
+	if baseline != "" {
+		copyFile(t, baseline, filepath.Join(bin, "terraform-provider-kvmbase"))
+		overrides["kvmfleet/kvmbase"] = bin
+	}
 	if withFloor {
 		// One binary; its name chooses the mode.
 		goBuild(t, filepath.Join(bin, "terraform-provider-"+floors[0]), "./bench/terraform_plan/floorprovider")
@@ -101,18 +113,42 @@ provider "kvm" {
 }
 `, n))
 
-	terraform := func(dir string, args ...string) planTime { return runTerraform(t, tf, rc, dir, args...) }
+	terraform := func(dir string, args ...string) planTime { return runTerraform(t, tf, rc, nil, dir, args...) }
 	// plan times a plan with refresh; -detailed-exitcode makes a plan with
 	// changes (exit status 2) an error, since a refresh that finds nothing to
-	// do is what is measured.
+	// do is what is measured. With envProfile its provider writes a CPU
+	// profile to <profileDir>/<kind>-run<r>.
+	run := 0
 	plan := func(dir string) planTime {
 		t.Helper()
-		return terraform(dir, "plan", "-input=false", "-lock=false", "-detailed-exitcode")
+		var env []string
+		if profileDir != "" {
+			d := filepath.Join(profileDir, fmt.Sprintf("%s-run%d", filepath.Base(dir), run+1))
+			if err := os.MkdirAll(d, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			env = []string{"KVM_PROVIDER_CPUPROFILE=" + d}
+		}
+		return runTerraform(t, tf, rc, env, dir, "plan", "-input=false", "-lock=false", "-detailed-exitcode")
 	}
 
 	vmApply := terraform(vmDir, "apply", "-auto-approve", "-input=false", "-parallelism=20")
 	dataApply := terraform(dataDir, "apply", "-auto-approve", "-input=false")
 	t.Logf("setup: apply of %d kvm_vm %v, of %d terraform_data %v", n, vmApply.wall.Round(time.Millisecond), n, dataApply.wall.Round(time.Millisecond))
+	baseDir := filepath.Join(work, "kvmbase")
+	if baseline != "" {
+		// The same VMs, planned by the baseline build: a copy of the state
+		// with its provider renamed.
+		writeFile(t, filepath.Join(baseDir, "main.tf"), strings.Replace(vmConfig("kvm", fmt.Sprintf(`
+provider "kvm" {
+  endpoint = %q
+  token    = %q
+}
+`, proxy.URL, control.Token), n), `source = "kvmfleet/kvm"`, `source = "kvmfleet/kvmbase"`, 1))
+		copyFile(t, filepath.Join(vmDir, "terraform.tfstate"), filepath.Join(baseDir, "terraform.tfstate"))
+		terraform(baseDir, "state", "replace-provider", "-auto-approve", "-lock=false",
+			"registry.terraform.io/kvmfleet/kvm", "registry.terraform.io/kvmfleet/kvmbase")
+	}
 	floorDirs := map[string]string{}
 	if withFloor {
 		for _, f := range floors {
@@ -123,19 +159,41 @@ provider "kvm" {
 		}
 	}
 
-	var kvmRatios, ownRatios ratios // ownRatios: kvm_vm over floorfw_vm
+	var kvmRatios, ownRatios ratios      // ownRatios: kvm_vm over floorfw_vm
+	var baseRatios, baseOwnRatios ratios // the baseline build's
 	floorRatios := map[string]*ratios{}
 	for _, f := range floors {
 		floorRatios[f] = &ratios{}
 	}
 	for r := 0; r < runs; r++ {
+		run = r
+		// The baseline plans first on even runs and second on odd ones, so
+		// that neither build always follows the other.
+		var baseTime planTime
+		planBase := func() {
+			if baseline == "" {
+				return
+			}
+			baseTime = plan(baseDir)
+		}
+		if r%2 == 0 {
+			planBase()
+		}
 		proxy.reset()
 		kvmTime := plan(vmDir)
 		reqs := proxy.snapshot()
+		if r%2 == 1 {
+			planBase()
+		}
 		dataTime := plan(dataDir)
 		wall, cpu := kvmRatios.add(kvmTime, dataTime)
 		t.Logf("run %d: terraform plan over %d kvm_vm: %v; over %d terraform_data: %v; "+
 			"ratio wall %.2f, CPU %.2f; provider HTTP requests: %s", r+1, n, kvmTime, n, dataTime, wall, cpu, reqs)
+		if baseline != "" {
+			wall, cpu := baseRatios.add(baseTime, dataTime)
+			t.Logf("run %d: terraform plan over %d kvm_vm with the baseline build: %v; ratio to terraform_data wall %.2f, CPU %.2f",
+				r+1, n, baseTime, wall, cpu)
+		}
 		if !withFloor {
 			continue
 		}
@@ -148,6 +206,10 @@ provider "kvm" {
 		}
 		wall, cpu = ownRatios.add(kvmTime, floorTimes[floors[0]])
 		t.Logf("run %d: kvm_vm/%s_vm wall %.2f, CPU %.2f", r+1, floors[0], wall, cpu)
+		if baseline != "" {
+			wall, cpu = baseOwnRatios.add(baseTime, floorTimes[floors[0]])
+			t.Logf("run %d: baseline kvm_vm/%s_vm wall %.2f, CPU %.2f", r+1, floors[0], wall, cpu)
+		}
 	}
 	kvmRatios.log(t, "kvm_vm/terraform_data", " (goal <= 1.5)")
 	if withFloor {
@@ -155,6 +217,12 @@ provider "kvm" {
 			floorRatios[f].log(t, f+"_vm/terraform_data", "")
 		}
 		ownRatios.log(t, "kvm_vm/"+floors[0]+"_vm", " (the provider's own work)")
+	}
+	if baseline != "" {
+		baseRatios.log(t, "baseline kvm_vm/terraform_data", "")
+		if withFloor {
+			baseOwnRatios.log(t, "baseline kvm_vm/"+floors[0]+"_vm", "")
+		}
 	}
 }
 
@@ -176,13 +244,13 @@ func terraformAndProvider(t *testing.T) (tf, work, bin string) {
 // configuration rc and returns its wall time and CPU time (user + system,
 // including the provider processes it waited for). A failing command fails
 // the test with the end of its output.
-func runTerraform(t *testing.T, tf, rc, dir string, args ...string) planTime {
+func runTerraform(t *testing.T, tf, rc string, env []string, dir string, args ...string) planTime {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, tf, args...)
 	cmd.Dir = dir
-	cmd.Env = append(os.Environ(), "TF_CLI_CONFIG_FILE="+rc, "TF_IN_AUTOMATION=1", "CHECKPOINT_DISABLE=1")
+	cmd.Env = append(append(os.Environ(), "TF_CLI_CONFIG_FILE="+rc, "TF_IN_AUTOMATION=1", "CHECKPOINT_DISABLE=1"), env...)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	start := time.Now()
@@ -380,6 +448,20 @@ func writeFile(t *testing.T, path, content string) {
 		t.Fatal(err)
 	}
 	if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func copyFile(t *testing.T, from, to string) {
+	t.Helper()
+	b, err := os.ReadFile(from)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Dir(to), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(to, b, 0o755); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -6,11 +6,13 @@ package provider
 import (
 	"context"
 	"fmt"
+	"reflect"
 	"time"
 
 	"github.com/hashicorp/terraform-plugin-framework/attr"
 	"github.com/hashicorp/terraform-plugin-framework/diag"
 	"github.com/hashicorp/terraform-plugin-framework/types"
+	"github.com/hashicorp/terraform-plugin-go/tftypes"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 )
@@ -101,3 +103,82 @@ func hostsFromSet(ctx context.Context, v types.Set) ([]string, error) {
 
 // hasBlocks says whether a list of blocks is known and not empty.
 func hasBlocks(v types.List) bool { return !v.IsNull() && !v.IsUnknown() && len(v.Elements()) > 0 }
+
+// sameAttributes says whether two models of the same struct type hold equal
+// values in every field: each field is an attr.Value or an embedded struct of
+// them. A Read that finds the state it would write equal to the prior state
+// leaves the response's state alone (the framework filled it with the prior
+// state) instead of encoding the whole model again.
+func sameAttributes(a, b any) bool {
+	va, vb := reflect.ValueOf(a), reflect.ValueOf(b)
+	if va.Type() != vb.Type() || va.Kind() != reflect.Struct {
+		return false
+	}
+	return sameFields(va, vb)
+}
+
+var (
+	attrValueType    = reflect.TypeFor[attr.Value]()
+	float64ValueType = reflect.TypeFor[types.Float64]()
+)
+
+// sameFloat64 compares as float64 values: a number read from state may
+// carry more precision than a float64 (Terraform sends a decimal that a
+// float64 cannot hold exactly as a string), and the float64 is what a Read
+// would write.
+func sameFloat64(a, b types.Float64) bool {
+	if a.IsNull() || a.IsUnknown() || b.IsNull() || b.IsUnknown() {
+		return a.Equal(b)
+	}
+	return a.ValueFloat64() == b.ValueFloat64()
+}
+
+func sameFields(a, b reflect.Value) bool {
+	for i := range a.NumField() {
+		fa, fb := a.Field(i), b.Field(i)
+		switch {
+		case fa.Type() == float64ValueType:
+			if !sameFloat64(fa.Interface().(types.Float64), fb.Interface().(types.Float64)) {
+				return false
+			}
+		case fa.Type().Implements(attrValueType):
+			if !fa.Interface().(attr.Value).Equal(fb.Interface().(attr.Value)) {
+				return false
+			}
+		case fa.Kind() == reflect.Struct && a.Type().Field(i).Anonymous:
+			if !sameFields(fa, fb) {
+				return false
+			}
+		default:
+			return false // a field that is no attribute: never assume it equal
+		}
+	}
+	return true
+}
+
+// rawString reads a top-level string attribute straight from a config, plan
+// or state object, without the schema look-ups GetAttribute makes (which
+// copy the schema's attribute map at every step): for the checks that run
+// once per resource on every plan.
+func rawString(obj tftypes.Value, name string) (types.String, error) {
+	if obj.IsNull() || !obj.IsKnown() {
+		return types.StringNull(), fmt.Errorf("reading %s: the object is null or unknown", name)
+	}
+	got, _, err := tftypes.WalkAttributePath(obj, tftypes.NewAttributePath().WithAttributeName(name))
+	if err != nil {
+		return types.StringNull(), fmt.Errorf("reading %s: %w", name, err)
+	}
+	v, ok := got.(tftypes.Value)
+	if !ok {
+		return types.StringNull(), fmt.Errorf("reading %s: got a %T, not a value", name, got)
+	}
+	s, err := types.StringType.ValueFromTerraform(context.Background(), v)
+	if err != nil {
+		return types.StringNull(), fmt.Errorf("reading %s: %w", name, err)
+	}
+	str, ok := s.(types.String)
+	if !ok {
+		return types.StringNull(), fmt.Errorf("reading %s: got a %T, not a string", name, s)
+	}
+	return str, nil
+}

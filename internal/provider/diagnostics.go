@@ -19,6 +19,7 @@ const (
 	summaryUnexpectedData     = "Unexpected Provider Data"
 	summaryCreateVM           = "Unable to Create VM"
 	summaryReadVM             = "Unable to Read VM"
+	summaryPlanVM             = "Unable to Plan VM"
 	summaryUpdateVM           = "Unable to Update VM"
 	summaryDeleteVM           = "Unable to Delete VM"
 	summaryImportVM           = "Unable to Import VM"

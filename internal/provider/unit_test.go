@@ -3,10 +3,14 @@ package provider
 import (
 	"context"
 	"errors"
+	"math/big"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/hashicorp/terraform-plugin-framework/types"
+	"github.com/hashicorp/terraform-plugin-go/tftypes"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 )
@@ -102,5 +106,91 @@ func TestCheckEndpoint(t *testing.T) {
 		if err := checkEndpoint(bad); err == nil {
 			t.Errorf("%q accepted", bad)
 		}
+	}
+}
+
+// sameAttributes decides whether a Read writes the state: every field, in
+// the embedded structs too, must count.
+func TestSameAttributesComparesEveryField(t *testing.T) {
+	vm := api.VM{ID: "vm-1", Name: "a", Image: "sim", VCPUs: 1, MemoryMiB: 64, DiskMiB: 64, Host: "h1",
+		ObservedState: api.StateRunning, Labels: map[string]string{"k": "v"}, UserDataSHA256: "ab", Hostname: "a",
+		SSHAuthorizedKeys: []string{"ssh-ed25519 AAAA"}, CreatedAt: time.Unix(1700000000, 0)}
+	var base vmModel
+	base.fromAPI(vm, observedPowerState(vm))
+	base.setNICs(vm, false)
+	base.UserData = types.StringValue("#cloud-config")
+	base.WaitFor = types.StringValue(waitForRunning)
+	same := base
+	if !sameAttributes(base, same) {
+		t.Fatal("a copy of a model is not the same as the model")
+	}
+	changes := map[string]func(m *vmModel){
+		"power_state (vmAttributes)": func(m *vmModel) { m.PowerState = types.StringValue(api.PowerStopped) },
+		"labels (vmAttributes)":      func(m *vmModel) { m.Labels = labelsValue(map[string]string{"k": "w"}) },
+		"user_data_sha256":           func(m *vmModel) { m.UserDataSHA256 = types.StringNull() },
+		"ssh_authorized_keys":        func(m *vmModel) { m.SSHAuthorizedKeys = stringList([]string{"ssh-ed25519 BBBB"}) },
+		"wait_for (guestModel)":      func(m *vmModel) { m.WaitFor = types.StringNull() },
+		"user_data (guestModel)":     func(m *vmModel) { m.UserData = types.StringValue("#!/bin/sh") },
+		"network_interface": func(m *vmModel) {
+			m.NetworkInterfaces = types.ListNull(m.NetworkInterfaces.ElementType(context.Background()))
+		},
+	}
+	for what, change := range changes {
+		m := base
+		change(&m)
+		if sameAttributes(base, m) {
+			t.Errorf("a model whose %s changed is the same as before", what)
+		}
+	}
+	// A score read from state may carry more precision than the float64 the
+	// API gave (Terraform sends such a number as a decimal string): the
+	// same float64 is the same score.
+	precise, _, err := big.ParseFloat("1.04773", 10, 512, big.ToNearestEven)
+	if err != nil {
+		t.Fatal(err)
+	}
+	score, err := types.Float64Type.ValueFromTerraform(context.Background(), tftypes.NewValue(tftypes.Number, precise))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fromState, fromAPI := base, base
+	fromState.PlacementScore = score.(types.Float64)
+	if fromState.PlacementScore.Equal(types.Float64Value(1.04773)) {
+		t.Fatal("the precise score is Equal to its float64: the case below tests nothing")
+	}
+	fromAPI.PlacementScore = types.Float64Value(1.04773)
+	if !sameAttributes(fromState, fromAPI) {
+		t.Error("the same placement score is not the same")
+	}
+	fromAPI.PlacementScore = types.Float64Value(1.04774)
+	if sameAttributes(fromState, fromAPI) {
+		t.Error("a changed placement score is the same")
+	}
+	if sameAttributes(base, struct{ ID types.String }{base.ID}) {
+		t.Error("models of different types are the same")
+	}
+}
+
+func TestRawStringReadsTopLevelStrings(t *testing.T) {
+	typ := tftypes.Object{AttributeTypes: map[string]tftypes.Type{"a": tftypes.String, "b": tftypes.String, "c": tftypes.String, "n": tftypes.Number}}
+	obj := tftypes.NewValue(typ, map[string]tftypes.Value{
+		"a": tftypes.NewValue(tftypes.String, "x"),
+		"b": tftypes.NewValue(tftypes.String, nil),
+		"c": tftypes.NewValue(tftypes.String, tftypes.UnknownValue),
+		"n": tftypes.NewValue(tftypes.Number, 1),
+	})
+	for name, want := range map[string]types.String{"a": types.StringValue("x"), "b": types.StringNull(), "c": types.StringUnknown()} {
+		got, err := rawString(obj, name)
+		if err != nil || !got.Equal(want) {
+			t.Errorf("rawString(%s) = %v, %v; want %v", name, got, err, want)
+		}
+	}
+	for _, name := range []string{"n", "missing"} {
+		if got, err := rawString(obj, name); err == nil {
+			t.Errorf("rawString(%s) = %v, want an error", name, got)
+		}
+	}
+	if got, err := rawString(tftypes.NewValue(typ, nil), "a"); err == nil {
+		t.Errorf("rawString of a null object = %v, want an error", got)
 	}
 }

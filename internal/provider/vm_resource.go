@@ -220,16 +220,30 @@ func (r *vmResource) ModifyPlan(ctx context.Context, req resource.ModifyPlanRequ
 	if req.Plan.Raw.IsNull() {
 		return // destroy
 	}
-	var userData, userDataWO types.String
-	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("user_data"), &userData)...)
-	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("user_data_wo"), &userDataWO)...)
-	if resp.Diagnostics.HasError() {
+	var want types.String
+	// Read from the raw values: this runs for every kvm_vm on every plan.
+	userData, err := rawString(req.Config.Raw, "user_data")
+	if err == nil {
+		var userDataWO types.String
+		userDataWO, err = rawString(req.Config.Raw, "user_data_wo")
+		want = configuredDigest(userData, userDataWO)
+	}
+	if err != nil {
+		resp.Diagnostics.AddError(summaryPlanVM, fmt.Sprintf("Planning VM: %s. This is a bug in the provider; please report it.", err))
 		return
 	}
-	want := configuredDigest(userData, userDataWO)
 	if req.State.Raw.IsNull() {
 		resp.Diagnostics.Append(resp.Plan.SetAttribute(ctx, path.Root("user_data_sha256"), want)...)
 		return // create
+	}
+	if req.Plan.Raw.Equal(req.State.Raw) {
+		// Nothing changes (the usual plan after a refresh): the planned
+		// digest is the one in state, so only a configuration whose user
+		// data differs from it has anything to plan.
+		stateDigest, err := rawString(req.State.Raw, "user_data_sha256")
+		if err == nil && want.Equal(stateDigest) {
+			return
+		}
 	}
 	var plan, state vmModel
 	resp.Diagnostics.Append(req.Plan.Get(ctx, &plan)...)
@@ -258,10 +272,17 @@ func (r *vmResource) ModifyPlan(ctx context.Context, req resource.ModifyPlanRequ
 
 // ValidateConfig refuses waits a stopped VM cannot satisfy.
 func (r *vmResource) ValidateConfig(ctx context.Context, req resource.ValidateConfigRequest, resp *resource.ValidateConfigResponse) {
-	var power, waitFor types.String
-	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("power_state"), &power)...)
-	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("wait_for"), &waitFor)...)
-	if resp.Diagnostics.HasError() || power.ValueString() != api.PowerStopped {
+	// Read from the raw config: this runs for every kvm_vm on every plan.
+	power, err := rawString(req.Config.Raw, "power_state")
+	var waitFor types.String
+	if err == nil {
+		waitFor, err = rawString(req.Config.Raw, "wait_for")
+	}
+	if err != nil {
+		resp.Diagnostics.AddError(summaryPlanVM, fmt.Sprintf("Validating a kvm_vm configuration: %s. This is a bug in the provider; please report it.", err))
+		return
+	}
+	if power.ValueString() != api.PowerStopped {
 		return
 	}
 	if w := waitFor.ValueString(); w == waitForIP || w == waitForCloudInit {
@@ -420,9 +441,14 @@ func nameTakenDetail(name string, err error) string {
 
 func (r *vmResource) Read(ctx context.Context, req resource.ReadRequest, resp *resource.ReadResponse) {
 	var state vmModel
-	resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
-	if resp.Diagnostics.HasError() {
-		return
+	if dec, err := vmStateDecoder(); err != nil || dec.decode(ctx, req.State.Raw, &state) != nil {
+		// Not expected (the decoder follows the schema); the framework's
+		// own decoding then says what is wrong.
+		state = vmModel{}
+		resp.Diagnostics.Append(req.State.Get(ctx, &state)...)
+		if resp.Diagnostics.HasError() {
+			return
+		}
 	}
 	id := state.ID.ValueString()
 	vm, err := r.data.getVM(ctx, id)
@@ -439,10 +465,24 @@ func (r *vmResource) Read(ctx context.Context, req resource.ReadRequest, resp *r
 		resp.State.RemoveResource(ctx)
 		return
 	}
+	prior := state
 	state.fromAPI(vm, observedPowerState(vm))
 	state.setNICs(vm, hasBlocks(state.NetworkInterfaces))
 	if state.WaitFor.IsNull() {
 		state.WaitFor = types.StringValue(waitForRunning) // an import: the default
+	}
+	// The framework hands over an empty list of blocks as null (and
+	// Terraform takes either for none): no network_interface blocks in state
+	// and none read back is no change.
+	cmp := state
+	if prior.NetworkInterfaces.IsNull() && !cmp.NetworkInterfaces.IsUnknown() && len(cmp.NetworkInterfaces.Elements()) == 0 {
+		cmp.NetworkInterfaces = prior.NetworkInterfaces
+	}
+	if sameAttributes(prior, cmp) {
+		// The usual refresh: nothing changed, and resp.State already holds
+		// the prior state; encoding it again would cost more than the rest
+		// of the Read.
+		return
 	}
 	resp.Diagnostics.Append(resp.State.Set(ctx, &state)...)
 }

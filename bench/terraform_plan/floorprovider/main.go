@@ -44,6 +44,7 @@ func run(ctx context.Context, argv0 string) error {
 	// that what kvm_vm costs beyond floorfw_vm is the provider's own work.
 	kvmprovider.SilenceUnreadSDKLogs()
 	kvmprovider.TuneGC()
+	defer kvmprovider.StartCPUProfile()()
 
 	// The framework provider is also the raw mode's source of its schema.
 	framework := providerserver.NewProtocol6(&floorProvider{typeName: mode})
