@@ -44,6 +44,12 @@ if ! "$root/scripts/deps.sh" demo; then
 elif ! "$root/scripts/build-image.sh" "$image_dir"; then
 	fallback="the busybox guest image could not be built into $image_dir (scripts/build-image.sh failed above)"
 fi
+# The Debian guest from make image-debian's cache goes into the image
+# directory before kvmd starts: the agent offers the images it finds then.
+debian_cache="${KVM_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvmfleet/images}/debian-12-$(sha256sum "$root/scripts/build-debian-image.sh" | cut -c1-16)"
+if [[ -z "$fallback" && ! -f "$image_dir/debian-12/image.json" && -f "$debian_cache/image.json" && "$(id -u)" == 0 ]]; then
+	"$root/scripts/build-debian-image.sh" "$image_dir" || true # a copy from the cache
+fi
 if [[ -n "$fallback" ]]; then
 	driver=sim
 	printf '\n\033[1mdemo: FALLBACK to the sim driver: %s. The quickstart below runs on simulated VMs (image "sim"), not QEMU guests; install the packages and run make demo again for real guests.\033[0m\n' "$fallback"
@@ -65,11 +71,7 @@ if [[ "$driver" == sim ]]; then image="sim"; fi
 
 step "the guest to log in to, and an SSH key for it"
 guest_image="$image"
-debian_cache="${KVM_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvmfleet/images}/debian-12-$(sha256sum "$root/scripts/build-debian-image.sh" | cut -c1-16)"
 if [[ "$driver" == qemu ]]; then
-	if [[ ! -f "$image_dir/debian-12/image.json" && -f "$debian_cache/image.json" && "$(id -u)" == 0 ]]; then
-		"$root/scripts/build-debian-image.sh" "$image_dir" || true # a copy from the cache
-	fi
 	if [[ -f "$image_dir/debian-12/image.json" ]]; then
 		guest_image="debian-12"
 	else
