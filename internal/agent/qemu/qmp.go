@@ -20,6 +20,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
@@ -180,6 +181,12 @@ func (q *monitor) keep(msg qmpMessage) {
 // run executes one command and decodes its return value into out. Events
 // that arrive before the answer are kept for waitEvent.
 func (q *monitor) run(ctx context.Context, cmd string, args, out any) error {
+	return q.runWith(ctx, nil, cmd, args, out)
+}
+
+// runWith is run, with the file f passed to QEMU along with the command
+// (SCM_RIGHTS on the socket) when f is not nil: what getfd takes.
+func (q *monitor) runWith(ctx context.Context, f *os.File, cmd string, args, out any) error {
 	req := struct {
 		Execute   string `json:"execute"`
 		Arguments any    `json:"arguments,omitempty"`
@@ -190,7 +197,7 @@ func (q *monitor) run(ctx context.Context, cmd string, args, out any) error {
 	}
 	var answer qmpMessage
 	err = q.exchange(ctx, qmpTimeout, func() error {
-		if _, err := q.conn.Write(b); err != nil {
+		if err := q.write(b, f); err != nil {
 			return err
 		}
 		for {
@@ -215,6 +222,23 @@ func (q *monitor) run(ctx context.Context, cmd string, args, out any) error {
 		return json.Unmarshal(answer.Return, out)
 	}
 	return nil
+}
+
+// write sends b, with f's descriptor when f is not nil.
+func (q *monitor) write(b []byte, f *os.File) error {
+	if f == nil {
+		_, err := q.conn.Write(b)
+		return err
+	}
+	uc, ok := q.conn.(*net.UnixConn)
+	if !ok {
+		return fmt.Errorf("qmp socket %s cannot pass a file: %T", q.path, q.conn)
+	}
+	n, _, err := uc.WriteMsgUnix(b, syscall.UnixRights(int(f.Fd())), nil)
+	if err == nil && n < len(b) {
+		_, err = uc.Write(b[n:])
+	}
+	return err
 }
 
 // waitEvent returns the first event, kept or new, for which match is true,

@@ -7,6 +7,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os"
 	"time"
 )
 
@@ -85,6 +86,13 @@ type migrationCapability struct {
 // migrateSetCapabilities sets migration capabilities, in the order given.
 func (q *monitor) migrateSetCapabilities(ctx context.Context, caps ...migrationCapability) error {
 	return q.run(ctx, "migrate-set-capabilities", map[string]any{"capabilities": caps}, nil)
+}
+
+// getfd hands QEMU a descriptor of f under name, for a later "fd:<name>"
+// migration URI. QEMU keeps its own copy (the caller closes f) and closes
+// it when the migration that takes it ends.
+func (q *monitor) getfd(ctx context.Context, name string, f *os.File) error {
+	return q.runWith(ctx, f, "getfd", map[string]any{"fdname": name}, nil)
 }
 
 // migrate starts an outgoing migration to uri; waitMigration follows it.

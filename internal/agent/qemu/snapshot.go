@@ -5,15 +5,17 @@ package qemu
 // A snapshot of a VM freezes its current disk file and saves its memory, in
 // one window in which the vCPUs are stopped:
 //
-//  1. qemu-img makes disk.<n+1>.qcow2, an overlay whose backing file is the
-//     current disk.<n>.qcow2 (disk.qcow2 for n = 0), named relative to it;
+//  1. disk.<n+1>.qcow2 is made (writeQcow2Overlay, qcow2.go), an overlay
+//     whose backing file is the current disk.<n>.qcow2 (disk.qcow2 for
+//     n = 0), named relative to it;
 //  2. QMP stop;
 //  3. QMP blockdev-snapshot-sync (mode existing) moves the guest's drive onto
 //     the new overlay; QEMU reopens the old file read-only, and nothing
 //     writes it again: it is the frozen disk;
 //  4. the frozen disk and the files below it are hard-linked into the
 //     snapshot directory (same names, so relative backing names resolve);
-//  5. QMP migrate to "exec:cat > memory.state" saves the device state; with
+//  5. QMP migrate to memory.state (a descriptor handed to QEMU with getfd,
+//     so no process runs in between) saves the device state; with
 //     the migration capability x-ignore-shared, it leaves out the RAM,
 //     which QEMU maps shared from a memfd (qemu.go); the MIGRATION event
 //     (capability "events") tells when it is done;
@@ -27,7 +29,7 @@ package qemu
 // agent that has the snapshot. The child's QEMU has the source's command
 // line (same machine, memory, devices) with its own disk, its RAM mapped
 // copy-on-write from memory.ram, -S and -incoming defer; QMP sets
-// x-ignore-shared and migrate-incoming "exec:cat memory.state" loads the
+// x-ignore-shared and migrate-incoming from memory.state (getfd) loads the
 // device state, and once the MIGRATION event says it is loaded the child is
 // continued. One QMP session serves a whole snapshot, and one a child's
 // start (qmp.go). It never reads its RAM up
@@ -54,13 +56,11 @@ package qemu
 // notification. VMs have no NIC, so there is no MAC to change.
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
@@ -81,6 +81,9 @@ const (
 	migrateBandwidth = 64 << 30
 	// driveID is the -drive id of a VM's disk (args in qemu.go).
 	driveID = "disk0"
+	// migrationFD names the descriptor of the memory state file that a
+	// snapshot or a child's start hands QEMU (getfd) for its migration.
+	migrationFD = "migration"
 )
 
 var _ agent.Snapshotter = (*Driver)(nil)
@@ -105,9 +108,6 @@ var (
 	diskFilePattern = regexp.MustCompile(`^disk(?:\.([1-9][0-9]*))?\.qcow2$`)
 	diskNodePattern = regexp.MustCompile(`^disk-g([1-9][0-9]*)$`)
 )
-
-// shellQuote quotes s for /bin/sh, which runs QEMU's exec: migration URIs.
-func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
 
 // SnapshotPauses is how many times this driver stopped a VM for a
 // snapshot: a retried snapshot must not stop its VM again.
@@ -159,20 +159,6 @@ func blockFileName(name string) string {
 	return v.File.Filename
 }
 
-func (d *Driver) qemuImgCreate(ctx context.Context, path, backing string, size int64) error {
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	tmp := path + ".tmp"
-	// -u: the backing file is in use by the guest; the size is given.
-	out, err := exec.CommandContext(ctx, d.qemuImg, "create", "-q", "-f", "qcow2", "-u", "-b", backing, "-F", "qcow2",
-		tmp, strconv.FormatInt(size, 10)).CombinedOutput()
-	if err != nil {
-		_ = os.Remove(tmp)
-		return fmt.Errorf("qemu-img create %s on %s: %w: %s", path, backing, err, bytes.TrimSpace(out))
-	}
-	return os.Rename(tmp, path)
-}
-
 // Snapshot implements agent.Snapshotter (see the file comment).
 func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opts agent.SnapshotOptions) (agent.SnapshotFiles, error) {
 	files := agent.SnapshotFiles{Memory: memoryFileName}
@@ -212,7 +198,7 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 		}
 		gen, next = g, diskFile(g+1)
 		// Made before the pause, which it does not need.
-		if err := d.qemuImgCreate(ctx, filepath.Join(m.Dir, next), diskFile(gen), size); err != nil {
+		if err := writeQcow2Overlay(filepath.Join(m.Dir, next), diskFile(gen), size); err != nil {
 			return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
 		}
 		if err := opts.RecordDisk(next); err != nil {
@@ -294,9 +280,19 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 }
 
 // saveMemory migrates the stopped VM into the file path and waits for the
-// MIGRATION event that ends it.
+// MIGRATION event that ends it. QEMU writes the file itself, through a
+// descriptor handed over the QMP socket (no process in between).
 func (d *Driver) saveMemory(ctx context.Context, q *monitor, m *agent.Machine, path string) error {
-	if err := q.migrate(ctx, "exec:cat > "+shellQuote(path)); err != nil {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o640)
+	if err != nil {
+		return fmt.Errorf("save memory: %w", err)
+	}
+	err = q.getfd(ctx, migrationFD, f)
+	_ = f.Close() // QEMU has its own copy
+	if err == nil {
+		err = q.migrate(ctx, "fd:"+migrationFD)
+	}
+	if err != nil {
 		return err
 	}
 	status, err := q.waitMigration(ctx, migrateTimeout)
@@ -451,8 +447,8 @@ func (d *Driver) startSpawn(ctx context.Context, m *agent.Machine, dir, at strin
 		if err != nil {
 			return nil, fmt.Errorf("start vm %s: %w", m.ID, err)
 		}
-		// -u: the frozen disk need not be there yet (StartSpawn).
-		if err := d.qemuImgCreate(ctx, diskPath(m), backing, m.DiskMiB<<20); err != nil {
+		// The frozen disk need not be there yet (StartSpawn).
+		if err := writeQcow2Overlay(diskPath(m), backing, m.DiskMiB<<20); err != nil {
 			return nil, fmt.Errorf("start vm %s: %w", m.ID, err)
 		}
 		if at != dir {
@@ -488,7 +484,16 @@ func (p *pendingSpawn) Finish(ctx context.Context) error {
 	d, m, q := p.d, p.m, p.q
 	defer func() { _ = q.Close() }()
 	t2 := time.Now()
-	if err := q.migrateIncoming(ctx, "exec:cat "+shellQuote(p.state)); err != nil {
+	// QEMU reads the state through a descriptor handed over the QMP socket.
+	f, err := os.Open(p.state)
+	if err == nil {
+		err = q.getfd(ctx, migrationFD, f)
+		_ = f.Close() // QEMU has its own copy
+	}
+	if err == nil {
+		err = q.migrateIncoming(ctx, "fd:"+migrationFD)
+	}
+	if err != nil {
 		d.killLeftovers(m)
 		return fmt.Errorf("start vm %s: load the snapshot's device state: %w", m.ID, err)
 	}
