@@ -95,9 +95,10 @@ func pullFiles(b *testing.B, c *agentapi.Client, snap agentapi.Snapshot, dir str
 		}
 		var n, sent int64
 		var sum string
+		want := f.SHA256
 		if f.Kind == agentapi.SnapshotFileRAM {
-			sum, sent, err = agent.ReadSparse(out, body, f.SizeBytes)
-			n = f.SizeBytes
+			sum, sent, err = agent.ReadSparse(out, body, f.SizeBytes, agent.NewRAMHash)
+			n, want = f.SizeBytes, f.BLAKE3
 		} else {
 			h := sha256.New()
 			n, err = io.Copy(io.MultiWriter(out, h), body)
@@ -106,7 +107,7 @@ func pullFiles(b *testing.B, c *agentapi.Client, snap agentapi.Snapshot, dir str
 		wire += sent
 		_ = body.Close()
 		_ = out.Close()
-		if err != nil || n != f.SizeBytes || sum != f.SHA256 {
+		if err != nil || n != f.SizeBytes || sum != want {
 			b.Fatalf("pull %s: %d bytes, %v", f.Name, n, err)
 		}
 	}

@@ -118,8 +118,9 @@ type SnapshotOptions struct {
 type SnapshotFiles struct {
 	Memory string // device state, and the RAM when RAM is ""
 	// RAM is the guest's RAM image, which children map copy-on-write
-	// instead of loading it; RAMDigest is its SparseDigest, which the
-	// driver computed while writing it ("" lets the agent compute it).
+	// instead of loading it; RAMDigest is its SparseDigest (NewRAMHash),
+	// which the driver computed while writing it ("" lets the agent
+	// compute it).
 	RAM, RAMDigest string
 	Disk           string   // frozen disk that children's overlays sit on; "" without a disk
 	Backing        []string // files below Disk in its backing chain, also in the directory
@@ -164,7 +165,8 @@ func (r *snapshotRecord) wire() agentapi.Snapshot {
 	h := sha256.New()
 	for _, f := range r.Files {
 		s.SizeBytes += f.SizeBytes
-		fmt.Fprintf(h, "%s %s %d %s\n", f.Kind, f.Name, f.SizeBytes, f.SHA256)
+		_, sum := ramHash(f)
+		fmt.Fprintf(h, "%s %s %d %s\n", f.Kind, f.Name, f.SizeBytes, sum)
 	}
 	s.SHA256 = hex.EncodeToString(h.Sum(nil))
 	return s
@@ -189,7 +191,7 @@ func (r *snapshotRecord) files() SnapshotFiles {
 
 var (
 	fileNamePattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`)
-	sha256Pattern   = regexp.MustCompile(`^[0-9a-f]{64}$`)
+	sha256Pattern   = regexp.MustCompile(`^[0-9a-f]{64}$`) // a sha256 or blake3 digest
 )
 
 // validate checks metadata read from disk or sent by another agent: its
@@ -212,8 +214,19 @@ func (r *snapshotRecord) validate(id string) error {
 			return fmt.Errorf("file name %q is not a plain name or is listed twice", f.Name)
 		}
 		seen[f.Name] = true
-		if f.SizeBytes < 0 || !sha256Pattern.MatchString(f.SHA256) {
-			return fmt.Errorf("file %s: bad size or sha256", f.Name)
+		// One digest a file: a RAM image's blake3 (or the sha256 of one
+		// recorded before), any other file's sha256.
+		digests := 0
+		for _, d := range []string{f.SHA256, f.BLAKE3} {
+			if d != "" {
+				digests++
+				if !sha256Pattern.MatchString(d) {
+					return fmt.Errorf("file %s: digest %q is not 64 hex digits", f.Name, d)
+				}
+			}
+		}
+		if f.SizeBytes < 0 || digests != 1 || (f.BLAKE3 != "" && f.Kind != agentapi.SnapshotFileRAM) {
+			return fmt.Errorf("file %s: bad size or digest (want size_bytes >= 0 and one digest: blake3 for a ram file, or sha256)", f.Name)
 		}
 		switch f.Kind {
 		case agentapi.SnapshotFileMemory, agentapi.SnapshotFileRAM, agentapi.SnapshotFileDisk, agentapi.SnapshotFileBacking:

@@ -58,7 +58,11 @@ func (a *Agent) getSnapshotFile(c echo.Context) error {
 		return err
 	}
 	h := c.Response().Header()
-	h.Set("X-Snapshot-File-Sha256", meta.SHA256)
+	if meta.BLAKE3 != "" {
+		h.Set("X-Snapshot-File-Blake3", meta.BLAKE3)
+	} else {
+		h.Set("X-Snapshot-File-Sha256", meta.SHA256)
+	}
 	if meta.Kind == agentapi.SnapshotFileRAM {
 		// The sparse form (sparse.go): its length is known only once sent.
 		h.Set(echo.HeaderContentType, sparseContentType)

@@ -7,7 +7,6 @@ import (
 	"context"
 	"crypto/ed25519"
 	"crypto/rand"
-	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
@@ -255,10 +254,11 @@ func (a *Agent) pullOK(w *pullWatch) bool {
 }
 
 // pullSnapshot copies snapshot id from the agent at address into a pull
-// directory, checks every file's size and sha256 against the metadata, and
+// directory, checks every file's size and digest against the metadata, and
 // renames the directory into place only when all match. The disk files
-// come first, then (once the pull is ready, see pullWatch) the device
-// state and the RAM image. The caller holds the snapshot's lock.
+// and, beside them, the device state and the RAM image stream at once; the
+// pull is ready (see pullWatch) once the disk chain is checked, and ends
+// when the rest is in. The caller holds the snapshot's lock.
 func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain []string) (*snapshotRecord, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), pullTimeout)
 	defer cancel()
@@ -312,30 +312,6 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 			}
 		}
 	}()
-	var bytes int64
-	pull := func(disks bool) error {
-		for _, f := range rec.Files {
-			if isDiskFile(f) != disks {
-				continue
-			}
-			if err := a.pullFile(ctx, c, id, dir, f, f.Kind == agentapi.SnapshotFileRAM); err != nil {
-				a.log.Warn("snapshot pull rejected", "snapshot", id, "from", address, "file", f.Name, "err", err)
-				return errPull(id, address, err)
-			}
-			bytes += f.SizeBytes
-		}
-		return nil
-	}
-	if err := pull(true); err != nil {
-		return nil, err
-	}
-	if err := a.adoptPulled(ctx, dir, rec); err != nil {
-		a.log.Warn("snapshot pull refused: its disk chain", "snapshot", id, "from", address, "err", err)
-		e := errConflict("snapshot %s from agent %s refused: %v", id, address, err)
-		e.Details = map[string]any{"snapshot": id}
-		return nil, e
-	}
-	disks := time.Since(start)
 	// The RAM image exists at its full size (a hole) before anything may
 	// map it; pullFile then fills it in.
 	for _, f := range rec.Files {
@@ -345,12 +321,68 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 			}
 		}
 	}
+	// pull streams the disk chain's files (disks) or the others, one at a
+	// time, and returns the bytes it moved.
+	pull := func(ctx context.Context, disks bool) (int64, error) {
+		var n int64
+		for _, f := range rec.Files {
+			if isDiskFile(f) != disks {
+				continue
+			}
+			if err := a.pullFile(ctx, c, id, dir, f, f.Kind == agentapi.SnapshotFileRAM); err != nil {
+				a.log.Warn("snapshot pull rejected", "snapshot", id, "from", address, "file", f.Name, "err", err)
+				return n, errPull(id, address, err)
+			}
+			n += f.SizeBytes
+		}
+		return n, nil
+	}
+	// The device state and the RAM image, by far the largest file, stream
+	// while the disk chain arrives and is checked: nothing reads them
+	// before the whole pull is verified.
+	memCtx, stopMem := context.WithCancel(ctx)
+	type pulled struct {
+		n   int64
+		err error
+	}
+	memDone := make(chan pulled, 1)
+	go func() {
+		n, err := pull(memCtx, false)
+		memDone <- pulled{n, err}
+	}()
+	// Every return from here waits for that stream first: the deferred
+	// removal of dir must not race its writes.
+	memWaited := false
+	waitMem := func() pulled {
+		memWaited = true
+		return <-memDone
+	}
+	defer func() {
+		if !memWaited {
+			stopMem()
+			waitMem()
+		}
+		stopMem()
+	}()
+	bytes, err := pull(ctx, true)
+	if err != nil {
+		return nil, err
+	}
+	if err := a.adoptPulled(ctx, dir, rec); err != nil {
+		a.log.Warn("snapshot pull refused: its disk chain", "snapshot", id, "from", address, "err", err)
+		e := errConflict("snapshot %s from agent %s refused: %v", id, address, err)
+		e.Details = map[string]any{"snapshot": id}
+		return nil, e
+	}
+	disks := time.Since(start)
 	w.at, w.rec = dir, *rec
 	w.rec.Files, w.rec.NICs = slices.Clone(rec.Files), cloneNICs(rec.NICs)
 	a.readyPull(id, w)
-	if err := pull(false); err != nil {
-		return nil, err
+	mem := waitMem()
+	if mem.err != nil {
+		return nil, mem.err
 	}
+	bytes += mem.n
 	for _, f := range rec.Files {
 		// The RAM image is read-only, as at the source (adoptPulled did
 		// the disks).
@@ -393,10 +425,11 @@ func (a *Agent) pullFile(ctx context.Context, c *agentapi.Client, id, dir string
 	}
 	var n int64
 	var sum string
+	newHash, want := ramHash(f)
 	if f.Kind == agentapi.SnapshotFileRAM {
-		sum, n, err = ReadSparse(out, body, f.SizeBytes)
+		sum, n, err = ReadSparse(out, body, f.SizeBytes, newHash)
 	} else {
-		h := sha256.New()
+		h := newHash()
 		// One byte more than announced, to see a file that is too long.
 		n, err = io.Copy(io.MultiWriter(out, h), io.LimitReader(body, f.SizeBytes+1))
 		sum = digestOf(h)
@@ -410,8 +443,8 @@ func (a *Agent) pullFile(ctx context.Context, c *agentapi.Client, id, dir string
 	switch {
 	case err != nil:
 		return fmt.Errorf("file %s (%d bytes): transfer failed after %d bytes: %w", f.Name, f.SizeBytes, n, err)
-	case sum != f.SHA256:
-		return fmt.Errorf("file %s: sha256 %s, the metadata says %s: corrupted in transit or changed at the source", f.Name, sum, f.SHA256)
+	case sum != want:
+		return fmt.Errorf("file %s: %s %s, the metadata says %s: corrupted in transit or changed at the source", f.Name, digestName(f), sum, want)
 	}
 	return nil
 }
@@ -462,11 +495,12 @@ func (a *Agent) adoptPulled(ctx context.Context, dir string, rec *snapshotRecord
 	for i, f := range rec.Files {
 		path := filepath.Join(dir, f.Name)
 		if slices.Contains(rewritten, f.Name) {
-			size, sum, err := hashFile(path, f.Kind, "")
+			size, sum, err := digestFile(path, f, "")
 			if err != nil {
 				return fmt.Errorf("digest of rewritten %s: %w", f.Name, err)
 			}
-			rec.Files[i].SizeBytes, rec.Files[i].SHA256 = size, sum
+			rec.Files[i].SizeBytes = size
+			setDigest(&rec.Files[i], sum)
 		}
 		if isDiskFile(f) {
 			if err := os.Chmod(path, 0o444); err != nil {

@@ -113,10 +113,11 @@ func (a *Agent) writeSnapshotMeta(dir string, rec *snapshotRecord) error {
 // against its metadata; when all match, it syncs them and clears the flag.
 func (a *Agent) recoverUnsynced(dir string, rec *snapshotRecord) error {
 	for _, f := range rec.Files {
-		size, sum, err := hashFile(filepath.Join(dir, f.Name), f.Kind, "")
-		if err != nil || size != f.SizeBytes || sum != f.SHA256 {
+		_, want := ramHash(f)
+		size, sum, err := digestFile(filepath.Join(dir, f.Name), f, "")
+		if err != nil || size != f.SizeBytes || sum != want {
 			if err == nil {
-				err = fmt.Errorf("%d bytes with sha256 %s, the metadata says %d with %s", size, sum, f.SizeBytes, f.SHA256)
+				err = fmt.Errorf("%d bytes with %s %s, the metadata says %d with %s", size, digestName(f), sum, f.SizeBytes, want)
 			}
 			return fmt.Errorf("file %s of the snapshot does not match its metadata (the host stopped before it reached the disk?): %v; "+
 				"delete the snapshot (a pulled one is pulled again by the next child that needs it)", f.Name, err)

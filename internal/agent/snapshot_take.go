@@ -4,7 +4,6 @@ package agent
 
 import (
 	"context"
-	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
@@ -153,7 +152,7 @@ func (a *Agent) describeFiles(dir string, files SnapshotFiles) ([]agentapi.Snaps
 	}
 	list := []agentapi.SnapshotFile{{Name: files.Memory, Kind: agentapi.SnapshotFileMemory}}
 	if files.RAM != "" {
-		list = append(list, agentapi.SnapshotFile{Name: files.RAM, Kind: agentapi.SnapshotFileRAM, SHA256: files.RAMDigest})
+		list = append(list, agentapi.SnapshotFile{Name: files.RAM, Kind: agentapi.SnapshotFileRAM, BLAKE3: files.RAMDigest})
 	}
 	if files.Disk != "" {
 		list = append(list, agentapi.SnapshotFile{Name: files.Disk, Kind: agentapi.SnapshotFileDisk})
@@ -162,18 +161,20 @@ func (a *Agent) describeFiles(dir string, files SnapshotFiles) ([]agentapi.Snaps
 		list = append(list, agentapi.SnapshotFile{Name: b, Kind: agentapi.SnapshotFileBacking})
 	}
 	for i := range list {
-		size, sum, err := hashFile(filepath.Join(dir, list[i].Name), list[i].Kind, list[i].SHA256)
+		_, known := ramHash(list[i])
+		size, sum, err := digestFile(filepath.Join(dir, list[i].Name), list[i], known)
 		if err != nil {
 			return nil, err
 		}
-		list[i].SizeBytes, list[i].SHA256 = size, sum
+		list[i].SizeBytes = size
+		setDigest(&list[i], sum)
 	}
 	return list, nil
 }
 
-// hashFile sizes and checksums one snapshot file (a ram file in its sparse
-// form, unless its digest is known).
-func hashFile(path, kind, known string) (int64, string, error) {
+// digestFile sizes one snapshot file and takes the digest its metadata f
+// records (ramHash): a RAM image's of its sparse form, unless known.
+func digestFile(path string, meta agentapi.SnapshotFile, known string) (int64, string, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return 0, "", err
@@ -183,12 +184,13 @@ func hashFile(path, kind, known string) (int64, string, error) {
 	if err != nil {
 		return 0, "", err
 	}
+	newHash, _ := ramHash(meta)
 	n, sum := fi.Size(), known
 	switch {
-	case kind == agentapi.SnapshotFileRAM && sum == "":
-		sum, err = SparseDigest(f, n)
-	case kind != agentapi.SnapshotFileRAM:
-		h := sha256.New()
+	case meta.Kind == agentapi.SnapshotFileRAM && sum == "":
+		sum, err = SparseDigest(f, n, newHash)
+	case meta.Kind != agentapi.SnapshotFileRAM:
+		h := newHash()
 		n, err = io.Copy(h, f)
 		sum = digestOf(h)
 	}

@@ -15,7 +15,14 @@ package agent
 // aligned 1 MiB block of the file, in order. That makes the stream a
 // function of the file's content alone (not of the filesystem's extents),
 // so every agent that holds the image serves the same bytes, and the
-// snapshot metadata's sha256 of such a file is the sha256 of its stream.
+// snapshot metadata's digest of such a file is the digest of its stream.
+//
+// That digest is BLAKE3 (SnapshotFile.BLAKE3), not the SHA-256 of the other
+// files: the stream is tens to hundreds of MiB on the path of every fork,
+// hashed as the snapshot copies it out of the paused guest and again as a
+// peer receives it, and BLAKE3 hashes it 2.3 times as fast here (4.0
+// against 1.76 GB/s on one core with SHA-NI). A RAM image of a snapshot
+// taken before that has a SHA-256 and is checked with it (ramHash).
 
 import (
 	"bytes"
@@ -28,7 +35,10 @@ import (
 	"io"
 	"os"
 
+	"github.com/zeebo/blake3"
 	"golang.org/x/sys/unix"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 )
 
 const (
@@ -124,10 +134,44 @@ func WriteSparse(w io.Writer, f *os.File, size int64) error {
 	return err
 }
 
-// SparseDigest is the hex sha256 of the sparse stream of f's first size
-// bytes: what snapshot metadata lists for a RAM image.
-func SparseDigest(f *os.File, size int64) (string, error) {
-	h := sha256.New()
+// NewRAMHash is the hash of the sparse stream of a new RAM image.
+func NewRAMHash() hash.Hash { return blake3.New() }
+
+// ramHash is how the digest of snapshot file f is checked, and the digest
+// its metadata records: the sparse stream's BLAKE3 for a RAM image (its
+// SHA-256 for one recorded before BLAKE3), the file's SHA-256 otherwise.
+func ramHash(f agentapi.SnapshotFile) (newHash func() hash.Hash, want string) {
+	if usesBLAKE3(f) {
+		return NewRAMHash, f.BLAKE3
+	}
+	return sha256.New, f.SHA256
+}
+
+func usesBLAKE3(f agentapi.SnapshotFile) bool {
+	return f.Kind == agentapi.SnapshotFileRAM && (f.BLAKE3 != "" || f.SHA256 == "")
+}
+
+// digestName names the digest ramHash takes of f, for messages.
+func digestName(f agentapi.SnapshotFile) string {
+	if usesBLAKE3(f) {
+		return "blake3"
+	}
+	return "sha256"
+}
+
+// setDigest records sum, taken as ramHash says, in f.
+func setDigest(f *agentapi.SnapshotFile, sum string) {
+	if usesBLAKE3(*f) {
+		f.BLAKE3 = sum
+		return
+	}
+	f.SHA256 = sum
+}
+
+// SparseDigest is the hex digest (newHash) of the sparse stream of f's
+// first size bytes: what snapshot metadata lists for a RAM image.
+func SparseDigest(f *os.File, size int64, newHash func() hash.Hash) (string, error) {
+	h := newHash()
 	if err := WriteSparse(h, f, size); err != nil {
 		return "", err
 	}
@@ -135,10 +179,10 @@ func SparseDigest(f *os.File, size int64) (string, error) {
 }
 
 // CopySparse copies the first size bytes of src into dst (an empty file),
-// writing only the non-zero pages, and returns the digest of the stream, as
-// SparseDigest of dst would.
+// writing only the non-zero pages, and returns the digest of the stream
+// (NewRAMHash), as SparseDigest of dst would.
 func CopySparse(dst, src *os.File, size int64) (string, error) {
-	h := newPipeHash()
+	h := newPipeHash(NewRAMHash())
 	defer h.stop()
 	var head [sparseHead]byte
 	err := scanSparse(src, size, func(off int64, data []byte) error {
@@ -168,10 +212,11 @@ type SparseTarget interface {
 // ReadSparse writes the sparse stream r into dst (an empty file) and checks
 // it on the way: records in order, inside size, each whole pages (the last
 // may end at size), then the end record of size, and nothing after it. It
-// returns the stream's digest and how many bytes of the stream it read. A
-// stream that breaks any rule is an error, and the caller discards dst.
-func ReadSparse(dst SparseTarget, r io.Reader, size int64) (string, int64, error) {
-	h := newPipeHash()
+// returns the stream's digest (newHash) and how many bytes of the stream it
+// read. A stream that breaks any rule is an error, and the caller discards
+// dst.
+func ReadSparse(dst SparseTarget, r io.Reader, size int64, newHash func() hash.Hash) (string, int64, error) {
+	h := newPipeHash(newHash())
 	defer h.stop()
 	cr := &countingReader{r: io.TeeReader(r, h)}
 	buf := make([]byte, max(0, min(size, sparseBlock)))

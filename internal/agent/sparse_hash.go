@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"crypto/sha256"
 	"hash"
 	"sync"
 )
@@ -9,7 +8,7 @@ import (
 // pipeBuffers is how many buffers a pipeHash has in flight.
 const pipeBuffers = 4
 
-// pipeHash is a sha256 that hashes in a goroutine of its own: a RAM image is
+// pipeHash is a hash that hashes in a goroutine of its own: a RAM image is
 // tens of MiB of non-zero pages, and hashing them as they are copied (a
 // snapshot's copy out of the guest, a pull's receipt) doubled the time of
 // that copy, which is the source's pause and a spilled child's wait. The
@@ -25,8 +24,8 @@ type pipeHash struct {
 	once sync.Once
 }
 
-func newPipeHash() *pipeHash {
-	p := &pipeHash{h: sha256.New(), full: make(chan []byte, pipeBuffers), free: make(chan []byte, pipeBuffers),
+func newPipeHash(h hash.Hash) *pipeHash {
+	p := &pipeHash{h: h, full: make(chan []byte, pipeBuffers), free: make(chan []byte, pipeBuffers),
 		done: make(chan struct{})}
 	for range pipeBuffers - 1 {
 		p.free <- make([]byte, 0, sparseBlock)

@@ -4,12 +4,18 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
+	"encoding/hex"
 	"hash"
+	"log/slog"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/zeebo/blake3"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 )
 
 // ramImage writes a file of size bytes with non-zero pages at the given
@@ -77,7 +83,7 @@ func TestSparseRoundTrip(t *testing.T) {
 	want := ramImage(t, filepath.Join(dir, "src"), size, pages)
 	src := open(t, filepath.Join(dir, "src"))
 
-	digest, err := SparseDigest(src, size)
+	digest, err := SparseDigest(src, size, NewRAMHash)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -89,6 +95,10 @@ func TestSparseRoundTrip(t *testing.T) {
 	if err := WriteSparse(&stream, src, size); err != nil {
 		t.Fatal(err)
 	}
+	// The digest is the BLAKE3 of the stream (sparse.go).
+	if b3 := blake3.Sum256(stream.Bytes()); digest != hex.EncodeToString(b3[:]) {
+		t.Fatalf("digest %s is not the blake3 of the stream, %x", digest, b3)
+	}
 	nonZero := map[int64]bool{}
 	for _, p := range pages {
 		nonZero[p] = true
@@ -97,7 +107,7 @@ func TestSparseRoundTrip(t *testing.T) {
 		t.Fatalf("stream of %d bytes for %d non-zero pages: zero pages were sent", stream.Len(), len(nonZero))
 	}
 	got := create(t, filepath.Join(dir, "pulled"))
-	d, n, err := ReadSparse(got, bytes.NewReader(stream.Bytes()), size)
+	d, n, err := ReadSparse(got, bytes.NewReader(stream.Bytes()), size, NewRAMHash)
 	if err != nil || d != digest || n != int64(stream.Len()) {
 		t.Fatalf("ReadSparse = %s, %d, %v; want %s, %d", d, n, err, digest, stream.Len())
 	}
@@ -107,7 +117,7 @@ func TestSparseRoundTrip(t *testing.T) {
 			t.Fatalf("%s differs from the source (%d bytes, %v)", f, len(b), err)
 		}
 		// The same content gives the same digest on any agent.
-		if d, err := SparseDigest(open(t, filepath.Join(dir, f)), size); err != nil || d != digest {
+		if d, err := SparseDigest(open(t, filepath.Join(dir, f)), size, NewRAMHash); err != nil || d != digest {
 			t.Fatalf("digest of %s = %s, %v; want %s", f, d, err, digest)
 		}
 	}
@@ -124,7 +134,7 @@ func TestSparseEmptyImage(t *testing.T) {
 		t.Fatalf("stream of an empty image: %d bytes, %v; want only the end record", stream.Len(), err)
 	}
 	out := create(t, filepath.Join(dir, "out"))
-	if _, _, err := ReadSparse(out, &stream, 2*sparseBlock); err != nil {
+	if _, _, err := ReadSparse(out, &stream, 2*sparseBlock, NewRAMHash); err != nil {
 		t.Fatal(err)
 	}
 	if fi, _ := out.Stat(); fi.Size() != 2*sparseBlock {
@@ -166,7 +176,7 @@ func TestReadSparseRejects(t *testing.T) {
 	for name, c := range cases {
 		t.Run(name, func(t *testing.T) {
 			out := create(t, filepath.Join(t.TempDir(), "out"))
-			_, _, err := ReadSparse(out, bytes.NewReader(bytes.Join(c.stream, nil)), size)
+			_, _, err := ReadSparse(out, bytes.NewReader(bytes.Join(c.stream, nil)), size, NewRAMHash)
 			if err == nil || !strings.Contains(err.Error(), c.want) {
 				t.Fatalf("err = %v, want %q", err, c.want)
 			}
@@ -183,15 +193,15 @@ func FuzzReadSparse(f *testing.F) {
 	f.Add(record(0, sparsePage, 1))
 	f.Fuzz(func(t *testing.T, stream []byte) {
 		out := &memTarget{t: t, b: make([]byte, size)}
-		d, n, err := ReadSparse(out, bytes.NewReader(stream), size)
+		d, n, err := ReadSparse(out, bytes.NewReader(stream), size, NewRAMHash)
 		if err != nil {
 			return
 		}
 		if out.size != size || n > int64(len(stream)) {
 			t.Fatalf("accepted stream: size %d, read %d of %d bytes", out.size, n, len(stream))
 		}
-		if d != digestOf(sha256Of(stream[:n])) {
-			t.Fatalf("digest %s is not the sha256 of the stream read", d)
+		if b3 := blake3.Sum256(stream[:n]); d != hex.EncodeToString(b3[:]) {
+			t.Fatalf("digest %s is not the blake3 of the stream read", d)
 		}
 	})
 }
@@ -222,27 +232,106 @@ func sha256Of(b []byte) hash.Hash {
 	return h
 }
 
-// TestPipeHashIsSHA256 feeds a pipeHash writes of many sizes, across its
-// buffer boundaries, and compares with crypto/sha256.
-func TestPipeHashIsSHA256(t *testing.T) {
+// TestPipeHashIsItsHash feeds a pipeHash writes of many sizes, across its
+// buffer boundaries, and compares with its hash run in line (sha256 and
+// blake3).
+func TestPipeHashIsItsHash(t *testing.T) {
 	data := make([]byte, 5*sparseBlock+12345)
 	for i := range data {
 		data[i] = byte(i*7 + i>>11)
 	}
-	for _, step := range []int{1, sparseHead, 4093, sparsePage, sparseBlock - 1, sparseBlock, 3*sparseBlock + 5, len(data)} {
-		p := newPipeHash()
-		for off := 0; off < len(data); off += step {
-			if _, err := p.Write(data[off:min(off+step, len(data))]); err != nil {
-				t.Fatal(err)
+	b3 := blake3.Sum256(data)
+	for _, c := range []struct {
+		newHash func() hash.Hash
+		want    string
+	}{{sha256.New, digestOf(sha256Of(data))}, {NewRAMHash, hex.EncodeToString(b3[:])}} {
+		for _, step := range []int{1, sparseHead, 4093, sparsePage, sparseBlock - 1, sparseBlock, 3*sparseBlock + 5, len(data)} {
+			p := newPipeHash(c.newHash())
+			for off := 0; off < len(data); off += step {
+				if _, err := p.Write(data[off:min(off+step, len(data))]); err != nil {
+					t.Fatal(err)
+				}
 			}
-		}
-		if got, want := p.sum(), digestOf(sha256Of(data)); got != want {
-			t.Fatalf("writes of %d bytes: digest %s, want %s", step, got, want)
+			if got := p.sum(); got != c.want {
+				t.Fatalf("writes of %d bytes: digest %s, want %s", step, got, c.want)
+			}
 		}
 	}
 	// stop without sum, and twice, ends it without blocking.
-	p := newPipeHash()
+	p := newPipeHash(sha256.New())
 	_, _ = p.Write(data)
 	p.stop()
 	p.stop()
+}
+
+// A RAM image is recorded with the BLAKE3 of its sparse stream; one
+// recorded before that (a snapshot on disk, or an agent of an earlier
+// version) has the stream's SHA-256 and is checked with it. Metadata with
+// no digest, both, or a BLAKE3 on a file that is not a RAM image is
+// refused.
+func TestRAMDigestAlgorithms(t *testing.T) {
+	dir, err := os.MkdirTemp(t.TempDir(), "snap")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const size = 4 * sparseBlock
+	ramImage(t, filepath.Join(dir, "memory.ram"), size, []int64{0, 5, 300})
+	if err := os.WriteFile(filepath.Join(dir, "memory.state"), []byte("state"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var stream bytes.Buffer
+	if err := WriteSparse(&stream, open(t, filepath.Join(dir, "memory.ram")), size); err != nil {
+		t.Fatal(err)
+	}
+	b3, s2 := blake3.Sum256(stream.Bytes()), sha256.Sum256(stream.Bytes())
+	state := sha256.Sum256([]byte("state"))
+	ram := agentapi.SnapshotFile{Name: "memory.ram", Kind: agentapi.SnapshotFileRAM}
+	mem := agentapi.SnapshotFile{Name: "memory.state", Kind: agentapi.SnapshotFileMemory, SizeBytes: 5, SHA256: hex.EncodeToString(state[:])}
+
+	// A new record: describeFiles takes the BLAKE3.
+	files, err := (&Agent{}).describeFiles(dir, SnapshotFiles{Memory: "memory.state", RAM: "memory.ram"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if files[1].BLAKE3 != hex.EncodeToString(b3[:]) || files[1].SHA256 != "" || files[0].SHA256 != mem.SHA256 {
+		t.Fatalf("described %+v; want the ram file's blake3 %x and the state's sha256", files, b3)
+	}
+	rec := snapshotRecord{Version: snapshotVersion, ID: "s", Image: "busybox", VCPUs: 1, MemoryMiB: 64, Files: files}
+	if err := rec.validate("s"); err != nil {
+		t.Fatalf("new record: %v", err)
+	}
+
+	legacy := ram
+	legacy.SizeBytes, legacy.SHA256 = size, hex.EncodeToString(s2[:])
+	if newHash, want := ramHash(legacy); want != legacy.SHA256 || newHash().Size() != sha256.Size {
+		t.Fatalf("a legacy ram file is checked against %q", want)
+	}
+	if _, sum, err := digestFile(filepath.Join(dir, "memory.ram"), legacy, ""); err != nil || sum != legacy.SHA256 {
+		t.Fatalf("digest of a legacy ram file: %s, %v; want its sha256 %s", sum, err, legacy.SHA256)
+	}
+	rec.Files = []agentapi.SnapshotFile{mem, legacy}
+	if err := rec.validate("s"); err != nil {
+		t.Fatalf("legacy record: %v", err)
+	}
+	// An unsynced legacy snapshot found at start is checked with SHA-256.
+	rec.Unsynced = true
+	if err := (&Agent{cfg: Config{NoSync: true}, log: slog.New(slog.DiscardHandler)}).recoverUnsynced(dir, &rec); err != nil || rec.Unsynced {
+		t.Fatalf("recover a legacy snapshot: %v (unsynced %v)", err, rec.Unsynced)
+	}
+
+	both := legacy
+	both.BLAKE3 = hex.EncodeToString(b3[:])
+	onDisk := mem
+	onDisk.BLAKE3, onDisk.SHA256 = onDisk.SHA256, ""
+	none := ram
+	for name, f := range map[string]agentapi.SnapshotFile{"both digests": both, "blake3 on a state file": onDisk, "no digest": none} {
+		files := []agentapi.SnapshotFile{mem, f}
+		if f.Kind == agentapi.SnapshotFileMemory {
+			files = []agentapi.SnapshotFile{f}
+		}
+		bad := snapshotRecord{Version: snapshotVersion, ID: "s", Image: "busybox", VCPUs: 1, MemoryMiB: 64, Files: files}
+		if err := bad.validate("s"); err == nil || !strings.Contains(err.Error(), "digest") {
+			t.Errorf("%s: validate = %v; want it refused for its digest", name, err)
+		}
+	}
 }

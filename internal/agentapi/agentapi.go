@@ -233,18 +233,21 @@ const (
 	SnapshotFileMemory = "memory" // the device state, and the RAM when no ram file holds it (a QEMU migration stream)
 	// SnapshotFileRAM is the guest's RAM image, which children map
 	// copy-on-write. Its size_bytes is the image's size; it is sent, and
-	// its sha256 taken, in the sparse form of the agent package (sparse.go).
+	// its digest taken, in the sparse form of the agent package
+	// (sparse.go): blake3, or sha256 for an image recorded before.
 	SnapshotFileRAM     = "ram"
 	SnapshotFileDisk    = "disk"    // the frozen disk a child's overlay sits on
 	SnapshotFileBacking = "backing" // a file below the frozen disk in its backing chain
 )
 
-// SnapshotFile is one file of a snapshot.
+// SnapshotFile is one file of a snapshot, with its digest: SHA256 (hex),
+// or for a RAM image BLAKE3 (hex, 32 bytes) of its sparse form.
 type SnapshotFile struct {
 	Name      string `json:"name"`
 	Kind      string `json:"kind"`
 	SizeBytes int64  `json:"size_bytes"`
-	SHA256    string `json:"sha256"`
+	SHA256    string `json:"sha256,omitempty"`
+	BLAKE3    string `json:"blake3,omitempty"`
 }
 
 // PoolShape is one warm pool shape and its target size.
