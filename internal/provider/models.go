@@ -122,7 +122,7 @@ func (m *vmAttributes) fromAPI(vm api.VM, powerState string) {
 	m.PlacementScore = types.Float64Null()
 	m.PlacementSummary = types.StringNull()
 	if vm.Placement != nil {
-		m.PlacementScore = types.Float64Value(vm.Placement.Score)
+		m.PlacementScore = scoreValue(vm.Placement.Score)
 		m.PlacementSummary = types.StringValue(placementSummary(vm.Host, vm.Placement))
 	}
 	m.CreatedAt = timestamp(vm.CreatedAt)

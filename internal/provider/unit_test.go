@@ -3,6 +3,7 @@ package provider
 import (
 	"context"
 	"errors"
+	"math"
 	"math/big"
 	"sync"
 	"sync/atomic"
@@ -192,5 +193,32 @@ func TestRawStringReadsTopLevelStrings(t *testing.T) {
 	}
 	if got, err := rawString(tftypes.NewValue(typ, nil), "a"); err == nil {
 		t.Errorf("rawString of a null object = %v, want an error", got)
+	}
+}
+
+// A placement score in state is a number Terraform holds exactly: the
+// decimal it writes, read back at Terraform's 512 bits, is a float64 (so it
+// crosses the plugin protocol as one, not as a decimal string), within half
+// a step of the control API's score.
+func TestScoreValueIsExactInTerraform(t *testing.T) {
+	for _, score := range []float64{0, 1, 1.055408970976253, 1.07853, 11.04258, 30.84686, 99.99, 1e-9, 1234.5678} {
+		v := scoreValue(score).ValueFloat64()
+		if math.Abs(v-score) > scoreStep/2 {
+			t.Errorf("score %v reported as %v: more than half a step off", score, v)
+		}
+		// What Terraform writes into the state file, and reads back.
+		text := big.NewFloat(v).Text('f', -1)
+		back, _, err := big.ParseFloat(text, 10, 512, big.ToNearestEven)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if f, acc := back.Float64(); acc != big.Exact || f != v {
+			t.Errorf("score %v reported as %s: read back at 512 bits it is not the float64 %v (%v)", score, text, v, acc)
+		}
+	}
+	// The raw score is what the rounding is for.
+	raw, _, _ := big.ParseFloat(big.NewFloat(1.055408970976253).Text('f', -1), 10, 512, big.ToNearestEven)
+	if _, acc := raw.Float64(); acc == big.Exact {
+		t.Fatal("an unrounded score reads back exact: the test no longer shows what the rounding is for")
 	}
 }

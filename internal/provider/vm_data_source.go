@@ -73,8 +73,9 @@ func (d *vmDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, res
 				"`paused`, `stopped`, `error`, `missing`, `lost` or `unknown`."),
 			"started_from": computed("How the VM was started: `cold`, `warm` or `snapshot`."),
 			"placement_score": schema.Float64Attribute{
-				MarkdownDescription: "Score of the chosen host at placement time (lower is better).",
-				Computed:            true,
+				MarkdownDescription: "Score of the chosen host at placement time (lower is better), to a multiple of 1/1024 " +
+					"(about three decimals; `placement_summary` shows five).",
+				Computed: true,
 			},
 			"placement_summary": computed("One line on the placement: the chosen host, its score, and why other " +
 				"hosts were rejected."),

@@ -170,9 +170,10 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 				PlanModifiers:       fixedAtCreate,
 			},
 			"placement_score": schema.Float64Attribute{
-				MarkdownDescription: "Score of the chosen host at placement time (lower is better).",
-				Computed:            true,
-				PlanModifiers:       []planmodifier.Float64{float64planmodifier.UseStateForUnknown()},
+				MarkdownDescription: "Score of the chosen host at placement time (lower is better), to a multiple of 1/1024 " +
+					"(about three decimals; `placement_summary` shows five).",
+				Computed:      true,
+				PlanModifiers: []planmodifier.Float64{float64planmodifier.UseStateForUnknown()},
 			},
 			"placement_summary": schema.StringAttribute{
 				MarkdownDescription: "One line on the placement: the chosen host, its score, and why other hosts were rejected.",
