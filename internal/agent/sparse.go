@@ -50,42 +50,65 @@ const (
 var zeroPage = make([]byte, sparsePage)
 
 // scanSparse calls emit with each run of non-zero pages of the first size
-// bytes of f, in the order of the stream; data is valid only during the
-// call. Holes are skipped without reading them (SEEK_DATA), so a mostly
-// empty image costs what its data costs.
-func scanSparse(f *os.File, size int64, emit func(off int64, data []byte) error) error {
-	buf := make([]byte, sparseBlock)
+// bytes of f, in the order of the stream. Holes are skipped without reading
+// them (SEEK_DATA), so a mostly empty image costs what its data costs. The
+// data comes from a read-only mapping of f (no copy; stable is true), valid
+// until done is called; without one (a file that cannot be mapped) it is
+// read into a buffer and valid only during the call. done must be called
+// once scanSparse returned.
+func scanSparse(f *os.File, size int64, emit func(off int64, data []byte, stable bool) error) (done func(), err error) {
+	done = func() {}
+	if size <= 0 {
+		return done, nil
+	}
+	mem, merr := unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ, unix.MAP_SHARED)
+	var read func(lo, hi int64) ([]byte, error)
+	stable := merr == nil
+	if stable {
+		done = func() { _ = unix.Munmap(mem) }
+		read = func(lo, hi int64) ([]byte, error) { return mem[lo:hi], nil }
+	} else {
+		buf := make([]byte, sparseBlock)
+		read = func(lo, hi int64) ([]byte, error) {
+			chunk := buf[:hi-lo]
+			_, err := f.ReadAt(chunk, lo)
+			return chunk, err
+		}
+	}
 	fd := int(f.Fd())
 	for off := int64(0); off < size; {
 		data, err := unix.Seek(fd, off, unix.SEEK_DATA)
 		if errors.Is(err, unix.ENXIO) {
-			return nil // only a hole is left
+			return done, nil // only a hole is left
 		}
 		if err != nil {
-			return fmt.Errorf("find data in %s: %w", f.Name(), err)
+			return done, fmt.Errorf("find data in %s: %w", f.Name(), err)
 		}
 		if data >= size {
-			return nil
+			return done, nil
 		}
 		hole, err := unix.Seek(fd, data, unix.SEEK_HOLE)
 		if err != nil {
-			return fmt.Errorf("find a hole in %s: %w", f.Name(), err)
+			return done, fmt.Errorf("find a hole in %s: %w", f.Name(), err)
 		}
 		hole = min(hole, size)
-		// Whole aligned blocks from the one the data starts in.
-		for b := data &^ (sparseBlock - 1); b < hole; b += sparseBlock {
-			end := min(b+sparseBlock, size)
-			chunk := buf[:end-b]
-			if _, err := f.ReadAt(chunk, b); err != nil {
-				return fmt.Errorf("read %s at %d: %w", f.Name(), b, err)
+		// The data from page to page, cut at each aligned block: the hole
+		// around it is zero and ends a run anyway, and nothing reads it (a
+		// mapping of a memfd would allocate the pages it reads).
+		for lo := data &^ (sparsePage - 1); lo < hole; {
+			hi := min((lo&^(sparseBlock-1))+sparseBlock, (hole+sparsePage-1)&^(sparsePage-1), size)
+			chunk, err := read(lo, hi)
+			if err != nil {
+				return done, fmt.Errorf("read %s at %d: %w", f.Name(), lo, err)
 			}
-			if err := emitRuns(b, chunk, emit); err != nil {
-				return err
+			if err := emitRuns(lo, chunk, func(off int64, data []byte) error { return emit(off, data, stable) }); err != nil {
+				return done, err
 			}
+			lo = hi
 		}
-		off = (hole + sparseBlock - 1) &^ (sparseBlock - 1)
+		off = (hole + sparsePage - 1) &^ (sparsePage - 1)
 	}
-	return nil
+	return done, nil
 }
 
 // emitRuns emits the maximal runs of non-zero pages of one block.
@@ -118,7 +141,7 @@ func putRecordHead(h *[sparseHead]byte, off int64, n int) {
 // WriteSparse writes the sparse stream of the first size bytes of f to w.
 func WriteSparse(w io.Writer, f *os.File, size int64) error {
 	var head [sparseHead]byte
-	err := scanSparse(f, size, func(off int64, data []byte) error {
+	done, err := scanSparse(f, size, func(off int64, data []byte, _ bool) error {
 		putRecordHead(&head, off, len(data))
 		if _, err := w.Write(head[:]); err != nil {
 			return err
@@ -126,6 +149,7 @@ func WriteSparse(w io.Writer, f *os.File, size int64) error {
 		_, err := w.Write(data)
 		return err
 	})
+	done()
 	if err != nil {
 		return err
 	}
@@ -183,15 +207,22 @@ func SparseDigest(f *os.File, size int64, newHash func() hash.Hash) (string, err
 // (NewRAMHash), as SparseDigest of dst would.
 func CopySparse(dst, src *os.File, size int64) (string, error) {
 	h := newPipeHash(NewRAMHash())
-	defer h.stop()
 	var head [sparseHead]byte
-	err := scanSparse(src, size, func(off int64, data []byte) error {
+	// Data from src's mapping is hashed straight from it, which the
+	// hashing goroutine reads until h ends: done (the unmapping) comes after.
+	done, err := scanSparse(src, size, func(off int64, data []byte, stable bool) error {
 		putRecordHead(&head, off, len(data))
 		h.add(head[:])
-		h.add(data)
+		if stable {
+			h.addShared(data)
+		} else {
+			h.add(data)
+		}
 		_, err := dst.WriteAt(data, off)
 		return err
 	})
+	defer done()
+	defer h.stop()
 	if err != nil {
 		return "", fmt.Errorf("copy %s to %s: %w", src.Name(), dst.Name(), err)
 	}

@@ -18,14 +18,22 @@ const pipeBuffers = 4
 type pipeHash struct {
 	h    hash.Hash
 	cur  []byte      // being filled
-	full chan []byte // to hash
+	full chan chunk  // to hash
 	free chan []byte // hashed, to fill again
 	done chan struct{}
 	once sync.Once
 }
 
+// chunk is bytes to hash: one of the pipeHash's own buffers (own), to be
+// filled again once hashed, or bytes the writer keeps unchanged until sum
+// or stop (addShared).
+type chunk struct {
+	b   []byte
+	own bool
+}
+
 func newPipeHash(h hash.Hash) *pipeHash {
-	p := &pipeHash{h: h, full: make(chan []byte, pipeBuffers), free: make(chan []byte, pipeBuffers),
+	p := &pipeHash{h: h, full: make(chan chunk, 4*pipeBuffers), free: make(chan []byte, pipeBuffers),
 		done: make(chan struct{})}
 	for range pipeBuffers - 1 {
 		p.free <- make([]byte, 0, sparseBlock)
@@ -33,9 +41,11 @@ func newPipeHash(h hash.Hash) *pipeHash {
 	p.cur = make([]byte, 0, sparseBlock)
 	go func() {
 		defer close(p.done)
-		for b := range p.full {
-			p.h.Write(b)
-			p.free <- b[:0]
+		for c := range p.full {
+			p.h.Write(c.b)
+			if c.own {
+				p.free <- c.b[:0]
+			}
 		}
 	}()
 	return p
@@ -54,16 +64,27 @@ func (p *pipeHash) add(b []byte) {
 		p.cur = append(p.cur, b[:k]...)
 		b = b[k:]
 		if len(p.cur) == cap(p.cur) {
-			p.full <- p.cur
+			p.full <- chunk{p.cur, true}
 			p.cur = <-p.free
 		}
 	}
 }
 
+// addShared hashes b after what was added before, without copying it: the
+// caller leaves b unchanged until sum or stop (a mapping of a file that
+// nothing writes meanwhile).
+func (p *pipeHash) addShared(b []byte) {
+	if len(p.cur) > 0 {
+		p.full <- chunk{p.cur, true}
+		p.cur = <-p.free
+	}
+	p.full <- chunk{b, false}
+}
+
 // sum waits until everything written is hashed and returns the hex digest.
 func (p *pipeHash) sum() string {
 	if len(p.cur) > 0 {
-		p.full <- p.cur
+		p.full <- chunk{p.cur, true}
 		p.cur = nil
 	}
 	p.stop()

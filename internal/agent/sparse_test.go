@@ -14,6 +14,7 @@ import (
 	"testing"
 
 	"github.com/zeebo/blake3"
+	"golang.org/x/sys/unix"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 )
@@ -333,5 +334,81 @@ func TestRAMDigestAlgorithms(t *testing.T) {
 		if err := bad.validate("s"); err == nil || !strings.Contains(err.Error(), "digest") {
 			t.Errorf("%s: validate = %v; want it refused for its digest", name, err)
 		}
+	}
+}
+
+// referenceStream is the sparse stream by its definition (sparse.go): the
+// maximal runs of non-zero pages inside each aligned block of content.
+func referenceStream(content []byte) []byte {
+	var out []byte
+	var head [sparseHead]byte
+	size := int64(len(content))
+	for b := int64(0); b < size; b += sparseBlock {
+		block := content[b:min(b+sparseBlock, size)]
+		_ = emitRuns(b, block, func(off int64, data []byte) error {
+			putRecordHead(&head, off, len(data))
+			out = append(append(out, head[:]...), data...)
+			return nil
+		})
+	}
+	putRecordHead(&head, size, 0)
+	return append(out, head[:]...)
+}
+
+// The stream read from a mapping, data extent by data extent, is the one
+// its definition gives for the file's content, whatever the extents; and a
+// copy out of a memfd reads none of its holes (reading one through a
+// mapping would allocate it: the source VM would grow).
+func TestSparseStreamIsItsDefinitionAndReadsNoHoles(t *testing.T) {
+	dir := t.TempDir()
+	const size = 9*sparseBlock + 5*sparsePage
+	pages := []int64{0, 3, 4, 255, 256, 511, 1024, 1025, 2047, size/sparsePage - 1}
+	for range 200 {
+		pages = append(pages, rand.Int64N(size/sparsePage))
+	}
+	want := ramImage(t, filepath.Join(dir, "src"), size, pages)
+	var stream bytes.Buffer
+	if err := WriteSparse(&stream, open(t, filepath.Join(dir, "src")), size); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(stream.Bytes(), referenceStream(want)) {
+		t.Fatalf("stream of %d bytes differs from the definition's %d", stream.Len(), len(referenceStream(want)))
+	}
+
+	fd, err := unix.MemfdCreate("ram", 0)
+	if err != nil {
+		t.Skipf("no memfd here: %v", err)
+	}
+	mem := os.NewFile(uintptr(fd), "memfd:ram")
+	t.Cleanup(func() { _ = mem.Close() })
+	if err := mem.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range pages {
+		if _, err := mem.WriteAt(want[p*sparsePage:(p+1)*sparsePage], p*sparsePage); err != nil {
+			t.Fatal(err)
+		}
+	}
+	blocks := func() int64 {
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil {
+			t.Fatal(err)
+		}
+		return st.Blocks
+	}
+	before := blocks()
+	cp := create(t, filepath.Join(dir, "copy"))
+	d, err := CopySparse(cp, mem, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after := blocks(); after != before {
+		t.Errorf("the copy allocated %d of the memfd's holes (blocks %d -> %d)", (after-before)*512/sparsePage, before, after)
+	}
+	if b3 := blake3.Sum256(stream.Bytes()); d != hex.EncodeToString(b3[:]) {
+		t.Errorf("copy's digest %s is not the stream's blake3 %x", d, b3)
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "copy")); err != nil || !bytes.Equal(b, want) {
+		t.Errorf("the copy differs from the memfd's content (%d bytes, %v)", len(b), err)
 	}
 }
