@@ -121,7 +121,9 @@ func (r *imageResource) Schema(_ context.Context, _ resource.SchemaRequest, resp
 			"format": schema.StringAttribute{
 				MarkdownDescription: "`qcow2` or `raw` (a bootable disk, firmware boot), or `kernel`: a tar whose top " +
 					"level holds `image.json` and the files it names (`kernel`, `initrd`, an optional qcow2 `disk`; " +
-					"see the guide). The hosts check the file against it when they fetch it. Changing it replaces the image.",
+					"see the guide). The hosts check the file against it when they fetch it: a qcow2 file must be " +
+					"self-contained (no backing file, no external data file, not encrypted; flatten one with " +
+					"`qemu-img convert -O qcow2`). Changing it replaces the image.",
 				Required: true,
 				Validators: []validator.String{stringvalidator.OneOf(api.ImageFormatQCOW2, api.ImageFormatRaw,
 					api.ImageFormatKernel)},

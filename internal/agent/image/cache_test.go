@@ -486,3 +486,57 @@ func TestPeerMustProveItsPinnedKey(t *testing.T) {
 		t.Fatalf("downloads = %d after refused prefetches, want 2", srv.Downloads())
 	}
 }
+
+// A registered qcow2 image must be one self-contained file: one that names
+// a backing file (a path of the host, opened by QEMU under the VM's disk)
+// or an external data file is failed with the reason, and so is a qcow2
+// file declared raw whatever its header holds; an empty raw file is raw.
+func TestImageThatIsNotSelfContainedIsRefused(t *testing.T) {
+	testenv.RequireQEMU(t)
+	dir := t.TempDir()
+	for name, args := range map[string][]string{
+		"backed.qcow2":   {"create", "-q", "-f", "qcow2", "-u", "-b", "/etc/hostname", "-F", "raw", "FILE", "64M"},
+		"datafile.qcow2": {"create", "-q", "-f", "qcow2", "-o", "data_file=" + filepath.Join(dir, "data.raw"), "FILE", "64M"},
+	} {
+		for i, a := range args {
+			if a == "FILE" {
+				args[i] = filepath.Join(dir, name)
+			}
+		}
+		if out, err := exec.Command("qemu-img", args...).CombinedOutput(); err != nil {
+			t.Fatalf("qemu-img %v: %v: %s", args, err, out)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(dir, "empty.raw"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	srv := testenv.StartImageServer(t, dir)
+	a := testenv.StartAgent(t, testenv.AgentOptions{ImageFetch: fastFetch})
+	source := func(file, format string) agentapi.ImageSource {
+		return agentapi.ImageSource{Name: strings.ReplaceAll(file, ".", "-") + "-" + format,
+			SHA256: testenv.FileSHA256(t, filepath.Join(dir, file)), SourceURL: srv.FileURL(file), Format: format}
+	}
+	for _, c := range []struct {
+		src  agentapi.ImageSource
+		want string
+	}{
+		{source("backed.qcow2", "qcow2"), `names a backing file ("/etc/hostname")`},
+		{source("datafile.qcow2", "qcow2"), "external data file"},
+		{source("backed.qcow2", "raw"), "is a qcow2 file but format raw"},
+	} {
+		_, err := a.Client.CreateVM(context.Background(), "vm-"+c.src.Name, vmSpec(c.src))
+		if !errors.Is(err, agentapi.ErrInvalid) || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v; want a 4xx saying %q", c.src.Name, err, c.want)
+		}
+		if st := imageStatus(t, a, c.src.SHA256); st.Status != agentapi.ImageFailed || !strings.Contains(st.Reason, c.want) {
+			t.Errorf("%s: status %+v", c.src.Name, st)
+		}
+	}
+	empty := source("empty.raw", "raw")
+	if _, err := a.Client.CreateVM(context.Background(), "vm-empty", vmSpec(empty)); err != nil {
+		t.Errorf("a VM on an empty raw image: %v", err)
+	}
+	if st := imageStatus(t, a, empty.SHA256); st.Status != agentapi.ImageReady {
+		t.Errorf("an empty raw image: status %+v, want ready", st)
+	}
+}

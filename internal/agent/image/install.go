@@ -2,8 +2,6 @@ package image
 
 import (
 	"archive/tar"
-	"bytes"
-	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -13,11 +11,9 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/qcow2"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 )
-
-// qcow2Magic starts every qcow2 file.
-var qcow2Magic = []byte{'Q', 'F', 'I', 0xfb}
 
 // maxTarFiles bounds a kernel bundle.
 const maxTarFiles = 64
@@ -58,7 +54,7 @@ func (c *Cache) install(src agentapi.ImageSource, partial, from string) (agentap
 		st.VirtualSizeMiB = mib(size)
 		manifest["kind"], manifest["disk"] = "disk", blobName(src.Format)
 	case agentapi.ImageFormatRaw:
-		if _, err := qcow2Size(blob); err == nil {
+		if _, err := qcow2.ReadHeader(blob); !errors.Is(err, qcow2.ErrNotQcow2) {
 			return st, fmt.Errorf("image %s is a qcow2 file but format raw was declared; register it with format qcow2", src.Name)
 		}
 		st.VirtualSizeMiB = mib(st.SizeBytes)
@@ -102,26 +98,20 @@ func (c *Cache) install(src agentapi.ImageSource, partial, from string) (agentap
 
 func mib(b int64) int64 { return (b + 1<<20 - 1) >> 20 }
 
-// qcow2Size reads the virtual size from a qcow2 header (bytes 24-31, big
-// endian), so that every driver, the sim too, checks the format the same way.
+// qcow2Size reads the virtual size from a qcow2 header, so that every
+// driver, the sim too, checks the format the same way. An image must be
+// one self-contained plain qcow2 file: a backing file or an external data
+// file would make QEMU open a path of the host named inside the image.
 func qcow2Size(path string) (int64, error) {
-	f, err := os.Open(path)
+	h, err := qcow2.ReadHeader(path)
 	if err != nil {
 		return 0, err
 	}
-	defer func() { _ = f.Close() }()
-	hdr := make([]byte, 32)
-	if _, err := io.ReadFull(f, hdr); err != nil {
-		return 0, errors.New("too short for a qcow2 header")
+	if h.BackingFilename != "" {
+		return 0, fmt.Errorf("it names a backing file (%q), which is refused: an image must be self-contained "+
+			"(make one with qemu-img convert -O qcow2)", h.BackingFilename)
 	}
-	if !bytes.Equal(hdr[:4], qcow2Magic) {
-		return 0, fmt.Errorf("it starts with %q, not the qcow2 magic \"QFI\\xfb\"", hdr[:4])
-	}
-	size := binary.BigEndian.Uint64(hdr[24:32])
-	if size > 1<<62 {
-		return 0, fmt.Errorf("virtual size %d is implausible", size)
-	}
-	return int64(size), nil //nolint:gosec // bounded above
+	return h.VirtualSize, nil
 }
 
 // unpackBundle extracts a kernel bundle: a tar of regular files at its top

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/qcow2"
 )
 
 // AdoptPulled implements agent.Snapshotter. It walks the chain from the
@@ -23,7 +24,7 @@ import (
 // with qemu-img rebase -u (the header only), and the backing format is
 // always qcow2, so nothing is probed. Every listed backing file must be in
 // the chain, every disk a plain qcow2 file (no external data file, no
-// encryption: readQcow2Header), and anything else is refused.
+// encryption: qcow2.ReadHeader), and anything else is refused.
 func (d *Driver) AdoptPulled(ctx context.Context, dir string, files agent.SnapshotFiles, from agent.PulledFrom) ([]string, error) {
 	if files.Disk == "" {
 		if len(files.Backing) > 0 {
@@ -50,9 +51,9 @@ func (d *Driver) AdoptPulled(ctx context.Context, dir string, files agent.Snapsh
 		}
 		visited[name] = true
 		path := filepath.Join(dir, name)
-		// Read here (qcow2.go), not by qemu-img: strict, and no process
+		// Read here (agent/qcow2), not by qemu-img: strict, and no process
 		// per file of the chain.
-		h, err := readQcow2Header(path)
+		h, err := qcow2.ReadHeader(path)
 		if err != nil {
 			return nil, err
 		}

@@ -5,7 +5,7 @@ package qemu
 // A snapshot of a VM freezes its current disk file and saves its memory, in
 // one window in which the vCPUs are stopped:
 //
-//  1. disk.<n+1>.qcow2 is made (writeQcow2Overlay, qcow2.go), an overlay
+//  1. disk.<n+1>.qcow2 is made (qcow2.WriteOverlay), an overlay
 //     whose backing file is the current disk.<n>.qcow2 (disk.qcow2 for
 //     n = 0), named relative to it;
 //  2. QMP stop;
@@ -68,6 +68,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/qcow2"
 )
 
 const (
@@ -198,7 +199,7 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 		}
 		gen, next = g, diskFile(g+1)
 		// Made before the pause, which it does not need.
-		if err := writeQcow2Overlay(filepath.Join(m.Dir, next), diskFile(gen), size); err != nil {
+		if err := qcow2.WriteOverlay(filepath.Join(m.Dir, next), diskFile(gen), size); err != nil {
 			return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
 		}
 		if err := opts.RecordDisk(next); err != nil {
@@ -448,7 +449,7 @@ func (d *Driver) startSpawn(ctx context.Context, m *agent.Machine, dir, at strin
 			return nil, fmt.Errorf("start vm %s: %w", m.ID, err)
 		}
 		// The frozen disk need not be there yet (StartSpawn).
-		if err := writeQcow2Overlay(diskPath(m), backing, m.DiskMiB<<20); err != nil {
+		if err := qcow2.WriteOverlay(diskPath(m), backing, m.DiskMiB<<20); err != nil {
 			return nil, fmt.Errorf("start vm %s: %w", m.ID, err)
 		}
 		if at != dir {

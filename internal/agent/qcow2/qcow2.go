@@ -1,11 +1,12 @@
-package qemu
+// Package qcow2 reads the header of a qcow2 file and writes an empty
+// overlay (QEMU's docs/interop/qcow2.txt). The agent reads headers when it
+// installs a registered image (its virtual size; a self-contained file) and
+// when it checks the disk chain of a pulled snapshot, and writes overlays
+// for a fork's children and a snapshot's next disk generation: on the path
+// of a fork, where running qemu-img once per file cost 7 ms alone and
+// 15-35 ms on a busy host. Both are small, fixed layouts.
+package qcow2
 
-// Reading the header of a qcow2 file and writing an empty overlay (QEMU's
-// docs/interop/qcow2.txt), for the two places that would otherwise run
-// qemu-img once per file on the path of a fork: checking the disk chain of
-// a pulled snapshot (AdoptPulled) and making a new overlay (a child's disk,
-// a snapshot's next disk generation). Both are small, fixed layouts; a
-// process per file cost 7 ms alone and 15-35 ms on a busy host.
 //
 // The reader is strict: it accepts what this driver's own disks are
 // (qcow2 v2 or v3, no encryption, no external data file, known feature
@@ -32,7 +33,7 @@ import (
 )
 
 const (
-	qcow2Magic = 0x514649fb // "QFI\xfb"
+	magic = 0x514649fb // "QFI\xfb"
 	// Header extension types.
 	qcow2ExtEnd           = 0x00000000
 	qcow2ExtBackingFormat = 0xe2792aca
@@ -49,11 +50,11 @@ const (
 	// The v2 header's length; a v3 header says its own (at least 104).
 	qcow2V2HeaderLength = 72
 	qcow2V3HeaderLength = 104
-	// QEMU refuses a backing file name longer than this.
-	qcow2MaxBackingName = 1023
+	// MaxBackingName is the longest backing file name QEMU accepts.
+	MaxBackingName = 1023
 )
 
-// Layout of a new overlay (writeQcow2Overlay).
+// Layout of a new overlay (WriteOverlay).
 const (
 	overlayClusterBits  = 16
 	overlayCluster      = 1 << overlayClusterBits
@@ -61,87 +62,92 @@ const (
 	overlayHeaderLength = 112 // v3 with the compression type byte, padded
 )
 
-// qcow2Header is what AdoptPulled reads of a disk file.
-type qcow2Header struct {
-	BackingFilename string
+// ErrNotQcow2 is the error of a file that does not start with the qcow2
+// magic: not a qcow2 file at all, as opposed to one that is refused.
+var ErrNotQcow2 = errors.New(`no qcow2 magic ("QFI\xfb") at its start`)
+
+// Header is what the agent reads of a qcow2 file.
+type Header struct {
+	BackingFilename string // "" when the file has no backing file
 	BackingFormat   string // "" when the header names none
 	VirtualSize     int64
 }
 
-// readQcow2Header reads the header of the qcow2 file at path.
-func readQcow2Header(path string) (qcow2Header, error) {
+// ReadHeader reads the header of the qcow2 file at path.
+func ReadHeader(path string) (Header, error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return qcow2Header{}, err
+		return Header{}, err
 	}
 	defer func() { _ = f.Close() }()
 	// The header, its extensions and the backing name all lie in the first
 	// cluster, which is at least 512 bytes and at most 2 MiB.
 	buf := make([]byte, 2<<20)
 	n, err := io.ReadFull(f, buf)
-	if err != nil && !errors.Is(err, io.ErrUnexpectedEOF) {
-		return qcow2Header{}, fmt.Errorf("%s: read its header: %w", filepath.Base(path), err)
+	if err != nil && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, io.EOF) {
+		return Header{}, fmt.Errorf("%s: read its header: %w", filepath.Base(path), err)
 	}
-	h, err := parseQcow2Header(buf[:n])
+	h, err := Parse(buf[:n])
 	if err != nil {
-		return qcow2Header{}, fmt.Errorf("%s is not a qcow2 image this agent accepts: %w", filepath.Base(path), err)
+		return Header{}, fmt.Errorf("%s is not a qcow2 image this agent accepts: %w", filepath.Base(path), err)
 	}
 	return h, nil
 }
 
-// parseQcow2Header parses the start of a qcow2 file.
-func parseQcow2Header(b []byte) (qcow2Header, error) {
+// Parse parses the start of a qcow2 file (its first cluster, or all of a
+// shorter file).
+func Parse(b []byte) (Header, error) {
 	be := binary.BigEndian
-	if len(b) < qcow2V2HeaderLength {
-		return qcow2Header{}, fmt.Errorf("%d bytes is too short for a qcow2 header", len(b))
+	if len(b) < 4 || be.Uint32(b[0:]) != magic {
+		return Header{}, ErrNotQcow2
 	}
-	if be.Uint32(b[0:]) != qcow2Magic {
-		return qcow2Header{}, errors.New("no qcow2 magic")
+	if len(b) < qcow2V2HeaderLength {
+		return Header{}, fmt.Errorf("%d bytes is too short for a qcow2 header", len(b))
 	}
 	version := be.Uint32(b[4:])
 	backingOffset, backingSize := be.Uint64(b[8:]), be.Uint32(b[16:])
 	clusterBits := be.Uint32(b[20:])
 	size := be.Uint64(b[24:])
 	if version != 2 && version != 3 {
-		return qcow2Header{}, fmt.Errorf("qcow2 version %d (want 2 or 3)", version)
+		return Header{}, fmt.Errorf("qcow2 version %d (want 2 or 3)", version)
 	}
 	if clusterBits < 9 || clusterBits > 21 {
-		return qcow2Header{}, fmt.Errorf("cluster bits %d (want 9 to 21)", clusterBits)
+		return Header{}, fmt.Errorf("cluster bits %d (want 9 to 21)", clusterBits)
 	}
 	cluster := uint64(1) << clusterBits
 	if size > 1<<62 {
-		return qcow2Header{}, fmt.Errorf("virtual size %d is out of range", size)
+		return Header{}, fmt.Errorf("virtual size %d is out of range", size)
 	}
 	if crypt := be.Uint32(b[32:]); crypt != 0 {
-		return qcow2Header{}, fmt.Errorf("encrypted (method %d)", crypt)
+		return Header{}, fmt.Errorf("encrypted (method %d)", crypt)
 	}
 	headerLength := uint64(qcow2V2HeaderLength)
 	if version == 3 {
 		if len(b) < qcow2V3HeaderLength {
-			return qcow2Header{}, fmt.Errorf("%d bytes is too short for a qcow2 v3 header", len(b))
+			return Header{}, fmt.Errorf("%d bytes is too short for a qcow2 v3 header", len(b))
 		}
 		incompat := be.Uint64(b[72:])
 		headerLength = uint64(be.Uint32(b[100:]))
 		switch {
 		case incompat&qcow2IncompatDataFile != 0:
-			return qcow2Header{}, errors.New("it has an external data file")
+			return Header{}, errors.New("it has an external data file")
 		case incompat&qcow2IncompatCorrupt != 0:
-			return qcow2Header{}, errors.New("it is marked corrupt")
+			return Header{}, errors.New("it is marked corrupt")
 		case incompat&^(qcow2IncompatDirty|qcow2IncompatCompression|qcow2IncompatExtendedL2) != 0:
-			return qcow2Header{}, fmt.Errorf("unknown incompatible features %#x", incompat)
+			return Header{}, fmt.Errorf("unknown incompatible features %#x", incompat)
 		case headerLength < qcow2V3HeaderLength || headerLength%8 != 0 || headerLength > cluster:
-			return qcow2Header{}, fmt.Errorf("header length %d", headerLength)
+			return Header{}, fmt.Errorf("header length %d", headerLength)
 		}
 	}
 	if headerLength > uint64(len(b)) {
-		return qcow2Header{}, errors.New("the header is cut short")
+		return Header{}, errors.New("the header is cut short")
 	}
-	h := qcow2Header{VirtualSize: int64(size)}
+	h := Header{VirtualSize: int64(size)}
 	// Header extensions, up to the end marker, inside the first cluster.
 	end := min(cluster, uint64(len(b)))
 	for off := headerLength; ; {
 		if off+8 > end {
-			return qcow2Header{}, errors.New("header extensions run past the first cluster")
+			return Header{}, errors.New("header extensions run past the first cluster")
 		}
 		typ, length := be.Uint32(b[off:]), uint64(be.Uint32(b[off+4:]))
 		data := off + 8
@@ -149,49 +155,49 @@ func parseQcow2Header(b []byte) (qcow2Header, error) {
 			break
 		}
 		if data+length > end {
-			return qcow2Header{}, fmt.Errorf("header extension %#x runs past the first cluster", typ)
+			return Header{}, fmt.Errorf("header extension %#x runs past the first cluster", typ)
 		}
 		switch typ {
 		case qcow2ExtBackingFormat:
 			h.BackingFormat = string(b[data : data+length])
 		case qcow2ExtFeatureTable, qcow2ExtBitmaps:
 		case qcow2ExtDataFile:
-			return qcow2Header{}, errors.New("it names an external data file")
+			return Header{}, errors.New("it names an external data file")
 		case qcow2ExtEncryption:
-			return qcow2Header{}, errors.New("it has an encryption header")
+			return Header{}, errors.New("it has an encryption header")
 		default:
-			return qcow2Header{}, fmt.Errorf("unknown header extension %#x", typ)
+			return Header{}, fmt.Errorf("unknown header extension %#x", typ)
 		}
 		off = data + (length+7)&^7
 	}
 	if backingOffset != 0 {
 		switch {
-		case backingSize == 0 || backingSize > qcow2MaxBackingName:
-			return qcow2Header{}, fmt.Errorf("backing file name of %d bytes", backingSize)
+		case backingSize == 0 || backingSize > MaxBackingName:
+			return Header{}, fmt.Errorf("backing file name of %d bytes", backingSize)
 		case backingOffset+uint64(backingSize) > end:
-			return qcow2Header{}, errors.New("the backing file name lies past the first cluster")
+			return Header{}, errors.New("the backing file name lies past the first cluster")
 		}
 		name := b[backingOffset : backingOffset+uint64(backingSize)]
 		if bytes.IndexByte(name, 0) >= 0 {
-			return qcow2Header{}, errors.New("the backing file name holds a NUL byte")
+			return Header{}, errors.New("the backing file name holds a NUL byte")
 		}
 		h.BackingFilename = string(name)
 	} else if h.BackingFormat != "" {
-		return qcow2Header{}, errors.New("a backing format without a backing file")
+		return Header{}, errors.New("a backing format without a backing file")
 	}
 	return h, nil
 }
 
-// writeQcow2Overlay creates path, an empty qcow2 overlay of size bytes on
+// WriteOverlay creates path, an empty qcow2 overlay of size bytes on
 // the qcow2 file backing (a name resolved from path's directory, as QEMU
 // resolves it; the file need not exist yet), as qemu-img create -u -b
 // backing -F qcow2 path size would. It is written to a temporary name and
 // renamed into place, so a crash never leaves a half-made disk.
-func writeQcow2Overlay(path, backing string, size int64) error {
+func WriteOverlay(path, backing string, size int64) error {
 	switch {
 	case size <= 0 || size%512 != 0:
 		return fmt.Errorf("overlay %s: size %d is not a positive multiple of 512", filepath.Base(path), size)
-	case backing == "" || len(backing) > qcow2MaxBackingName || strings.ContainsRune(backing, 0):
+	case backing == "" || len(backing) > MaxBackingName || strings.ContainsRune(backing, 0):
 		return fmt.Errorf("overlay %s: backing file name %q", filepath.Base(path), backing)
 	}
 	be := binary.BigEndian
@@ -206,7 +212,7 @@ func writeQcow2Overlay(path, backing string, size int64) error {
 	extLen := uint64(8 + (len(format)+7)&^7 + 8) // backing format, end
 	backingOffset := overlayHeaderLength + extLen
 	head := make([]byte, 3*overlayCluster)
-	be.PutUint32(head[0:], qcow2Magic)
+	be.PutUint32(head[0:], magic)
 	be.PutUint32(head[4:], 3)
 	be.PutUint64(head[8:], backingOffset)
 	be.PutUint32(head[16:], uint32(len(backing)))

@@ -1,4 +1,4 @@
-package qemu
+package qcow2
 
 import (
 	"encoding/binary"
@@ -85,7 +85,7 @@ func TestQcow2HeaderMatchesQemuImg(t *testing.T) {
 		if err := json.Unmarshal(out, &want); err != nil {
 			t.Fatal(err)
 		}
-		got, err := readQcow2Header(path)
+		got, err := ReadHeader(path)
 		if err != nil {
 			t.Errorf("%s: refused: %v", name, err)
 			continue
@@ -116,7 +116,7 @@ func TestQcow2HeaderMatchesQemuImg(t *testing.T) {
 			}
 		}
 		runQemuImg(t, c.args...)
-		if h, err := readQcow2Header(path); err == nil || !strings.Contains(err.Error(), c.why) {
+		if h, err := ReadHeader(path); err == nil || !strings.Contains(err.Error(), c.why) {
 			t.Errorf("%s: read %+v, %v; want it refused for %q", name, h, err, c.why)
 		}
 	}
@@ -155,18 +155,18 @@ func TestQcow2HeaderMatchesQemuImg(t *testing.T) {
 	}
 	for name, c := range edits {
 		b := c.edit(append([]byte(nil), good...))
-		if h, err := parseQcow2Header(b); err == nil || !strings.Contains(err.Error(), c.why) {
+		if h, err := Parse(b); err == nil || !strings.Contains(err.Error(), c.why) {
 			t.Errorf("%s: read %+v, %v; want it refused for %q", name, h, err, c.why)
 		}
 	}
 }
 
-// FuzzParseQcow2Header: no header makes the reader panic, and what it
+// FuzzParse: no header makes the reader panic, and what it
 // accepts keeps QEMU's own limit on the backing file name.
-func FuzzParseQcow2Header(f *testing.F) {
+func FuzzParse(f *testing.F) {
 	seed := make([]byte, 512)
 	be := binary.BigEndian
-	be.PutUint32(seed[0:], qcow2Magic)
+	be.PutUint32(seed[0:], magic)
 	be.PutUint32(seed[4:], 3)
 	be.PutUint32(seed[20:], 16)
 	be.PutUint64(seed[24:], 64<<20)
@@ -180,11 +180,11 @@ func FuzzParseQcow2Header(f *testing.F) {
 	f.Add(seed)
 	f.Add(seed[:72])
 	f.Fuzz(func(t *testing.T, b []byte) {
-		h, err := parseQcow2Header(b)
+		h, err := Parse(b)
 		if err != nil {
 			return
 		}
-		if len(h.BackingFilename) > qcow2MaxBackingName || strings.ContainsRune(h.BackingFilename, 0) {
+		if len(h.BackingFilename) > MaxBackingName || strings.ContainsRune(h.BackingFilename, 0) {
 			t.Fatalf("accepted backing name of %d bytes: %q", len(h.BackingFilename), h.BackingFilename)
 		}
 	})
@@ -226,7 +226,7 @@ func TestQcow2OverlayMatchesQemuImgCreate(t *testing.T) {
 	}
 	for _, size := range []int64{64 << 20, 1 << 30, 5<<30 + 512, 8 << 40} {
 		ours, theirs := filepath.Join(dir, "ours.qcow2"), filepath.Join(dir, "theirs.qcow2")
-		if err := writeQcow2Overlay(ours, "base.qcow2", size); err != nil {
+		if err := WriteOverlay(ours, "base.qcow2", size); err != nil {
 			t.Fatal(err)
 		}
 		runQemuImg(t, "create", "-q", "-f", "qcow2", "-u", "-b", "base.qcow2", "-F", "qcow2", theirs, strconv.FormatInt(size, 10))
@@ -257,7 +257,7 @@ func TestQcow2OverlayMatchesQemuImgCreate(t *testing.T) {
 		backing string
 		size    int64
 	}{{"base.qcow2", 0}, {"base.qcow2", 1000}, {"", 1 << 20}, {strings.Repeat("x", 1024), 1 << 20}, {"a\x00b", 1 << 20}} {
-		if err := writeQcow2Overlay(filepath.Join(dir, "bad.qcow2"), bad.backing, bad.size); err == nil {
+		if err := WriteOverlay(filepath.Join(dir, "bad.qcow2"), bad.backing, bad.size); err == nil {
 			t.Errorf("overlay of %d bytes on %q: made; want it refused", bad.size, bad.backing)
 		}
 	}
