@@ -341,28 +341,20 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 	// while the disk chain arrives and is checked: nothing reads them
 	// before the whole pull is verified.
 	memCtx, stopMem := context.WithCancel(ctx)
-	type pulled struct {
-		n   int64
-		err error
-	}
-	memDone := make(chan pulled, 1)
+	var (
+		memBytes int64
+		memErr   error
+	)
+	memDone := make(chan struct{})
 	go func() {
-		n, err := pull(memCtx, false)
-		memDone <- pulled{n, err}
+		defer close(memDone)
+		memBytes, memErr = pull(memCtx, false)
 	}()
-	// Every return from here waits for that stream first: the deferred
-	// removal of dir must not race its writes.
-	memWaited := false
-	waitMem := func() pulled {
-		memWaited = true
-		return <-memDone
-	}
+	// Every return from here ends that stream first: the deferred removal
+	// of dir must not race its writes.
 	defer func() {
-		if !memWaited {
-			stopMem()
-			waitMem()
-		}
 		stopMem()
+		<-memDone
 	}()
 	bytes, err := pull(ctx, true)
 	if err != nil {
@@ -378,11 +370,11 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 	w.at, w.rec = dir, *rec
 	w.rec.Files, w.rec.NICs = slices.Clone(rec.Files), cloneNICs(rec.NICs)
 	a.readyPull(id, w)
-	mem := waitMem()
-	if mem.err != nil {
-		return nil, mem.err
+	<-memDone
+	if memErr != nil {
+		return nil, memErr
 	}
-	bytes += mem.n
+	bytes += memBytes
 	for _, f := range rec.Files {
 		// The RAM image is read-only, as at the source (adoptPulled did
 		// the disks).
