@@ -255,10 +255,10 @@ func (a *Agent) pullOK(w *pullWatch) bool {
 
 // pullSnapshot copies snapshot id from the agent at address into a pull
 // directory, checks every file's size and digest against the metadata, and
-// renames the directory into place only when all match. The disk files
-// and, beside them, the device state and the RAM image stream at once; the
-// pull is ready (see pullWatch) once the disk chain is checked, and ends
-// when the rest is in. The caller holds the snapshot's lock.
+// renames the directory into place only when all match. The RAM image
+// streams beside the disk chain; the pull is ready (see pullWatch) once the
+// disk chain is checked, then the device state comes, and the pull ends
+// when the RAM image is in too. The caller holds the snapshot's lock.
 func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain []string) (*snapshotRecord, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), pullTimeout)
 	defer cancel()
@@ -321,15 +321,16 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 			}
 		}
 	}
-	// pull streams the disk chain's files (disks) or the others, one at a
-	// time, and returns the bytes it moved.
-	pull := func(ctx context.Context, disks bool) (int64, error) {
+	// pull streams the files of one kind (the disk chain, the device state,
+	// the RAM image), one at a time, and returns the bytes it moved.
+	isRAM := func(f agentapi.SnapshotFile) bool { return f.Kind == agentapi.SnapshotFileRAM }
+	pull := func(ctx context.Context, kind func(agentapi.SnapshotFile) bool) (int64, error) {
 		var n int64
 		for _, f := range rec.Files {
-			if isDiskFile(f) != disks {
+			if !kind(f) {
 				continue
 			}
-			if err := a.pullFile(ctx, c, id, dir, f, f.Kind == agentapi.SnapshotFileRAM); err != nil {
+			if err := a.pullFile(ctx, c, id, dir, f, isRAM(f)); err != nil {
 				a.log.Warn("snapshot pull rejected", "snapshot", id, "from", address, "file", f.Name, "err", err)
 				return n, errPull(id, address, err)
 			}
@@ -337,26 +338,28 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 		}
 		return n, nil
 	}
-	// The device state and the RAM image, by far the largest file, stream
-	// while the disk chain arrives and is checked: nothing reads them
-	// before the whole pull is verified.
-	memCtx, stopMem := context.WithCancel(ctx)
+	isState := func(f agentapi.SnapshotFile) bool { return !isDiskFile(f) && !isRAM(f) }
+	// The RAM image, by far the largest file, streams while the disk chain
+	// arrives and is checked: nothing reads it before the whole pull is
+	// verified. The device state, small, comes once the pull is ready and
+	// children may start early.
+	ramCtx, stopRAM := context.WithCancel(ctx)
 	var (
-		memBytes int64
-		memErr   error
+		ramBytes int64
+		ramErr   error
 	)
-	memDone := make(chan struct{})
+	ramDone := make(chan struct{})
 	go func() {
-		defer close(memDone)
-		memBytes, memErr = pull(memCtx, false)
+		defer close(ramDone)
+		ramBytes, ramErr = pull(ramCtx, isRAM)
 	}()
 	// Every return from here ends that stream first: the deferred removal
 	// of dir must not race its writes.
 	defer func() {
-		stopMem()
-		<-memDone
+		stopRAM()
+		<-ramDone
 	}()
-	bytes, err := pull(ctx, true)
+	bytes, err := pull(ctx, isDiskFile)
 	if err != nil {
 		return nil, err
 	}
@@ -370,11 +373,15 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 	w.at, w.rec = dir, *rec
 	w.rec.Files, w.rec.NICs = slices.Clone(rec.Files), cloneNICs(rec.NICs)
 	a.readyPull(id, w)
-	<-memDone
-	if memErr != nil {
-		return nil, memErr
+	n, err := pull(ctx, isState)
+	if err != nil {
+		return nil, err
 	}
-	bytes += memBytes
+	<-ramDone
+	if ramErr != nil {
+		return nil, ramErr
+	}
+	bytes += n + ramBytes
 	for _, f := range rec.Files {
 		// The RAM image is read-only, as at the source (adoptPulled did
 		// the disks).

@@ -144,11 +144,13 @@ func generationID(t *testing.T, dir, id string) string {
 }
 
 // tamperProxy forwards to an agent; with tamper set it flips one byte of
-// every snapshot file it serves, or with only set, of that file alone.
+// every snapshot file it serves, or with only set, of that file alone, and
+// with hold set it calls hold before it sends a tampered file.
 type tamperProxy struct {
 	srv    *httptest.Server
 	tamper atomic.Bool
 	only   atomic.Pointer[string]
+	hold   atomic.Pointer[func()]
 }
 
 func startTamperProxy(t *testing.T, target string) *tamperProxy {
@@ -172,6 +174,9 @@ func startTamperProxy(t *testing.T, target string) *tamperProxy {
 			return err
 		}
 		b[len(b)/3] ^= 0x01
+		if hold := p.hold.Load(); hold != nil {
+			(*hold)()
+		}
 		resp.Body = io.NopCloser(bytes.NewReader(b))
 		return nil
 	}
@@ -295,6 +300,15 @@ func TestForkGuest(t *testing.T) {
 	for _, name := range []string{"memory.state", "memory.ram"} {
 		proxy.only.Store(&name)
 		early := b.driver.EarlyStarts()
+		// The tampered file arrives once the child's QEMU began to start
+		// (the RAM image streams beside the disk chain, so it could come
+		// first otherwise).
+		hold := func() {
+			for deadline := time.Now().Add(30 * time.Second); b.driver.EarlyStarts() == early && time.Now().Before(deadline); {
+				time.Sleep(5 * time.Millisecond)
+			}
+		}
+		proxy.hold.Store(&hold)
 		if _, err := b.client.CreateVM(ctx, "far", remote); err == nil || !strings.Contains(err.Error(), "file "+name) {
 			t.Fatalf("child from a pull with %s tampered: %v, want that file rejected", name, err)
 		}
@@ -312,6 +326,7 @@ func TestForkGuest(t *testing.T) {
 		}
 	}
 	proxy.only.Store(nil)
+	proxy.hold.Store(nil)
 	proxy.tamper.Store(false)
 	early := b.driver.EarlyStarts()
 	if vm, err := b.client.CreateVM(ctx, "far", remote); err != nil || vm.State != agentapi.StateRunning {
