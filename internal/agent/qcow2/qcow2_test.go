@@ -32,6 +32,20 @@ func requireQemuImg(t *testing.T) {
 	}
 }
 
+// qemuImgInfoOf is what qemu-img info reads of the qcow2 file at path.
+func qemuImgInfoOf(t *testing.T, path string) qemuImgInfo {
+	t.Helper()
+	out, err := exec.Command("qemu-img", "info", "-f", "qcow2", "-U", "--output=json", path).Output()
+	if err != nil {
+		t.Fatalf("qemu-img info %s: %v", path, err)
+	}
+	var i qemuImgInfo
+	if err := json.Unmarshal(out, &i); err != nil {
+		t.Fatal(err)
+	}
+	return i
+}
+
 func runQemuImg(t *testing.T, args ...string) {
 	t.Helper()
 	if out, err := exec.Command("qemu-img", args...).CombinedOutput(); err != nil {
@@ -77,14 +91,7 @@ func TestQcow2HeaderMatchesQemuImg(t *testing.T) {
 			// A persistent bitmap adds a header extension QEMU keeps.
 			runQemuImg(t, "bitmap", "--add", path, "b0")
 		}
-		out, err := exec.Command("qemu-img", "info", "-f", "qcow2", "-U", "--output=json", path).Output()
-		if err != nil {
-			t.Fatalf("%s: qemu-img info: %v", name, err)
-		}
-		var want qemuImgInfo
-		if err := json.Unmarshal(out, &want); err != nil {
-			t.Fatal(err)
-		}
+		want := qemuImgInfoOf(t, path)
 		got, err := ReadHeader(path)
 		if err != nil {
 			t.Errorf("%s: refused: %v", name, err)
@@ -206,18 +213,6 @@ func TestQcow2OverlayMatchesQemuImgCreate(t *testing.T) {
 	if out, err := exec.Command("qemu-io", "-f", "qcow2", "-c", "write -P 0x5a 0 4M", "-c", "write -P 0x3c 40M 1M", base).CombinedOutput(); err != nil {
 		t.Fatalf("qemu-io on the base: %v: %s", err, out)
 	}
-	info := func(path string) qemuImgInfo {
-		t.Helper()
-		out, err := exec.Command("qemu-img", "info", "-f", "qcow2", "-U", "--output=json", path).Output()
-		if err != nil {
-			t.Fatalf("qemu-img info %s: %v", path, err)
-		}
-		var i qemuImgInfo
-		if err := json.Unmarshal(out, &i); err != nil {
-			t.Fatal(err)
-		}
-		return i
-	}
 	check := func(path string) {
 		t.Helper()
 		if out, err := exec.Command("qemu-img", "check", "-f", "qcow2", path).CombinedOutput(); err != nil {
@@ -230,7 +225,7 @@ func TestQcow2OverlayMatchesQemuImgCreate(t *testing.T) {
 			t.Fatal(err)
 		}
 		runQemuImg(t, "create", "-q", "-f", "qcow2", "-u", "-b", "base.qcow2", "-F", "qcow2", theirs, strconv.FormatInt(size, 10))
-		if got, want := info(ours), info(theirs); got != want {
+		if got, want := qemuImgInfoOf(t, ours), qemuImgInfoOf(t, theirs); got != want {
 			t.Errorf("size %d: qemu-img info reads %+v, of qemu-img's own %+v", size, got, want)
 		}
 		check(ours)
