@@ -5,10 +5,8 @@
 // for a fork's children and a snapshot's next disk generation: on the path
 // of a fork, where running qemu-img once per file cost 7 ms alone and
 // 15-35 ms on a busy host. Both are small, fixed layouts.
-package qcow2
-
 //
-// The reader is strict: it accepts what this driver's own disks are
+// The reader is strict: it accepts what the agent's own disks are
 // (qcow2 v2 or v3, no encryption, no external data file, known feature
 // bits and header extensions) and refuses anything else with a reason, so
 // a hostile header can only be refused, never half understood. It reads
@@ -20,6 +18,7 @@ package qcow2
 // in cluster 1, its one refcount block in cluster 2, and the L1 table,
 // all zero (nothing allocated: every read goes to the backing file), from
 // cluster 3.
+package qcow2
 
 import (
 	"bytes"
@@ -35,21 +34,21 @@ import (
 const (
 	magic = 0x514649fb // "QFI\xfb"
 	// Header extension types.
-	qcow2ExtEnd           = 0x00000000
-	qcow2ExtBackingFormat = 0xe2792aca
-	qcow2ExtFeatureTable  = 0x6803f857
-	qcow2ExtBitmaps       = 0x23852875
-	qcow2ExtEncryption    = 0x0537be77
-	qcow2ExtDataFile      = 0x44415441
+	extEnd           = 0x00000000
+	extBackingFormat = 0xe2792aca
+	extFeatureTable  = 0x6803f857
+	extBitmaps       = 0x23852875
+	extEncryption    = 0x0537be77
+	extDataFile      = 0x44415441
 	// Incompatible feature bits.
-	qcow2IncompatDirty       = 1 << 0
-	qcow2IncompatCorrupt     = 1 << 1
-	qcow2IncompatDataFile    = 1 << 2
-	qcow2IncompatCompression = 1 << 3
-	qcow2IncompatExtendedL2  = 1 << 4
+	incompatDirty       = 1 << 0
+	incompatCorrupt     = 1 << 1
+	incompatDataFile    = 1 << 2
+	incompatCompression = 1 << 3
+	incompatExtendedL2  = 1 << 4
 	// The v2 header's length; a v3 header says its own (at least 104).
-	qcow2V2HeaderLength = 72
-	qcow2V3HeaderLength = 104
+	v2HeaderLength = 72
+	v3HeaderLength = 104
 	// MaxBackingName is the longest backing file name QEMU accepts.
 	MaxBackingName = 1023
 )
@@ -101,7 +100,7 @@ func Parse(b []byte) (Header, error) {
 	if len(b) < 4 || be.Uint32(b[0:]) != magic {
 		return Header{}, ErrNotQcow2
 	}
-	if len(b) < qcow2V2HeaderLength {
+	if len(b) < v2HeaderLength {
 		return Header{}, fmt.Errorf("%d bytes is too short for a qcow2 header", len(b))
 	}
 	version := be.Uint32(b[4:])
@@ -121,21 +120,21 @@ func Parse(b []byte) (Header, error) {
 	if crypt := be.Uint32(b[32:]); crypt != 0 {
 		return Header{}, fmt.Errorf("encrypted (method %d)", crypt)
 	}
-	headerLength := uint64(qcow2V2HeaderLength)
+	headerLength := uint64(v2HeaderLength)
 	if version == 3 {
-		if len(b) < qcow2V3HeaderLength {
+		if len(b) < v3HeaderLength {
 			return Header{}, fmt.Errorf("%d bytes is too short for a qcow2 v3 header", len(b))
 		}
 		incompat := be.Uint64(b[72:])
 		headerLength = uint64(be.Uint32(b[100:]))
 		switch {
-		case incompat&qcow2IncompatDataFile != 0:
+		case incompat&incompatDataFile != 0:
 			return Header{}, errors.New("it has an external data file")
-		case incompat&qcow2IncompatCorrupt != 0:
+		case incompat&incompatCorrupt != 0:
 			return Header{}, errors.New("it is marked corrupt")
-		case incompat&^(qcow2IncompatDirty|qcow2IncompatCompression|qcow2IncompatExtendedL2) != 0:
+		case incompat&^(incompatDirty|incompatCompression|incompatExtendedL2) != 0:
 			return Header{}, fmt.Errorf("unknown incompatible features %#x", incompat)
-		case headerLength < qcow2V3HeaderLength || headerLength%8 != 0 || headerLength > cluster:
+		case headerLength < v3HeaderLength || headerLength%8 != 0 || headerLength > cluster:
 			return Header{}, fmt.Errorf("header length %d", headerLength)
 		}
 	}
@@ -151,19 +150,19 @@ func Parse(b []byte) (Header, error) {
 		}
 		typ, length := be.Uint32(b[off:]), uint64(be.Uint32(b[off+4:]))
 		data := off + 8
-		if typ == qcow2ExtEnd {
+		if typ == extEnd {
 			break
 		}
 		if data+length > end {
 			return Header{}, fmt.Errorf("header extension %#x runs past the first cluster", typ)
 		}
 		switch typ {
-		case qcow2ExtBackingFormat:
+		case extBackingFormat:
 			h.BackingFormat = string(b[data : data+length])
-		case qcow2ExtFeatureTable, qcow2ExtBitmaps:
-		case qcow2ExtDataFile:
+		case extFeatureTable, extBitmaps:
+		case extDataFile:
 			return Header{}, errors.New("it names an external data file")
-		case qcow2ExtEncryption:
+		case extEncryption:
 			return Header{}, errors.New("it has an encryption header")
 		default:
 			return Header{}, fmt.Errorf("unknown header extension %#x", typ)
@@ -225,7 +224,7 @@ func WriteOverlay(path, backing string, size int64) error {
 	be.PutUint32(head[96:], 4)                // refcount order: 16 bits
 	be.PutUint32(head[100:], overlayHeaderLength)
 	ext := head[overlayHeaderLength:]
-	be.PutUint32(ext[0:], qcow2ExtBackingFormat)
+	be.PutUint32(ext[0:], extBackingFormat)
 	be.PutUint32(ext[4:], uint32(len(format)))
 	copy(ext[8:], format)
 	copy(head[backingOffset:], backing)

@@ -139,9 +139,9 @@ func TestQcow2HeaderMatchesQemuImg(t *testing.T) {
 		edit func(b []byte) []byte
 		why  string
 	}{
-		"corrupt": {func(b []byte) []byte { be.PutUint64(b[72:], be.Uint64(b[72:])|qcow2IncompatCorrupt); return b }, "corrupt"},
+		"corrupt": {func(b []byte) []byte { be.PutUint64(b[72:], be.Uint64(b[72:])|incompatCorrupt); return b }, "corrupt"},
 		"data-file-bit": {func(b []byte) []byte {
-			be.PutUint64(b[72:], be.Uint64(b[72:])|qcow2IncompatDataFile)
+			be.PutUint64(b[72:], be.Uint64(b[72:])|incompatDataFile)
 			return b
 		}, "external data file"},
 		"unknown-feature": {func(b []byte) []byte { be.PutUint64(b[72:], be.Uint64(b[72:])|1<<40); return b }, "unknown incompatible"},
@@ -151,7 +151,7 @@ func TestQcow2HeaderMatchesQemuImg(t *testing.T) {
 		}, "unknown header extension"},
 		"encrypted": {func(b []byte) []byte { be.PutUint32(b[32:], 1); return b }, "encrypted (method 1)"},
 		"encryption-header": {func(b []byte) []byte {
-			be.PutUint32(b[headerLength:], qcow2ExtEncryption)
+			be.PutUint32(b[headerLength:], extEncryption)
 			return b
 		}, "encryption header"},
 		"version-4":      {func(b []byte) []byte { be.PutUint32(b[4:], 4); return b }, "version 4"},
@@ -178,7 +178,7 @@ func FuzzParse(f *testing.F) {
 	be.PutUint32(seed[20:], 16)
 	be.PutUint64(seed[24:], 64<<20)
 	be.PutUint32(seed[100:], 112)
-	be.PutUint32(seed[112:], qcow2ExtBackingFormat)
+	be.PutUint32(seed[112:], extBackingFormat)
 	be.PutUint32(seed[116:], 5)
 	copy(seed[120:], "qcow2")
 	be.PutUint64(seed[8:], 136)
