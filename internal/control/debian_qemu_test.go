@@ -67,7 +67,9 @@ func TestQEMUDebianGuestBoots(t *testing.T) {
 	if vm.ObservedState != api.StateRunning {
 		t.Fatalf("vm: %+v", vm)
 	}
-	waitConsoleCount(t, a, vm.ID, `(?m)login: *\r?$`, 1, 6*time.Minute)
+	// getty's prompt starts a line; cloud-init may print on after it on the
+	// same line.
+	waitConsoleCount(t, a, vm.ID, `(?m)^\r?\S+ login: `, 1, 6*time.Minute)
 	img, err := c.Client.GetImage(ctx, "debian-12")
 	if err != nil || img.VirtualSizeMiB != 2048 || len(img.Hosts) != 1 || img.Hosts[0].Status != api.ImageReady {
 		t.Fatalf("image after the boot: %+v %v", img, err)

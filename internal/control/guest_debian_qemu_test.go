@@ -20,7 +20,9 @@ import (
 )
 
 var (
-	loginPrompt     = regexp.MustCompile(`(?m)login: *\r?$`)
+	// getty's prompt starts a line; the kernel or cloud-init may print on
+	// after it on the same line.
+	loginPrompt     = regexp.MustCompile(`(?m)^\r?\S+ login: `)
 	cloudInitStarts = regexp.MustCompile(`Cloud-init v\. \S+ running`)
 )
 
