@@ -44,7 +44,10 @@ func (c *Cache) install(src agentapi.ImageSource, partial, from string) (agentap
 	if err := os.Rename(partial, blob); err != nil {
 		return st, fmt.Errorf("image %s: %w", src.Name, err)
 	}
-	manifest := map[string]any{"name": src.Name}
+	// The manifest the cache keeps is written from checked fields only,
+	// never a bundle's own image.json: what was checked is what a driver
+	// opens.
+	manifest := Manifest{Name: src.Name, Kind: KindDisk, Disk: blobName(src.Format)}
 	switch src.Format {
 	case agentapi.ImageFormatQCOW2:
 		size, err := qcow2Size(blob)
@@ -52,31 +55,29 @@ func (c *Cache) install(src agentapi.ImageSource, partial, from string) (agentap
 			return st, fmt.Errorf("image %s is not a qcow2 file (format qcow2 was declared): %w; register it with its real format", src.Name, err)
 		}
 		st.VirtualSizeMiB = mib(size)
-		manifest["kind"], manifest["disk"] = "disk", blobName(src.Format)
 	case agentapi.ImageFormatRaw:
 		if _, err := qcow2.ReadHeader(blob); !errors.Is(err, qcow2.ErrNotQcow2) {
 			return st, fmt.Errorf("image %s is a qcow2 file but format raw was declared; register it with format qcow2", src.Name)
 		}
 		st.VirtualSizeMiB = mib(st.SizeBytes)
-		manifest["kind"], manifest["disk"], manifest["disk_format"] = "disk", blobName(src.Format), "raw"
+		manifest.DiskFormat = "raw"
 	case agentapi.ImageFormatKernel:
 		m, err := unpackBundle(blob, stage)
 		if err != nil {
 			return st, fmt.Errorf("image %s is not a kernel bundle (a tar of image.json and the files it names): %w", src.Name, err)
 		}
-		if disk, _ := m["disk"].(string); disk != "" {
-			size, err := qcow2Size(filepath.Join(stage, disk))
+		if m.Disk != "" {
+			size, err := qcow2Size(filepath.Join(stage, m.Disk))
 			if err != nil {
-				return st, fmt.Errorf("image %s: disk %s of the bundle is not qcow2: %w", src.Name, disk, err)
+				return st, fmt.Errorf("image %s: disk %s of the bundle is not qcow2: %w", src.Name, m.Disk, err)
 			}
 			st.VirtualSizeMiB = mib(size)
 		}
-		manifest = nil // the bundle's own image.json stays
+		manifest = m
+		manifest.Name = src.Name
 	}
-	if manifest != nil {
-		if err := writeJSON(filepath.Join(stage, "image.json"), manifest); err != nil {
-			return st, err
-		}
+	if err := writeJSON(filepath.Join(stage, ManifestFile), manifest); err != nil {
+		return st, err
 	}
 	if err := writeJSON(filepath.Join(stage, sourceFile), st); err != nil {
 		return st, err
@@ -116,11 +117,11 @@ func qcow2Size(path string) (int64, error) {
 
 // unpackBundle extracts a kernel bundle: a tar of regular files at its top
 // level (no folders, links or paths), one of them image.json naming the
-// others. It returns the manifest.
-func unpackBundle(tarPath, dir string) (map[string]any, error) {
+// others. It returns the manifest, checked.
+func unpackBundle(tarPath, dir string) (Manifest, error) {
 	f, err := os.Open(tarPath)
 	if err != nil {
-		return nil, err
+		return Manifest{}, err
 	}
 	defer func() { _ = f.Close() }()
 	tr := tar.NewReader(f)
@@ -131,56 +132,55 @@ func unpackBundle(tarPath, dir string) (map[string]any, error) {
 			break
 		}
 		if err != nil {
-			return nil, err
+			return Manifest{}, err
 		}
 		name := strings.TrimPrefix(h.Name, "./")
 		if h.Typeflag == tar.TypeDir && (name == "" || name == ".") {
 			continue
 		}
 		if h.Typeflag != tar.TypeReg || name == "" || name != filepath.Base(name) || name[0] == '.' {
-			return nil, fmt.Errorf("entry %q: only regular files at the top level are allowed", h.Name)
+			return Manifest{}, fmt.Errorf("entry %q: only regular files at the top level are allowed", h.Name)
 		}
 		if len(files) >= maxTarFiles {
-			return nil, fmt.Errorf("more than %d files", maxTarFiles)
+			return Manifest{}, fmt.Errorf("more than %d files", maxTarFiles)
 		}
 		if name == sourceFile {
-			return nil, fmt.Errorf("entry %q is reserved", h.Name)
+			return Manifest{}, fmt.Errorf("entry %q is reserved", h.Name)
 		}
 		out, err := os.OpenFile(filepath.Join(dir, name), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o640)
 		if err != nil {
-			return nil, err
+			return Manifest{}, err
 		}
 		if _, err := io.Copy(out, tr); err != nil { //nolint:gosec // the bundle's size was fixed by its digest
 			_ = out.Close()
 			if errors.Is(err, syscall.ENOSPC) {
-				return nil, fmt.Errorf("the image directory is full (no space left on device): %w", err)
+				return Manifest{}, fmt.Errorf("the image directory is full (no space left on device): %w", err)
 			}
-			return nil, err
+			return Manifest{}, err
 		}
 		if err := out.Sync(); err != nil {
 			_ = out.Close()
-			return nil, err
+			return Manifest{}, err
 		}
 		if err := out.Close(); err != nil {
-			return nil, err
+			return Manifest{}, err
 		}
 		files[name] = true
 	}
-	b, err := os.ReadFile(filepath.Join(dir, "image.json"))
+	b, err := os.ReadFile(filepath.Join(dir, ManifestFile))
 	if err != nil {
-		return nil, errors.New("no image.json at the top level")
+		return Manifest{}, errors.New("no image.json at the top level")
 	}
-	var m map[string]any
-	if err := json.Unmarshal(b, &m); err != nil {
-		return nil, fmt.Errorf("image.json: %w", err)
+	m, err := ParseManifest(b)
+	if err != nil {
+		return Manifest{}, fmt.Errorf("image.json: %w", err)
 	}
-	kind, _ := m["kind"].(string)
-	if kind != "kernel" && kind != "disk" {
-		return nil, fmt.Errorf("image.json: kind %q: want kernel or disk", kind)
+	if m.DiskFormat != "" && m.DiskFormat != "qcow2" {
+		return Manifest{}, fmt.Errorf("image.json: disk_format %q: a bundle's disk is qcow2", m.DiskFormat)
 	}
-	for _, k := range []string{"kernel", "initrd", "disk"} {
-		if v, _ := m[k].(string); v != "" && !files[v] {
-			return nil, fmt.Errorf("image.json names %s %q, which the tar does not hold", k, v)
+	for k, v := range m.Files() {
+		if !files[v] {
+			return Manifest{}, fmt.Errorf("image.json names %s %q, which the tar does not hold", k, v)
 		}
 	}
 	return m, nil

@@ -15,36 +15,9 @@ import (
 	imagecache "github.com/kvmfleet/terraform-provider-kvm/internal/agent/image"
 )
 
-// manifestFile is an image's manifest, one per image folder:
-//
-//	{"kind": "kernel", "kernel": "vmlinux", "initrd": "initrd.img",
-//	 "cmdline": "console=ttyS0", "machine": "q35", "min_memory_mib": 64}
-//	{"kind": "disk", "disk": "disk.qcow2"}
-//
-// File names are relative to the folder. A kernel image may also have a
-// base disk; a VM's disk is a qcow2 overlay on it (or a blank disk).
-const manifestFile = "image.json"
-
-type manifest struct {
-	Name         string `json:"name"`
-	Kind         string `json:"kind"`
-	Kernel       string `json:"kernel,omitempty"`
-	Initrd       string `json:"initrd,omitempty"`
-	Cmdline      string `json:"cmdline,omitempty"`
-	Disk         string `json:"disk,omitempty"`
-	Machine      string `json:"machine,omitempty"` // q35 (default) or microvm
-	MinMemoryMiB int64  `json:"min_memory_mib,omitempty"`
-	Build        string `json:"build,omitempty"`
-	// DiskFormat is the format of Disk: qcow2 (default) or raw.
-	DiskFormat string `json:"disk_format,omitempty"`
-}
-
-func (m *manifest) diskFormat() string {
-	if m.DiskFormat == "" {
-		return "qcow2"
-	}
-	return m.DiskFormat
-}
+// manifest is an image folder's image.json (imagecache.Manifest), read
+// strictly and checked by imagecache.ReadManifest.
+type manifest = imagecache.Manifest
 
 // image is a manifest with its paths made absolute.
 type image struct {
@@ -69,49 +42,25 @@ func (d *Driver) loadImage(name string) (*image, error) {
 		}
 		dir = filepath.Join(d.opts.ImageDir, name)
 	}
-	b, err := os.ReadFile(filepath.Join(dir, manifestFile))
+	m, err := imagecache.ReadManifest(dir)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("image %q: %w", name, agent.ErrUnknownImage)
 	}
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("image %s: %w; fix the image folder %s", name, err, dir)
 	}
-	img := &image{dir: dir}
-	if err := json.Unmarshal(b, &img.manifest); err != nil {
-		return nil, fmt.Errorf("image %s: %s: %w", name, manifestFile, err)
-	}
+	img := &image{manifest: m, dir: dir}
 	img.Name = name
 	if img.Machine == "" {
 		img.Machine = "q35"
 	}
-	if f := img.diskFormat(); f != "qcow2" && f != "raw" {
-		return nil, fmt.Errorf("image %s: disk_format %q: want qcow2 or raw", name, f)
-	}
 	if img.Machine != "q35" && img.Machine != "microvm" {
 		return nil, fmt.Errorf("image %s: machine %q: want q35 or microvm", name, img.Machine)
 	}
-	var need []string
-	switch img.Kind {
-	case agent.ImageKernel:
-		if img.Kernel == "" {
-			return nil, fmt.Errorf("image %s: a kernel image needs \"kernel\"", name)
-		}
-		need = append(need, img.Kernel, img.Initrd, img.Disk)
-	case agent.ImageDisk:
-		if img.Disk == "" {
-			return nil, fmt.Errorf("image %s: a disk image needs \"disk\"", name)
-		}
-		if img.Machine == "microvm" {
-			return nil, fmt.Errorf("image %s: firmware boot of a disk needs machine q35", name)
-		}
-		need = append(need, img.Disk)
-	default:
-		return nil, fmt.Errorf("image %s: kind %q: want kernel or disk", name, img.Kind)
+	if img.Kind == agent.ImageDisk && img.Machine == "microvm" {
+		return nil, fmt.Errorf("image %s: firmware boot of a disk needs machine q35", name)
 	}
-	for _, f := range need {
-		if f == "" {
-			continue
-		}
+	for _, f := range img.Files() {
 		if _, err := os.Stat(d.path(img, f)); err != nil {
 			return nil, fmt.Errorf("image %s: %w", name, err)
 		}

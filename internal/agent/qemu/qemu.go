@@ -177,7 +177,7 @@ func (d *Driver) Create(ctx context.Context, m *agent.Machine) error {
 	tmp := disk + ".tmp"
 	args := []string{"create", "-q", "-f", "qcow2"}
 	if img.Disk != "" {
-		args = append(args, "-b", d.path(img, img.Disk), "-F", img.diskFormat())
+		args = append(args, "-b", d.path(img, img.Disk), "-F", img.EffectiveDiskFormat())
 	}
 	args = append(args, tmp, strconv.FormatInt(m.DiskMiB, 10)+"M")
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
