@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/image"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/qemu"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/sim"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
@@ -33,6 +34,8 @@ type agentConfig struct {
 	// PeerCAFile holds PEM certificates to trust for other agents served
 	// over TLS, from which this one pulls snapshots.
 	PeerCAFile string
+	// ImageMaxBytes caps the size of a registered image this agent fetches.
+	ImageMaxBytes int64
 	// AdvertiseURLs are addresses the agent proves its identity for beside
 	// the IP and port a challenge arrives on (DNS names, proxies).
 	AdvertiseURLs []string
@@ -65,6 +68,8 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 	fs.StringVar(&cfg.TLSKey, "tls-key", "", "TLS key file")
 	fs.StringVar(&advertise, "advertise-url", "", "comma-separated https://name:port addresses the control plane registers this agent by, "+
 		"when not the IP and port it listens on (a DNS name, a proxy): the agent proves its identity only for these and its own IP:port")
+	fs.Int64Var(&cfg.ImageMaxBytes, "image-max-bytes", image.DefaultMaxBytes, "the largest registered image this agent fetches, in bytes: "+
+		"a source that announces more is refused before a byte is read, one that sends more is cut there and the image fails")
 	fs.StringVar(&cfg.PeerCAFile, "peer-ca-file", "", "PEM CA certificates to trust for other agents at https:// addresses (snapshot pulls)")
 	if err := parseFlags(fs, args, getenv); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -92,6 +97,9 @@ func (cfg agentConfig) validate() error {
 	}
 	if cfg.StateDir == "" {
 		errs = append(errs, errors.New("no state directory: give --state-dir or KVMD_STATE_DIR"))
+	}
+	if cfg.ImageMaxBytes <= 0 {
+		errs = append(errs, fmt.Errorf("--image-max-bytes %d: want a positive number of bytes", cfg.ImageMaxBytes))
 	}
 	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
 		errs = append(errs, errors.New("give both --tls-cert and --tls-key, or neither"))
@@ -146,7 +154,7 @@ func serveAgent(ctx context.Context, cfg agentConfig, log *slog.Logger, ready fu
 	a, err := agent.New(ctx, agent.Config{
 		StateDir: cfg.StateDir, Driver: driver, Token: cfg.Token, StopTimeout: cfg.StopTimeout, Logger: log,
 		Capacity: cfg.Capacity, Pool: cfg.Pool, PeerHTTPClient: peerHTTP, Addresses: cfg.AdvertiseURLs,
-		ImageCacheDir: cfg.ImageDir,
+		ImageCacheDir: cfg.ImageDir, ImageFetch: image.Config{MaxBytes: cfg.ImageMaxBytes},
 	})
 	if err != nil {
 		return err

@@ -64,14 +64,18 @@ func FolderOf(imageDir, ref string) (string, bool) {
 	return filepath.Join(imageDir, "sha256", hex), true
 }
 
+// DefaultMaxBytes is the default cap of an image's size: 64 GiB.
+const DefaultMaxBytes int64 = 64 << 30
+
 // Config configures a Cache.
 type Config struct {
 	// ImageDir is the agent's --image-dir; the cache lives in ImageDir/sha256.
 	ImageDir string
-	// HTTP fetches from source URLs; default a client without an overall
-	// timeout (a large image takes long; a stalled read is cut by
-	// StallTimeout).
-	HTTP *http.Client
+	// MaxBytes caps the size of an image fetched (kvmd agent
+	// --image-max-bytes; default DefaultMaxBytes): a larger Content-Length
+	// is refused before a byte is read, and a body that goes on is cut
+	// there.
+	MaxBytes int64
 	// PeerHTTP and PeerToken fetch from other agents. PeerHTTP never
 	// follows a redirect: the token goes only to the peer that proved
 	// itself.
@@ -94,12 +98,15 @@ type Config struct {
 // Cache is the image cache of one agent. Its goroutines are the fetches in
 // flight, which Close cancels and waits for.
 type Cache struct {
-	cfg  Config
-	dir  string // ImageDir/sha256
-	log  *slog.Logger
-	ctx  context.Context
-	stop context.CancelFunc
-	wg   sync.WaitGroup
+	cfg Config
+	dir string // ImageDir/sha256
+	// source fetches from source URLs (guard.go): no overall timeout, as
+	// a large image takes long; a stalled read is cut by StallTimeout.
+	source *http.Client
+	log    *slog.Logger
+	ctx    context.Context
+	stop   context.CancelFunc
+	wg     sync.WaitGroup
 
 	mu      sync.Mutex
 	entries map[string]*entry
@@ -117,8 +124,8 @@ func New(cfg Config) (*Cache, error) {
 	if cfg.ImageDir == "" {
 		return nil, errors.New("image cache: no image directory: give --image-dir")
 	}
-	if cfg.HTTP == nil {
-		cfg.HTTP = &http.Client{}
+	if cfg.MaxBytes <= 0 {
+		cfg.MaxBytes = DefaultMaxBytes
 	}
 	peerHTTP := &http.Client{}
 	if cfg.PeerHTTP != nil {
@@ -139,7 +146,7 @@ func New(cfg Config) (*Cache, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	c := &Cache{cfg: cfg, dir: filepath.Join(cfg.ImageDir, "sha256"), log: cfg.Logger, entries: map[string]*entry{}}
+	c := &Cache{cfg: cfg, dir: filepath.Join(cfg.ImageDir, "sha256"), source: newSourceClient(), log: cfg.Logger, entries: map[string]*entry{}}
 	c.ctx, c.stop = context.WithCancel(context.Background())
 	// The folder is made by the first fetch: an agent that never fetches
 	// leaves its image directory as it found it.

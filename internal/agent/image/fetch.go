@@ -7,12 +7,15 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
+	"net"
 	"net/http"
 	"net/url"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -128,20 +131,31 @@ func (c *Cache) download(ctx context.Context, src agentapi.ImageSource, u, parti
 		h.Reset()
 		have = 0
 	}
+	limit := c.cfg.MaxBytes
+	if total > limit {
+		_ = os.Remove(partial)
+		return errPermanent{c.tooLarge(src, u, fmt.Sprintf("its size is %d bytes", total), limit)}
+	}
 	if total > 0 {
 		if err := checkSpace(c.dir, total-have); err != nil {
 			_ = os.Remove(partial)
 			return errPermanent{err}
 		}
 	}
-	n, err := copyStalled(ctx, io.MultiWriter(f, h), body, c.cfg.StallTimeout)
+	// One byte past the cap tells a source that never ends (or lied in
+	// its Content-Length) from one of exactly the cap.
+	n, err := copyStalled(ctx, io.MultiWriter(f, h), io.LimitReader(body, limit-have+1), body, c.cfg.StallTimeout)
+	if err == nil && have+n > limit {
+		_ = os.Remove(partial)
+		return errPermanent{c.tooLarge(src, u, fmt.Sprintf("it sent more than %d bytes", limit), limit)}
+	}
 	if err != nil {
 		if errors.Is(err, syscall.ENOSPC) {
 			_ = os.Remove(partial)
 			return errPermanent{fmt.Errorf("the image directory %s is full (no space left on device) after %d bytes of image %s: free space there and create again",
 				c.cfg.ImageDir, have+n, src.Name)}
 		}
-		return fmt.Errorf("read %s after %d bytes: %w", redact(u), have+n, err)
+		return fmt.Errorf("read %s after %d bytes: %w", redact(u), have+n, c.transportError(u, err))
 	}
 	if total > 0 && have+n != total {
 		return fmt.Errorf("read %s: got %d of %d bytes", redact(u), have+n, total)
@@ -184,30 +198,40 @@ func (c *Cache) open(ctx context.Context, u string, offset int64, peer bool) (io
 		}
 		return f, fi.Size(), false, nil
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
-	if err != nil {
-		return nil, 0, false, errPermanent{err}
-	}
-	client := c.cfg.HTTP
+	client := c.source
 	if peer {
 		client = c.cfg.PeerHTTP
+	} else {
+		ctx = context.WithValue(ctx, allowedKey{}, sourceAllows(ctx, pu))
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	if err != nil {
+		return nil, 0, false, errPermanent{fmt.Errorf("GET %s: %w", redact(u), err)}
+	}
+	if peer {
 		req.Header.Set("Authorization", "Bearer "+c.cfg.PeerToken)
 	}
 	if offset > 0 {
 		req.Header.Set("Range", "bytes="+strconv.FormatInt(offset, 10)+"-")
 	}
+	// What the remote end says (bodies, reason phrases, headers, the URLs
+	// it redirects to) never goes into an error: the error becomes the
+	// image's status, which user tokens read.
 	resp, err := client.Do(req)
 	if err != nil {
-		return nil, 0, false, fmt.Errorf("get %s: %w", redact(u), err)
+		err = fmt.Errorf("GET %s: %w", redact(u), c.transportError(u, err))
+		if errors.Is(err, errAddressRefused) || errors.Is(err, errRedirect) {
+			return nil, 0, false, errPermanent{err}
+		}
+		return nil, 0, false, err
 	}
 	switch {
 	case resp.StatusCode == http.StatusPartialContent && offset > 0:
 		// Content-Range: bytes <offset>-<end>/<total>
-		cr := resp.Header.Get("Content-Range")
 		var start, end, total int64
-		if _, err := fmt.Sscanf(cr, "bytes %d-%d/%d", &start, &end, &total); err != nil || start != offset {
+		if _, err := fmt.Sscanf(resp.Header.Get("Content-Range"), "bytes %d-%d/%d", &start, &end, &total); err != nil || start != offset {
 			_ = resp.Body.Close()
-			return nil, 0, false, fmt.Errorf("get %s: unexpected Content-Range %q for offset %d", redact(u), cr, offset)
+			return nil, 0, false, fmt.Errorf("GET %s: a 206 answer whose Content-Range does not start at offset %d", redact(u), offset)
 		}
 		return resp.Body, total, true, nil
 	case resp.StatusCode == http.StatusOK:
@@ -215,11 +239,10 @@ func (c *Cache) open(ctx context.Context, u string, offset int64, peer bool) (io
 	case resp.StatusCode == http.StatusRequestedRangeNotSatisfiable:
 		_ = resp.Body.Close()
 		// The partial file is longer than the source: start over next time.
-		return nil, 0, false, fmt.Errorf("get %s: range from %d not satisfiable; restarting", redact(u), offset)
+		return nil, 0, false, fmt.Errorf("GET %s: range from %d not satisfiable; restarting", redact(u), offset)
 	default:
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 		_ = resp.Body.Close()
-		err := fmt.Errorf("get %s: %s: %s", redact(u), resp.Status, strings.TrimSpace(string(b)))
+		err := fmt.Errorf("GET %s: %d %s", redact(u), resp.StatusCode, http.StatusText(resp.StatusCode))
 		if resp.StatusCode >= 400 && resp.StatusCode < 500 && resp.StatusCode != http.StatusTooManyRequests {
 			return nil, 0, false, errPermanent{err}
 		}
@@ -227,14 +250,51 @@ func (c *Cache) open(ctx context.Context, u string, offset int64, peer bool) (io
 	}
 }
 
-// copyStalled copies like io.Copy but fails when no byte arrives for stall.
-func copyStalled(ctx context.Context, dst io.Writer, src io.Reader, stall time.Duration) (int64, error) {
+// tooLarge is the reason an image over the cap fails with.
+func (c *Cache) tooLarge(src agentapi.ImageSource, u, what string, limit int64) error {
+	return fmt.Errorf("image %s from %s is larger than this agent's cap of %d bytes (%s); "+
+		"if the image is right, raise the cap with kvmd agent --image-max-bytes (KVMD_IMAGE_MAX_BYTES)", src.Name, redact(u), limit, what)
+}
+
+// transportError is err as an image's status may show it: what the agent
+// itself found (a refused address or redirect, a network error, a
+// timeout), never text of the remote end, which some errors of net/http
+// quote (a malformed status line, an HTTP/2 GOAWAY's debug data, the URL a
+// redirect named). The whole error goes to the agent's log.
+func (c *Cache) transportError(u string, err error) error {
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		err = ue.Err // its URL may be where a redirect led
+	}
+	var ne net.Error
+	var oe *net.OpError
+	var pe *fs.PathError
+	var errno syscall.Errno
+	switch {
+	case errors.Is(err, errAddressRefused), errors.Is(err, errRedirect),
+		errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded),
+		errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, errStalled):
+		return err
+	case errors.As(err, &pe), errors.As(err, &errno): // this host's own files
+		return err
+	case errors.As(err, &oe):
+		return oe
+	case errors.As(err, &ne) && ne.Timeout():
+		return errors.New("timeout")
+	}
+	c.log.Warn("image source: the answer was not usable HTTP", "url", redact(u), "err", err)
+	return errors.New("the answer was not usable HTTP (the agent's log has the details)")
+}
+
+// copyStalled copies like io.Copy but fails when no byte arrives for stall
+// (closing closer ends a read that hangs).
+func copyStalled(ctx context.Context, dst io.Writer, src io.Reader, closer io.Closer, stall time.Duration) (int64, error) {
 	buf := make([]byte, 1<<20)
 	var n int64
+	var stalled atomic.Bool
 	timer := time.AfterFunc(stall, func() {
-		if c, ok := src.(io.Closer); ok {
-			_ = c.Close()
-		}
+		stalled.Store(true)
+		_ = closer.Close()
 	})
 	defer timer.Stop()
 	for {
@@ -253,11 +313,17 @@ func copyStalled(ctx context.Context, dst io.Writer, src io.Reader, stall time.D
 		if rerr == io.EOF {
 			return n, nil
 		}
+		if rerr != nil && stalled.Load() {
+			return n, fmt.Errorf("%w for %s", errStalled, stall)
+		}
 		if rerr != nil {
 			return n, rerr
 		}
 	}
 }
+
+// errStalled is a read cut because no byte came.
+var errStalled = errors.New("no byte came")
 
 // checkSpace refuses a download that does not fit in dir's file system.
 func checkSpace(dir string, need int64) error {
