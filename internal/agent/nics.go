@@ -115,6 +115,9 @@ func checkAddresses(at string, n agentapi.NIC) error {
 	if err != nil || !prefix.Addr().Is4() || prefix != prefix.Masked() || prefix.Bits() > 30 {
 		return errInvalid("%s: cidr %q is not an IPv4 network like 10.20.0.0/24 (prefix at most /30, no host bits)", at, n.CIDR)
 	}
+	if r, what, ok := agentapi.ReservedRange(prefix); ok {
+		return errInvalid("%s: cidr %s overlaps %s, %s: no network of guests", at, n.CIDR, r, what)
+	}
 	inside := func(field, s string) (netip.Addr, error) {
 		a, err := netip.ParseAddr(s)
 		if err != nil || !a.Is4() {

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
 )
@@ -126,6 +127,10 @@ func setRange(n *store.Network, cidr, gateway string) error {
 	}
 	if p.Masked() != p {
 		return invalidf("cidr %q has host bits set; did you mean %s?", cidr, p.Masked())
+	}
+	if r, what, ok := agentapi.ReservedRange(p); ok {
+		return &Error{Code: api.CodeInvalid, Message: fmt.Sprintf("cidr %s overlaps %s, %s: no network of guests; choose a private range such as 10.20.0.0/24", p, r, what),
+			Details: map[string]any{"field": "cidr", "reserved": r.String()}}
 	}
 	network := addrNum(p.Addr())
 	broadcast := network + (int64(1) << (32 - p.Bits())) - 1

@@ -39,6 +39,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 )
@@ -158,6 +159,14 @@ func (h *Host) Attach(at Attachment) (Attached, error) {
 			return Attached{}, err
 		}
 		master = BridgeName(n.Network)
+		// A new bridge only: the VMs of a bridge already up keep their
+		// network when the host's routes change under them (a new VM
+		// is checked in the driver's CheckSpec).
+		if exists, err := BridgeExists(master); err != nil || !exists {
+			if err := CheckHostRoutes(n.Network, cidr); err != nil {
+				return Attached{}, err
+			}
+		}
 		if err := ensureBridge(master, bridgeMAC(n.Network), netip.PrefixFrom(gw, cidr.Bits())); err != nil {
 			return Attached{}, err
 		}
@@ -341,6 +350,47 @@ func deleteLink(name string) error {
 	}
 	if err := netlink.LinkDel(l); err != nil {
 		return fmt.Errorf("delete %s: %w", name, err)
+	}
+	return nil
+}
+
+// CheckHostRoutes refuses a nat network whose CIDR overlaps a route of
+// this host that the agent did not make (any table, the local one with the
+// host's own and loopback addresses too; the default route claims no
+// range, and routes on the agent's own bridges are its networks'): the
+// gateway address on the bridge would take over that range, e.g. the
+// host's LAN or a metadata service, for the guests and the host alike.
+func CheckHostRoutes(network string, cidr netip.Prefix) error {
+	routes, err := netlink.RouteListFiltered(netlink.FAMILY_V4, &netlink.Route{Table: unix.RT_TABLE_UNSPEC}, netlink.RT_FILTER_TABLE)
+	if err != nil {
+		return fmt.Errorf("network %s: list the host's routes: %w", network, err)
+	}
+	for _, r := range routes {
+		if r.Dst == nil {
+			continue
+		}
+		ones, _ := r.Dst.Mask.Size()
+		dst, ok := netip.AddrFromSlice(r.Dst.IP)
+		if !ok || ones == 0 {
+			continue
+		}
+		dstPrefix := netip.PrefixFrom(dst.Unmap(), ones)
+		if !dstPrefix.Overlaps(cidr) {
+			continue
+		}
+		dev := "no device"
+		if r.LinkIndex > 0 {
+			l, err := netlink.LinkByIndex(r.LinkIndex)
+			if err != nil {
+				return fmt.Errorf("network %s: look up the device of route %s: %w", network, dstPrefix, err)
+			}
+			if strings.HasPrefix(l.Attrs().Name, BridgePrefix) {
+				continue
+			}
+			dev = "dev " + l.Attrs().Name
+		}
+		return fmt.Errorf("network %s: cidr %s overlaps the route %s %s (table %d) of this host, which kvmd did not make: "+
+			"the gateway address would take that range over; give the network a cidr no host route covers", network, cidr, dstPrefix, dev, r.Table)
 	}
 	return nil
 }

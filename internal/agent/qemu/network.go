@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"strconv"
 	"strings"
@@ -81,9 +82,19 @@ func (p *hostPorts) release(vm string) {
 	}
 }
 
-// checkNICs refuses a bridge-mode NIC whose bridge this host lacks.
+// checkNICs refuses a bridge-mode NIC whose bridge this host lacks, and a
+// nat NIC whose network overlaps a route of the host the agent did not make.
 func (d *Driver) checkNICs(nics []agentapi.NIC) error {
 	for _, n := range nics {
+		if n.Mode == agentapi.NetworkNAT {
+			cidr, err := netip.ParsePrefix(n.CIDR)
+			if err != nil {
+				return agent.ErrInvalidSpec("network %s: cidr %q: %v", n.Network, n.CIDR, err)
+			}
+			if err := network.CheckHostRoutes(n.Network, cidr); err != nil {
+				return agent.ErrInvalidSpec("%v", err)
+			}
+		}
 		if n.Mode != agentapi.NetworkBridge {
 			continue
 		}
