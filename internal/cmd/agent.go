@@ -98,8 +98,8 @@ func (cfg agentConfig) validate() error {
 	if cfg.StateDir == "" {
 		errs = append(errs, errors.New("no state directory: give --state-dir or KVMD_STATE_DIR"))
 	}
-	if cfg.ImageMaxBytes <= 0 {
-		errs = append(errs, fmt.Errorf("--image-max-bytes %d: want a positive number of bytes", cfg.ImageMaxBytes))
+	if cfg.ImageMaxBytes < 0 {
+		errs = append(errs, fmt.Errorf("--image-max-bytes %d: want a number of bytes (0: the default, 64 GiB)", cfg.ImageMaxBytes))
 	}
 	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
 		errs = append(errs, errors.New("give both --tls-cert and --tls-key, or neither"))
