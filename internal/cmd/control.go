@@ -44,14 +44,13 @@ func runControl(ctx context.Context, args []string, getenv Env, stderr io.Writer
 	fs := flag.NewFlagSet("kvmd control", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var cfg controlConfig
-	var tokenFile, agentTokenFile, metricsTokenFile, logLevel string
+	var tokenFile, agentTokenFile, logLevel string
 	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:8470", "address to listen on")
 	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory of the embedded SQLite database (used without --database-url)")
 	fs.StringVar(&cfg.DatabaseURL, "database-url", "", "PostgreSQL URL (postgres://...); replaces SQLite")
 	fs.StringVar(&cfg.Token, "token", "", "bearer token clients must send")
 	fs.StringVar(&tokenFile, "token-file", "", "file holding the bearer token")
-	fs.StringVar(&cfg.MetricsToken, "metrics-token", "", "bearer token /metrics requires (default: /metrics is open)")
-	fs.StringVar(&metricsTokenFile, "metrics-token-file", "", "file holding the metrics token")
+	metricsToken := metricsTokenFlags(fs)
 	fs.StringVar(&cfg.AgentToken, "agent-token", "", "token of the host agents")
 	fs.StringVar(&agentTokenFile, "agent-token-file", "", "file holding the agent token")
 	fs.DurationVar(&cfg.SyncInterval, "sync-interval", 10*time.Second, "how often every agent is asked for its VMs")
@@ -76,7 +75,7 @@ func runControl(ctx context.Context, args []string, getenv Env, stderr io.Writer
 	if cfg.AgentToken, err = readSecret(cfg.AgentToken, agentTokenFile, "agent token"); err != nil {
 		return err
 	}
-	if cfg.MetricsToken, err = readSecret(cfg.MetricsToken, metricsTokenFile, "metrics token"); err != nil {
+	if cfg.MetricsToken, err = metricsToken(); err != nil {
 		return err
 	}
 	return serveControl(ctx, cfg, newLogger(stderr, logLevel), nil)
