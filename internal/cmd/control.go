@@ -32,6 +32,8 @@ type controlConfig struct {
 	// AgentCAFile holds PEM certificates to trust for agents served over
 	// TLS (addresses with https://) whose certificates a private CA signed.
 	AgentCAFile string
+	// AllowInsecureAgents accepts http:// agent addresses off loopback.
+	AllowInsecureAgents bool
 	// CreateGrace and OrphanGrace tune the host monitor's reconciliation
 	// (control.Options; 0 = its defaults).
 	CreateGrace, OrphanGrace time.Duration
@@ -57,6 +59,7 @@ func runControl(ctx context.Context, args []string, getenv Env, stderr io.Writer
 	fs.StringVar(&cfg.TLSCert, "tls-cert", "", "TLS certificate file (serve HTTPS with --tls-key)")
 	fs.StringVar(&cfg.TLSKey, "tls-key", "", "TLS key file")
 	fs.StringVar(&cfg.AgentCAFile, "agent-ca-file", "", "PEM CA certificates to trust for agents at https:// addresses (besides the system's)")
+	fs.BoolVar(&cfg.AllowInsecureAgents, "allow-insecure-agents", false, "accept http:// agent addresses off loopback (default: https:// only, or http:// on 127.0.0.0/8, ::1 and localhost)")
 	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long to wait for requests in flight at shutdown")
 	fs.StringVar(&logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.DurationVar(&cfg.CreateGrace, "create-grace", 15*time.Minute, "how long a VM may stay creating before the host monitor settles it from its agent (must exceed a create's 10 min bound)")
@@ -136,7 +139,8 @@ func serveControl(ctx context.Context, cfg controlConfig, log *slog.Logger, read
 		return err
 	}
 	svc, err := control.New(ctx, st, control.Options{AgentToken: cfg.AgentToken, SyncInterval: cfg.SyncInterval, Logger: log,
-		CreateGrace: cfg.CreateGrace, OrphanGrace: cfg.OrphanGrace, AgentHTTPClient: agentHTTP})
+		CreateGrace: cfg.CreateGrace, OrphanGrace: cfg.OrphanGrace, AgentHTTPClient: agentHTTP,
+		AllowInsecureAgents: cfg.AllowInsecureAgents})
 	if err != nil {
 		return err
 	}
