@@ -140,6 +140,8 @@ func authenticate(t tokens) echo.MiddlewareFunc {
 				return err
 			}
 			c.Set(principalKey, p) // the request log names it, refused or not
+			// Idempotency-Keys are kept per caller.
+			c.SetRequest(c.Request().WithContext(control.WithCaller(c.Request().Context(), p.Caller())))
 			scopes, ok := RouteScopes(c.Request().Method, c.Path())
 			if !ok || !holdsAny(p, scopes) {
 				return &control.Error{Code: api.CodeForbidden,
