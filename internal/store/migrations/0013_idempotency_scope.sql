@@ -26,3 +26,12 @@ CREATE INDEX idempotency_keys_expires_at ON idempotency_keys (expires_at);
 ALTER TABLE forks ADD COLUMN idempotency_caller TEXT NOT NULL DEFAULT '';
 DROP INDEX forks_idempotency_key;
 CREATE UNIQUE INDEX forks_idempotency_key ON forks (idempotency_caller, idempotency_key) WHERE idempotency_key IS NOT NULL;
+
+-- Fleet page sessions that signed out (POST /ui/logout). A session is a
+-- signed cookie; this row is what makes a copy of it stop working on every
+-- replica. Kept until the session would have expired anyway.
+CREATE TABLE ui_session_revocations (
+    session_id TEXT PRIMARY KEY,
+    expires_at BIGINT NOT NULL -- unix ms
+);
+CREATE INDEX ui_session_revocations_expires_at ON ui_session_revocations (expires_at);
