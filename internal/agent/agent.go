@@ -33,6 +33,10 @@ type Config struct {
 	Driver Driver
 	// Token is the bearer token every /v1 call must carry. Empty is refused.
 	Token string
+	// MetricsToken, when set, is the bearer token GET /metrics requires;
+	// empty leaves /metrics open (guests cannot reach it: see the
+	// operating guide).
+	MetricsToken string
 	// Capacity is the capacity to advertise; zero fields are taken from the
 	// driver (the host's own figures).
 	Capacity agentapi.Resources

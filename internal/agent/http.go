@@ -43,7 +43,14 @@ func (a *Agent) routes() http.Handler {
 	e.GET("/healthz", func(c echo.Context) error {
 		return c.JSON(http.StatusOK, map[string]string{"status": "ok"})
 	})
-	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(reg, promhttp.HandlerOpts{})))
+	var metricsGuard []echo.MiddlewareFunc
+	if a.cfg.MetricsToken != "" {
+		metricsGuard = append(metricsGuard, httpserver.StaticToken(a.cfg.MetricsToken, func(echo.Context) error {
+			return &Error{Status: http.StatusUnauthorized, Code: CodeUnauthorized,
+				Message: "missing or wrong bearer token: send Authorization: Bearer <metrics token> (--metrics-token of the agent)"}
+		}))
+	}
+	e.GET("/metrics", echo.WrapHandler(promhttp.HandlerFor(reg, promhttp.HandlerOpts{})), metricsGuard...)
 
 	// The one /v1 call without a token: how the control plane learns that
 	// this address is an agent before it sends the token here.

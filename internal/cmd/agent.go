@@ -21,12 +21,14 @@ import (
 
 // agentConfig is the configuration of one host agent server.
 type agentConfig struct {
-	Listen          string
-	StateDir        string
-	ImageDir        string
-	Driver          string // qemu or sim
-	Accel           string // auto, kvm or tcg
-	Token           string
+	Listen   string
+	StateDir string
+	ImageDir string
+	Driver   string // qemu or sim
+	Accel    string // auto, kvm or tcg
+	Token    string
+	// MetricsToken, when set, is the bearer token /metrics requires.
+	MetricsToken    string
 	Capacity        agentapi.Resources // zero fields: the host's own
 	StopTimeout     time.Duration
 	TLSCert, TLSKey string
@@ -55,6 +57,7 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 	fs.StringVar(&cfg.Accel, "accel", "auto", "qemu accelerator: auto (kvm when it really runs guests, else tcg), kvm or tcg")
 	fs.StringVar(&cfg.Token, "token", "", "bearer token of the agent API")
 	fs.StringVar(&tokenFile, "token-file", "", "file holding the bearer token (instead of --token)")
+	metricsToken := metricsTokenFlags(fs)
 	fs.Int64Var(&cfg.Capacity.VCPUs, "vcpus", 0, "vCPUs to advertise (default: the host's; the sim driver needs it)")
 	fs.Int64Var(&cfg.Capacity.MemoryMiB, "memory-mib", 0, "memory to advertise in MiB (default: the host's)")
 	fs.Int64Var(&cfg.Capacity.DiskMiB, "disk-mib", 0, "disk to advertise in MiB (default: the state directory's filesystem)")
@@ -82,6 +85,9 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 		return err
 	}
 	cfg.Token = secret
+	if cfg.MetricsToken, err = metricsToken(); err != nil {
+		return err
+	}
 	for _, u := range strings.Split(advertise, ",") {
 		if u = strings.TrimSpace(u); u != "" {
 			cfg.AdvertiseURLs = append(cfg.AdvertiseURLs, u)
@@ -94,6 +100,9 @@ func (cfg agentConfig) validate() error {
 	var errs []error
 	if cfg.Token == "" {
 		errs = append(errs, errors.New("no token: give --token, --token-file or KVMD_TOKEN"))
+	}
+	if cfg.MetricsToken != "" && cfg.MetricsToken == cfg.Token {
+		errs = append(errs, errors.New("the metrics token equals the agent token: give the scraper its own token, which can read only /metrics"))
 	}
 	if cfg.StateDir == "" {
 		errs = append(errs, errors.New("no state directory: give --state-dir or KVMD_STATE_DIR"))
@@ -152,7 +161,7 @@ func serveAgent(ctx context.Context, cfg agentConfig, log *slog.Logger, ready fu
 		return fmt.Errorf("kvmd agent: %w", err)
 	}
 	a, err := agent.New(ctx, agent.Config{
-		StateDir: cfg.StateDir, Driver: driver, Token: cfg.Token, StopTimeout: cfg.StopTimeout, Logger: log,
+		StateDir: cfg.StateDir, Driver: driver, Token: cfg.Token, MetricsToken: cfg.MetricsToken, StopTimeout: cfg.StopTimeout, Logger: log,
 		Capacity: cfg.Capacity, Pool: cfg.Pool, PeerHTTPClient: peerHTTP, Addresses: cfg.AdvertiseURLs,
 		ImageCacheDir: cfg.ImageDir, ImageFetch: image.Config{MaxBytes: cfg.ImageMaxBytes},
 	})

@@ -5,6 +5,8 @@ import (
 	"context"
 	"net"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -103,5 +105,104 @@ func TestRunAgentRefusesBadFlags(t *testing.T) {
 		if err := runAgent(context.Background(), args, noEnv, &logs); err == nil {
 			t.Errorf("%s: runAgent accepted %v", name, args)
 		}
+	}
+}
+
+// startSimAgent runs `kvmd agent` with the sim driver on a free loopback
+// port and waits until it answers; it stops with the test.
+func startSimAgent(t *testing.T, args []string, env map[string]string) string {
+	t.Helper()
+	addr := freeAddress(t)
+	args = append([]string{"--listen", addr, "--state-dir", t.TempDir(), "--driver", "sim",
+		"--vcpus", "2", "--memory-mib", "2048", "--disk-mib", "10000"}, args...)
+	ctx, cancel := context.WithCancel(context.Background())
+	var logs syncBuffer
+	var runErr error
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		runErr = runAgent(ctx, args, func(k string) string { return env[k] }, &logs)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-stopped:
+		case <-time.After(30 * time.Second):
+			t.Error("runAgent did not return after its context ended")
+		}
+	})
+	for i := 0; i < 200; i++ {
+		resp, err := http.Get("http://" + addr + "/healthz")
+		if err == nil {
+			_ = resp.Body.Close()
+			return addr
+		}
+		select {
+		case <-stopped:
+			t.Fatalf("runAgent %v: %v; logs:\n%s", args, runErr, logs.String())
+		case <-time.After(25 * time.Millisecond):
+		}
+	}
+	t.Fatalf("agent does not answer on %s; logs:\n%s", addr, logs.String())
+	return ""
+}
+
+func metricsStatus(t *testing.T, addr, bearer string) int {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, "http://"+addr+"/metrics", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bearer != "" {
+		req.Header.Set("Authorization", "Bearer "+bearer)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = resp.Body.Close()
+	return resp.StatusCode
+}
+
+// The agent's /metrics takes a bearer token like the control API's:
+// --metrics-token, KVMD_METRICS_TOKEN or --metrics-token-file. Without one
+// it stays open, as before.
+func TestAgentMetricsToken(t *testing.T) {
+	fromEnv := startSimAgent(t, nil, map[string]string{"KVMD_TOKEN": "agent-token", "KVMD_METRICS_TOKEN": "scrape-token"})
+	for _, c := range []struct {
+		bearer string
+		want   int
+	}{{"", 401}, {"wrong", 401}, {"agent-token", 401}, {"scrape-token", 200}} {
+		if got := metricsStatus(t, fromEnv, c.bearer); got != c.want {
+			t.Errorf("agent with KVMD_METRICS_TOKEN: GET /metrics with bearer %q: %d; want %d", c.bearer, got, c.want)
+		}
+	}
+
+	file := filepath.Join(t.TempDir(), "metrics-token")
+	if err := os.WriteFile(file, []byte("file-scrape-token\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	fromFile := startSimAgent(t, []string{"--token", "agent-token", "--metrics-token-file", file}, nil)
+	if got := metricsStatus(t, fromFile, ""); got != 401 {
+		t.Errorf("agent with --metrics-token-file: GET /metrics without a token: %d; want 401", got)
+	}
+	if got := metricsStatus(t, fromFile, "file-scrape-token"); got != 200 {
+		t.Errorf("agent with --metrics-token-file: GET /metrics with its token: %d; want 200", got)
+	}
+
+	open := startSimAgent(t, []string{"--token", "agent-token"}, nil)
+	if got := metricsStatus(t, open, ""); got != 200 {
+		t.Errorf("agent without a metrics token: GET /metrics: %d; want 200 (open, as before)", got)
+	}
+}
+
+// The metrics token is the scraper's own: the agent refuses one equal to
+// its API token, which would let a scraper drive VMs.
+func TestAgentRefusesMetricsTokenEqualToItsToken(t *testing.T) {
+	var logs syncBuffer
+	err := runAgent(context.Background(), []string{"--token", "same", "--metrics-token", "same", "--state-dir", t.TempDir(),
+		"--driver", "sim", "--vcpus", "1", "--memory-mib", "512", "--disk-mib", "1000"}, func(string) string { return "" }, &logs)
+	if err == nil || !strings.Contains(err.Error(), "metrics token") {
+		t.Fatalf("runAgent with --metrics-token equal to --token: %v; want an error about the metrics token", err)
 	}
 }

@@ -95,6 +95,15 @@ func readSecret(value, file, what string) (string, error) {
 	return strings.TrimSpace(string(b)), nil
 }
 
+// metricsTokenFlags registers --metrics-token and --metrics-token-file,
+// the same for the control API and the agent, and returns what reads the
+// token after parsing ("" leaves /metrics open).
+func metricsTokenFlags(fs *flag.FlagSet) func() (string, error) {
+	token := fs.String("metrics-token", "", "bearer token /metrics requires (default: /metrics is open)")
+	file := fs.String("metrics-token-file", "", "file holding the metrics token")
+	return func() (string, error) { return readSecret(*token, *file, "metrics token") }
+}
+
 // newLogger returns the JSON logger on stderr that every subcommand uses.
 func newLogger(stderr io.Writer, level string) *slog.Logger {
 	var l slog.Level

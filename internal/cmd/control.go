@@ -32,6 +32,8 @@ type controlConfig struct {
 	// AgentCAFile holds PEM certificates to trust for agents served over
 	// TLS (addresses with https://) whose certificates a private CA signed.
 	AgentCAFile string
+	// AllowInsecureAgents accepts http:// agent addresses off loopback.
+	AllowInsecureAgents bool
 	// CreateGrace and OrphanGrace tune the host monitor's reconciliation
 	// (control.Options; 0 = its defaults).
 	CreateGrace, OrphanGrace time.Duration
@@ -44,20 +46,20 @@ func runControl(ctx context.Context, args []string, getenv Env, stderr io.Writer
 	fs := flag.NewFlagSet("kvmd control", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var cfg controlConfig
-	var tokenFile, agentTokenFile, metricsTokenFile, logLevel string
+	var tokenFile, agentTokenFile, logLevel string
 	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:8470", "address to listen on")
 	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory of the embedded SQLite database (used without --database-url)")
 	fs.StringVar(&cfg.DatabaseURL, "database-url", "", "PostgreSQL URL (postgres://...); replaces SQLite")
 	fs.StringVar(&cfg.Token, "token", "", "bearer token clients must send")
 	fs.StringVar(&tokenFile, "token-file", "", "file holding the bearer token")
-	fs.StringVar(&cfg.MetricsToken, "metrics-token", "", "bearer token /metrics requires (default: /metrics is open)")
-	fs.StringVar(&metricsTokenFile, "metrics-token-file", "", "file holding the metrics token")
+	metricsToken := metricsTokenFlags(fs)
 	fs.StringVar(&cfg.AgentToken, "agent-token", "", "token of the host agents")
 	fs.StringVar(&agentTokenFile, "agent-token-file", "", "file holding the agent token")
 	fs.DurationVar(&cfg.SyncInterval, "sync-interval", 10*time.Second, "how often every agent is asked for its VMs")
 	fs.StringVar(&cfg.TLSCert, "tls-cert", "", "TLS certificate file (serve HTTPS with --tls-key)")
 	fs.StringVar(&cfg.TLSKey, "tls-key", "", "TLS key file")
 	fs.StringVar(&cfg.AgentCAFile, "agent-ca-file", "", "PEM CA certificates to trust for agents at https:// addresses (besides the system's)")
+	fs.BoolVar(&cfg.AllowInsecureAgents, "allow-insecure-agents", false, "accept http:// agent addresses off loopback (default: https:// only, or http:// on 127.0.0.0/8, ::1 and localhost)")
 	fs.DurationVar(&cfg.ShutdownTimeout, "shutdown-timeout", 30*time.Second, "how long to wait for requests in flight at shutdown")
 	fs.StringVar(&logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.DurationVar(&cfg.CreateGrace, "create-grace", 15*time.Minute, "how long a VM may stay creating before the host monitor settles it from its agent (must exceed a create's 10 min bound)")
@@ -76,7 +78,7 @@ func runControl(ctx context.Context, args []string, getenv Env, stderr io.Writer
 	if cfg.AgentToken, err = readSecret(cfg.AgentToken, agentTokenFile, "agent token"); err != nil {
 		return err
 	}
-	if cfg.MetricsToken, err = readSecret(cfg.MetricsToken, metricsTokenFile, "metrics token"); err != nil {
+	if cfg.MetricsToken, err = metricsToken(); err != nil {
 		return err
 	}
 	return serveControl(ctx, cfg, newLogger(stderr, logLevel), nil)
@@ -137,7 +139,8 @@ func serveControl(ctx context.Context, cfg controlConfig, log *slog.Logger, read
 		return err
 	}
 	svc, err := control.New(ctx, st, control.Options{AgentToken: cfg.AgentToken, SyncInterval: cfg.SyncInterval, Logger: log,
-		CreateGrace: cfg.CreateGrace, OrphanGrace: cfg.OrphanGrace, AgentHTTPClient: agentHTTP})
+		CreateGrace: cfg.CreateGrace, OrphanGrace: cfg.OrphanGrace, AgentHTTPClient: agentHTTP,
+		AllowInsecureAgents: cfg.AllowInsecureAgents})
 	if err != nil {
 		return err
 	}

@@ -72,6 +72,9 @@ func runDev(ctx context.Context, args []string, getenv Env, stderr io.Writer) er
 	controlCfg := controlConfig{
 		Listen: listen, DataDir: filepath.Join(dataDir, "control"), Token: token,
 		AgentToken: agentCfg.Token, SyncInterval: 5 * time.Second, ShutdownTimeout: 30 * time.Second,
+		// kvmd dev serves plain HTTP on one machine; its own agent may
+		// listen off loopback (--agent-listen) and must still register.
+		AllowInsecureAgents: true,
 	}
 
 	ctx, cancel := context.WithCancel(ctx)

@@ -161,7 +161,10 @@ const tokenUsage = `usage: kvmd token <create|list|revoke> [flags]
 
 Scopes: admin (hosts, networks, images, tokens), user (VMs, forks,
 placements, and reads of hosts, networks and images); a token may hold both.
+admin does not imply user: an admin-only token cannot write VMs, and over
+the API it may create only tokens whose scopes it holds itself (admin).
 Use --database-url instead of --data-dir for PostgreSQL. The commands work
-on the database directly; the API offers the same as POST, GET and
-DELETE /v1/tokens to an admin token.
+on the database directly (any scopes: whoever opens the database holds
+them all); the API offers the same as POST, GET and DELETE /v1/tokens to
+an admin token.
 `

@@ -25,6 +25,9 @@ type Options struct {
 	AgentToken string
 	// AgentHTTPClient is used for agent calls (TLS settings); default plain HTTP.
 	AgentHTTPClient *http.Client
+	// AllowInsecureAgents accepts host addresses with http:// off loopback
+	// (--allow-insecure-agents); otherwise only https:// and loopback http://.
+	AllowInsecureAgents bool
 	// AgentTimeout bounds one attempt of an agent call (default 10 s; creates get 6x).
 	AgentTimeout time.Duration
 	// SyncInterval is how often the host monitor asks every agent (default 10 s).

@@ -45,7 +45,7 @@ func (s *Service) nameInFlightFork(ctx context.Context, err error, key string) e
 	if !errors.As(err, &e) || e.Code != api.CodeInFlight {
 		return err
 	}
-	f, gerr := s.store.GetForkByIdempotencyKey(ctx, key)
+	f, gerr := s.store.GetForkByIdempotencyKey(ctx, callerOf(ctx), key)
 	if gerr != nil {
 		return err
 	}

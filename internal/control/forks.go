@@ -78,7 +78,7 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 	defer cancel()
 	if key != "" {
 		// A retry of a POST whose pass failed or was cut short: resume it.
-		if f, err := s.store.GetForkByIdempotencyKey(ctx, key); err == nil {
+		if f, err := s.store.GetForkByIdempotencyKey(ctx, callerOf(ctx), key); err == nil {
 			if err := sameForkRequest(f, in, key); err != nil {
 				return api.Fork{}, err
 			}
@@ -101,11 +101,11 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 		NICs: src.NICs, Constraints: constraintsText(in.Constraints), Owner: &s.replicaID, Guest: src.Guest,
 	}
 	if key != "" {
-		f.IdempotencyKey = &key
+		f.IdempotencyKey, f.IdempotencyCaller = &key, callerOf(ctx)
 	}
 	if err := s.store.InsertFork(ctx, f); err != nil {
 		if key != "" && errors.Is(err, store.ErrDuplicateName) {
-			if g, gerr := s.store.GetForkByIdempotencyKey(ctx, key); gerr == nil {
+			if g, gerr := s.store.GetForkByIdempotencyKey(ctx, callerOf(ctx), key); gerr == nil {
 				if err := sameForkRequest(g, in, key); err != nil {
 					return api.Fork{}, err
 				}

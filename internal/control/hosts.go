@@ -21,6 +21,9 @@ func (s *Service) PutHost(ctx context.Context, name string, in api.HostPut) (api
 	if err := validateHostPut(name, in); err != nil {
 		return api.Host{}, err
 	}
+	if err := s.checkAgentTransport(name, in.Address); err != nil {
+		return api.Host{}, err
+	}
 	if h, err := s.store.GetHost(ctx, name); err == nil && h.RetiredAt != nil {
 		return api.Host{}, &Error{Code: api.CodeConflict, Err: store.ErrHostRetired, Details: map[string]any{"host": name},
 			Message: fmt.Sprintf("host %s was retired at %s and never comes back; delete it (DELETE /v1/hosts/%s, which also removes its lost VMs) and register it again",

@@ -14,10 +14,32 @@ import (
 
 const maxIdempotencyKeyLen = 255
 
+// BootstrapCaller is the caller of the bootstrap token (--token), and of
+// calls made in process without one, for Idempotency-Keys.
+const BootstrapCaller = "bootstrap"
+
+type callerKey struct{}
+
+// WithCaller returns ctx carrying who sends the request (Principal.Caller):
+// Idempotency-Keys are kept per caller, so one caller's key never replays
+// or blocks another caller's request.
+func WithCaller(ctx context.Context, caller string) context.Context {
+	return context.WithValue(ctx, callerKey{}, caller)
+}
+
+// callerOf is the caller WithCaller put in ctx, else BootstrapCaller.
+func callerOf(ctx context.Context) string {
+	if c, _ := ctx.Value(callerKey{}).(string); c != "" {
+		return c
+	}
+	return BootstrapCaller
+}
+
 // idempotent runs a create under an Idempotency-Key (IETF draft semantics):
-// the same key and body replays the stored response, a different body is
-// 422, and a retry while the first request runs is 409. The key row in the
-// database (primary key on scope and key) is what makes this hold across
+// the same caller, key and body replays the stored response, a different
+// body is 422, and a retry while the first request runs is 409. Keys of
+// different callers (callerOf) are unrelated. The key row in the database
+// (primary key on scope, caller and key) is what makes this hold across
 // replicas. Only successes are stored: a failed create leaves nothing
 // behind (its cleanup chain ran), so the key is released for a retry.
 func idempotent[T any](ctx context.Context, s *Service, scope, key string, req any, run func(context.Context) (T, error)) (T, error) {
@@ -31,8 +53,9 @@ func idempotent[T any](ctx context.Context, s *Service, scope, key string, req a
 	}
 	sum := sha256.Sum256(body)
 	hash := hex.EncodeToString(sum[:])
+	caller := callerOf(ctx)
 	step := time.Now()
-	rec, claimed, err := s.store.ClaimIdempotencyKey(ctx, scope, key, hash, idempotencyLease, s.opts.IdempotencyTTL)
+	rec, claimed, err := s.store.ClaimIdempotencyKey(ctx, scope, caller, key, hash, idempotencyLease, s.opts.IdempotencyTTL)
 	timing.Since(ctx, "idempotency-claim", step)
 	if err != nil {
 		return zero, internal(err, "claim idempotency key")
@@ -57,7 +80,7 @@ func idempotent[T any](ctx context.Context, s *Service, scope, key string, req a
 	bg, cancel := detached(ctx, idempotencyLease)
 	defer cancel()
 	if runErr != nil {
-		if err := s.store.ReleaseIdempotencyKey(bg, scope, key); err != nil {
+		if err := s.store.ReleaseIdempotencyKey(bg, scope, caller, key); err != nil {
 			s.log.Error("release idempotency key after a failed request", "key", key, "err", err)
 		}
 		return zero, runErr
@@ -65,7 +88,7 @@ func idempotent[T any](ctx context.Context, s *Service, scope, key string, req a
 	step = time.Now()
 	resp, err := json.Marshal(out)
 	if err == nil {
-		err = s.store.CompleteIdempotencyKey(bg, scope, key, http.StatusCreated, string(resp))
+		err = s.store.CompleteIdempotencyKey(bg, scope, caller, key, http.StatusCreated, string(resp))
 	}
 	timing.Since(ctx, "idempotency-complete", step)
 	if err != nil {

@@ -48,6 +48,11 @@ func (s *Service) Run(ctx context.Context) error {
 			} else if n > 0 {
 				s.log.Info("deleted expired idempotency keys", "count", n)
 			}
+			if n, err := s.store.DeleteExpiredUISessionRevocations(ctx); err != nil {
+				s.log.Warn("delete expired fleet page session revocations", "err", err)
+			} else if n > 0 {
+				s.log.Info("deleted expired fleet page session revocations", "count", n)
+			}
 			if n, err := s.store.DeleteOldTombstones(ctx, tombstoneAge); err != nil {
 				s.log.Warn("delete old vm tombstones", "err", err)
 			} else if n > 0 {

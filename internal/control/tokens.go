@@ -47,6 +47,15 @@ type Principal struct {
 // Has says whether the principal holds scope.
 func (p Principal) Has(scope string) bool { return slices.Contains(p.Scopes, scope) }
 
+// Caller names the principal for Idempotency-Keys (WithCaller): its token
+// id, or BootstrapCaller for the bootstrap token.
+func (p Principal) Caller() string {
+	if p.TokenID == "" {
+		return BootstrapCaller
+	}
+	return p.TokenID
+}
+
 // BootstrapPrincipal is the --token flag's token: every scope.
 func BootstrapPrincipal() Principal {
 	return Principal{Name: "bootstrap (--token)", Scopes: []string{api.ScopeAdmin, api.ScopeUser}}

@@ -3,6 +3,8 @@ package control
 import (
 	"errors"
 	"fmt"
+	"net/netip"
+	"net/url"
 	"regexp"
 	"strings"
 
@@ -182,6 +184,35 @@ func validateAddress(addr string) error {
 		return invalidf("address %q: write it as %q (lower case, no trailing slash)", addr, canonical)
 	}
 	return nil
+}
+
+// plainHTTPOffLoopback says whether a valid agent address is http:// to a
+// host other than a loopback address (127.0.0.0/8, ::1, localhost): the
+// agent token, user data and image tokens would cross a network in clear.
+func plainHTTPOffLoopback(addr string) bool {
+	u, err := url.Parse(addr)
+	if err != nil || u.Scheme != "http" {
+		return false
+	}
+	host := u.Hostname()
+	if host == "localhost" {
+		return false
+	}
+	ip, err := netip.ParseAddr(host)
+	return err != nil || !ip.IsLoopback()
+}
+
+// checkAgentTransport refuses an http:// agent address off loopback unless
+// the control plane runs with --allow-insecure-agents.
+func (s *Service) checkAgentTransport(name, addr string) error {
+	if s.opts.AllowInsecureAgents || !plainHTTPOffLoopback(addr) {
+		return nil
+	}
+	return &Error{Code: api.CodeInvalid, Details: map[string]any{"host": name, "address": addr},
+		Message: fmt.Sprintf("register host %s: the address %s is plain http:// off loopback, where the agent token and the VMs' "+
+			"user data would cross the network in clear; serve the agent over TLS (kvmd agent --tls-cert, --tls-key) and register "+
+			"it as https://, or start kvmd control with --allow-insecure-agents (KVMD_ALLOW_INSECURE_AGENTS=true) on a network you trust",
+			name, addr)}
 }
 
 // parseLabelFilter splits "key=value".

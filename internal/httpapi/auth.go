@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"net/http"
+	"strconv"
 	"strings"
 
 	"github.com/labstack/echo/v4"
@@ -28,6 +29,11 @@ import (
 //   - user:  VMs, forks and placements;
 //   - either: reads (GET, HEAD) of everything but tokens, and the answer to
 //     a path no route serves (404 no_route, after the token check).
+//
+// Scopes do not imply one another: admin is not user (an admin-only token
+// cannot create or delete a VM). So a token may create only tokens whose
+// scopes it holds itself (mayGrant): an admin-only token cannot make
+// itself a user token. The bootstrap token holds both.
 //
 // A route under /v1 that none of these rules names is refused with 403 for
 // every token, so a new route cannot be served without a scope decision
@@ -134,6 +140,8 @@ func authenticate(t tokens) echo.MiddlewareFunc {
 				return err
 			}
 			c.Set(principalKey, p) // the request log names it, refused or not
+			// Idempotency-Keys are kept per caller.
+			c.SetRequest(c.Request().WithContext(control.WithCaller(c.Request().Context(), p.Caller())))
 			scopes, ok := RouteScopes(c.Request().Method, c.Path())
 			if !ok || !holdsAny(p, scopes) {
 				return &control.Error{Code: api.CodeForbidden,
@@ -143,6 +151,21 @@ func authenticate(t tokens) echo.MiddlewareFunc {
 			return next(c)
 		}
 	}
+}
+
+// mayGrant refuses a token request for a scope the caller does not hold
+// (403): minting a token must not widen what its maker can do. Unknown
+// scopes are left to the request's validation (400).
+func mayGrant(p control.Principal, scopes []string) error {
+	for _, sc := range scopes {
+		if (sc == api.ScopeAdmin || sc == api.ScopeUser) && !p.Has(sc) {
+			return &control.Error{Code: api.CodeForbidden, Details: map[string]any{"scope": sc},
+				Message: "this token's scopes (" + strings.Join(p.Scopes, ", ") + ") do not include scope " + strconv.Quote(sc) +
+					": a token may create only tokens with scopes it holds itself; create it with a token that holds " +
+					strconv.Quote(sc) + " (the bootstrap token holds every scope)"}
+		}
+	}
+	return nil
 }
 
 // principalName says who acted, for the request log (never the secret).

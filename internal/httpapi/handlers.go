@@ -190,6 +190,10 @@ func (h *handlers) createToken(c echo.Context) error {
 	if err := decode(c, &in); err != nil {
 		return err
 	}
+	p, _ := c.Get(principalKey).(control.Principal)
+	if err := mayGrant(p, in.Scopes); err != nil {
+		return err
+	}
 	out, err := h.svc.CreateToken(c.Request().Context(), in)
 	if err != nil {
 		return err

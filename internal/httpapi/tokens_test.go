@@ -313,3 +313,39 @@ func TestTokenCreateRefusals(t *testing.T) {
 		t.Errorf("refused requests made tokens: %+v %v", list.Items, err)
 	}
 }
+
+// TestTokenCannotMintScopesItLacks: admin does not imply user (writes of
+// VMs, forks and placements are user only), so an admin-only token must
+// not make itself a user token; it may make admin tokens. The bootstrap
+// token holds both scopes and may make any.
+func TestTokenCannotMintScopesItLacks(t *testing.T) {
+	c := testenv.StartControl(t, testenv.ControlOptions{NoMonitor: true})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	admin, err := c.Client.CreateToken(ctx, api.TokenCreate{Name: "ops", Scopes: []string{"admin"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, scopes := range []string{`["user"]`, `["admin","user"]`} {
+		r := send(t, c, "POST", "/v1/tokens", "Bearer "+admin.Secret, strings.NewReader(`{"name":"escalate","scopes":`+scopes+`}`), nil)
+		if r.status != http.StatusForbidden || r.env.Error.Code != "forbidden" || !strings.Contains(r.env.Error.Message, `scope "user"`) {
+			t.Errorf("admin-only token creating a token with scopes %s: %d %s; want 403 forbidden naming scope \"user\"", scopes, r.status, r.body)
+		}
+	}
+	r := send(t, c, "POST", "/v1/tokens", "Bearer "+admin.Secret, strings.NewReader(`{"name":"ops2","scopes":["admin"]}`), nil)
+	if r.status != http.StatusCreated {
+		t.Errorf("admin-only token creating an admin token: %d %s; want 201", r.status, r.body)
+	}
+	if _, err := c.Client.CreateToken(ctx, api.TokenCreate{Name: "both", Scopes: []string{"admin", "user"}}); err != nil {
+		t.Errorf("bootstrap token creating an admin and user token: %v", err)
+	}
+	list, err := c.Client.ListTokens(ctx, client.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tok := range list.Items {
+		if tok.Name == "escalate" {
+			t.Errorf("a refused request made token %+v", tok)
+		}
+	}
+}

@@ -3,6 +3,7 @@ package httpapi
 import (
 	"cmp"
 	"crypto/hmac"
+	"crypto/rand"
 	"crypto/sha256"
 	"embed"
 	"encoding/hex"
@@ -26,19 +27,26 @@ import (
 // header, so the page takes an API token once (a login form, or ?token= in
 // the URL) and answers with an HttpOnly session cookie. Any valid token
 // will do, whatever its scopes: the page only reads. The cookie holds an
-// expiry, the SHA-256 of the token (what the database keeps, never the
-// token itself, so it cannot be replayed against /v1) and an HMAC keyed by
-// the bootstrap token; every view checks the token again, so a session
-// ends when its token is revoked or expires, and all sessions end when the
-// bootstrap token changes.
+// expiry, a random session id, the SHA-256 of the token (what the database
+// keeps, never the token itself, so it cannot be replayed against /v1) and
+// an HMAC keyed by the bootstrap token; every view checks the token again,
+// so a session ends when its token is revoked or expires, and all sessions
+// end when the bootstrap token changes. Signing out records the session id
+// in the database, so that a copy of the cookie stops working on every
+// replica too.
+//
+// The login and logout forms refuse cross-origin posts (Go's
+// http.CrossOriginProtection: Sec-Fetch-Site, else Origin against Host; a
+// request with neither, from curl or a script, is no browser's and passes),
+// so another site cannot sign a visitor in as someone else or out.
 
 //go:embed ui/*.html.tmpl
 var uiFiles embed.FS
 
 const (
 	uiCookie = "kvmd_ui"
-	// uiSession is how long a session cookie is good for.
-	uiSession = 12 * time.Hour
+	// uiSessionTTL is how long a session cookie is good for.
+	uiSessionTTL = 12 * time.Hour
 	// uiMaxHosts and uiMaxVMs bound the work of one page view; a larger
 	// fleet shows the first ones and says that the list is cut.
 	uiMaxHosts = 1000
@@ -60,6 +68,12 @@ type uiAuth struct {
 	now    func() time.Time
 }
 
+// uiSession is a valid session cookie's content.
+type uiSession struct {
+	id      string
+	expires time.Time
+}
+
 // login returns the digest a session keeps for a token secret, or false
 // when the token is not valid. err is a failure to check it.
 func (a uiAuth) login(c echo.Context, secret string) (string, bool, error) {
@@ -76,44 +90,55 @@ func (a uiAuth) login(c echo.Context, secret string) (string, bool, error) {
 	return hex.EncodeToString(sum[:]), true, nil
 }
 
-func (a uiAuth) mac(expiry, digest string) string {
+func (a uiAuth) mac(expiry, id, digest string) string {
 	m := hmac.New(sha256.New, []byte(a.key))
-	m.Write([]byte("kvmd-ui-session|" + expiry + "|" + digest))
+	m.Write([]byte("kvmd-ui-session|" + expiry + "|" + id + "|" + digest))
 	return hex.EncodeToString(m.Sum(nil))
 }
 
-func (a uiAuth) cookie(c echo.Context, digest string) *http.Cookie {
-	exp := a.now().Add(uiSession)
+func (a uiAuth) cookie(c echo.Context, digest string) (*http.Cookie, error) {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return nil, &control.Error{Code: api.CodeInternal, Message: "make a fleet page session id", Err: err}
+	}
+	id := hex.EncodeToString(b[:])
+	exp := a.now().Add(uiSessionTTL)
 	e := strconv.FormatInt(exp.Unix(), 10)
 	return &http.Cookie{
-		Name: uiCookie, Value: e + "." + digest + "." + a.mac(e, digest), Path: "/ui", Expires: exp,
-		MaxAge: int(uiSession.Seconds()), HttpOnly: true, Secure: c.Scheme() == "https", SameSite: http.SameSiteStrictMode,
-	}
+		Name: uiCookie, Value: e + "." + id + "." + digest + "." + a.mac(e, id, digest), Path: "/ui", Expires: exp,
+		MaxAge: int(uiSessionTTL.Seconds()), HttpOnly: true, Secure: c.Scheme() == "https", SameSite: http.SameSiteStrictMode,
+	}, nil
 }
 
-// session says whether the request carries a session cookie this server
-// issued, not expired, for a token that is still valid.
-func (a uiAuth) session(c echo.Context) (bool, error) {
+// session returns the request's session when its cookie is one this
+// server issued, not expired nor signed out, for a token that is still
+// valid.
+func (a uiAuth) session(c echo.Context) (uiSession, bool, error) {
 	ck, err := c.Cookie(uiCookie)
 	if err != nil {
-		return false, nil
+		return uiSession{}, false, nil
 	}
 	parts := strings.Split(ck.Value, ".")
-	if len(parts) != 3 {
-		return false, nil
+	if len(parts) != 4 {
+		return uiSession{}, false, nil
 	}
-	e, digest, mac := parts[0], parts[1], parts[2]
+	e, id, digest, mac := parts[0], parts[1], parts[2], parts[3]
 	exp, err := strconv.ParseInt(e, 10, 64)
-	if err != nil || a.now().Unix() >= exp || !hmac.Equal([]byte(mac), []byte(a.mac(e, digest))) {
-		return false, nil
+	if err != nil || a.now().Unix() >= exp || !hmac.Equal([]byte(mac), []byte(a.mac(e, id, digest))) {
+		return uiSession{}, false, nil
 	}
-	if _, err := a.tokens.authenticateDigest(c.Request().Context(), digest); err != nil {
+	ctx := c.Request().Context()
+	if _, err := a.tokens.authenticateDigest(ctx, digest); err != nil {
 		if isUnauthorized(err) {
-			return false, nil
+			return uiSession{}, false, nil
 		}
-		return false, err
+		return uiSession{}, false, err
 	}
-	return true, nil
+	ended, err := a.tokens.svc.UISessionEnded(ctx, id)
+	if err != nil || ended {
+		return uiSession{}, false, err
+	}
+	return uiSession{id: id, expires: time.Unix(exp, 0)}, true, nil
 }
 
 // bearer says whether the request carries a valid token in its
@@ -129,7 +154,7 @@ func (a uiAuth) bearer(c echo.Context) (bool, error) {
 
 // signedIn says whether the request has a session or a bearer token.
 func (a uiAuth) signedIn(c echo.Context) (bool, error) {
-	if ok, err := a.session(c); ok || err != nil {
+	if _, ok, err := a.session(c); ok || err != nil {
 		return ok, err
 	}
 	return a.bearer(c)
@@ -142,9 +167,26 @@ type uiHandlers struct {
 
 func (h *handlers) uiRoutes(e *echo.Echo, toks tokens, bootstrap string) {
 	u := &uiHandlers{svc: h.svc, auth: uiAuth{tokens: toks, key: bootstrap, now: time.Now}}
+	sameOrigin := sameOriginForms(http.NewCrossOriginProtection())
 	e.GET("/ui", u.fleet)
-	e.POST("/ui/login", u.login)
-	e.POST("/ui/logout", u.logout)
+	e.POST("/ui/login", u.login, sameOrigin)
+	e.POST("/ui/logout", u.logout, sameOrigin)
+}
+
+// sameOriginForms refuses a cross-origin browser post with 403 before the
+// handler runs (see the comment at the top).
+func sameOriginForms(cop *http.CrossOriginProtection) echo.MiddlewareFunc {
+	return func(next echo.HandlerFunc) echo.HandlerFunc {
+		return func(c echo.Context) error {
+			if err := cop.Check(c.Request()); err != nil {
+				uiHeaders(c)
+				return &control.Error{Code: api.CodeForbidden, Err: err,
+					Message: "refused a cross-origin post to " + c.Path() + ": sign in and out from the fleet page itself, " +
+						"at this server's own address (a proxy in front must pass the Host header on)"}
+			}
+			return next(c)
+		}
+	}
 }
 
 func uiHeaders(c echo.Context) {
@@ -185,7 +227,11 @@ func (u *uiHandlers) fleet(c echo.Context) error {
 		}
 		// Trade the token in the URL for a cookie, and drop it from the
 		// address bar and the history.
-		c.SetCookie(u.auth.cookie(c, digest))
+		ck, err := u.auth.cookie(c, digest)
+		if err != nil {
+			return err
+		}
+		c.SetCookie(ck)
 		uiHeaders(c)
 		return c.Redirect(http.StatusSeeOther, "/ui")
 	}
@@ -214,13 +260,26 @@ func (u *uiHandlers) login(c echo.Context) error {
 	if !ok {
 		return u.loginPage(c, badTokenMessage)
 	}
-	c.SetCookie(u.auth.cookie(c, digest))
+	ck, err := u.auth.cookie(c, digest)
+	if err != nil {
+		return err
+	}
+	c.SetCookie(ck)
 	uiHeaders(c)
 	return c.Redirect(http.StatusSeeOther, "/ui")
 }
 
 func (u *uiHandlers) logout(c echo.Context) error {
-	if ok, err := u.auth.signedIn(c); err != nil || !ok {
+	sess, ok, err := u.auth.session(c)
+	if err != nil {
+		return err
+	}
+	if ok {
+		// Server-side: a copy of this cookie must not outlive the sign-out.
+		if err := u.svc.EndUISession(c.Request().Context(), sess.id, sess.expires); err != nil {
+			return err
+		}
+	} else if ok, err := u.auth.bearer(c); err != nil || !ok {
 		if err != nil {
 			return err
 		}

@@ -80,7 +80,7 @@ func (r *hostResource) Schema(_ context.Context, _ resource.SchemaRequest, resp 
 			},
 			"address": schema.StringAttribute{
 				MarkdownDescription: "Address of the host agent's API, `scheme://host:port` and nothing else (for example " +
-					"`https://kvm-01.example.net:8471`; `http://` only on loopback or a network you trust). Before the control " +
+					"`https://kvm-01.example.net:8471`; `http://` only on loopback, or off it when the control plane runs with `--allow-insecure-agents`). Before the control " +
 					"plane sends the agent token there, the agent at this address proves that it holds the agent token and " +
 					"the control plane pins its identity key. Changing the address moves the host in place only when the agent " +
 					"at the new address proves that same key (the same agent, moved); another agent is refused. An agent known " +

@@ -30,6 +30,8 @@ type Fork struct {
 	Phase          string   `gorm:"column:phase"`
 	Error          string   `gorm:"column:error"`
 	IdempotencyKey *string  `gorm:"column:idempotency_key"`
+	// IdempotencyCaller is who sent IdempotencyKey (see IdempotencyRecord).
+	IdempotencyCaller string `gorm:"column:idempotency_caller"`
 	// NICs are the source's NICs when the fork was made: each child gets
 	// its own on the same networks.
 	NICs []NIC `gorm:"column:nics;serializer:json"`
@@ -74,19 +76,20 @@ func (s *Store) GetFork(ctx context.Context, id string) (Fork, error) {
 	return s.takeFork(ctx, "id = ?", id)
 }
 
-// GetForkByIdempotencyKey returns the fork a POST with this key made.
-func (s *Store) GetForkByIdempotencyKey(ctx context.Context, key string) (Fork, error) {
-	return s.takeFork(ctx, "idempotency_key = ?", key)
+// GetForkByIdempotencyKey returns the fork a POST of caller with this key made.
+func (s *Store) GetForkByIdempotencyKey(ctx context.Context, caller, key string) (Fork, error) {
+	return s.takeFork(ctx, "idempotency_caller = ? AND idempotency_key = ?", caller, key)
 }
 
-func (s *Store) takeFork(ctx context.Context, where string, arg string) (Fork, error) {
+// takeFork reads the fork where matches; its last argument names it in errors.
+func (s *Store) takeFork(ctx context.Context, where string, args ...any) (Fork, error) {
 	var f Fork
-	err := s.db.WithContext(ctx).Where(where, arg).Take(&f).Error
+	err := s.db.WithContext(ctx).Where(where, args...).Take(&f).Error
 	if errors.Is(err, gorm.ErrRecordNotFound) {
-		return Fork{}, fmt.Errorf("fork %s: %w", arg, ErrNotFound)
+		return Fork{}, fmt.Errorf("fork %v: %w", args[len(args)-1], ErrNotFound)
 	}
 	if err != nil {
-		return Fork{}, fmt.Errorf("read fork %s: %w", arg, err)
+		return Fork{}, fmt.Errorf("read fork %v: %w", args[len(args)-1], err)
 	}
 	return f, nil
 }

@@ -16,7 +16,7 @@ func TestForkRowsAndChildSlots(t *testing.T) {
 		addHost(t, s, "h1", store.Resources{VCPUs: 8, MemoryMiB: 8192, DiskMiB: 8192})
 		key := "key-1"
 		f := store.Fork{ID: "f1", SourceVMID: "src", SourceHost: "h1", Image: "img", Count: 2,
-			Placement: "colocate", Phase: "pending", IdempotencyKey: &key,
+			Placement: "colocate", Phase: "pending", IdempotencyKey: &key, IdempotencyCaller: "alice",
 			Resources: store.Resources{VCPUs: 1, MemoryMiB: 64, DiskMiB: 64}}
 		if err := s.InsertFork(ctx, f); err != nil {
 			t.Fatal(err)
@@ -26,8 +26,17 @@ func TestForkRowsAndChildSlots(t *testing.T) {
 		if err := s.InsertFork(ctx, again); !errors.Is(err, store.ErrDuplicateName) {
 			t.Errorf("second fork with the same idempotency key: %v, want ErrDuplicateName", err)
 		}
-		if got, err := s.GetForkByIdempotencyKey(ctx, key); err != nil || got.ID != "f1" {
+		if got, err := s.GetForkByIdempotencyKey(ctx, "alice", key); err != nil || got.ID != "f1" {
 			t.Errorf("fork by key = %+v, %v", got, err)
+		}
+		// The key is unique per caller: another caller's fork may use it.
+		other := f
+		other.ID, other.IdempotencyCaller, other.Phase = "f3", "bob", "ready"
+		if err := s.InsertFork(ctx, other); err != nil {
+			t.Errorf("another caller's fork with the same idempotency key: %v", err)
+		}
+		if got, err := s.GetForkByIdempotencyKey(ctx, "bob", key); err != nil || got.ID != "f3" {
+			t.Errorf("bob's fork by key = %+v, %v; want f3", got, err)
 		}
 		if err := s.MarkForkSnapshotTaken(ctx, "f1"); err != nil {
 			t.Fatal(err)

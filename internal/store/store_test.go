@@ -278,35 +278,39 @@ func TestListVMsFiltersAndPages(t *testing.T) {
 func TestIdempotencyKeyClaims(t *testing.T) {
 	eachDialect(t, func(t *testing.T, s *store.Store) {
 		ctx := context.Background()
-		if _, claimed, err := s.ClaimIdempotencyKey(ctx, "vms", "k1", "h1", time.Minute, time.Hour); err != nil || !claimed {
+		if _, claimed, err := s.ClaimIdempotencyKey(ctx, "vms", "c1", "k1", "h1", time.Minute, time.Hour); err != nil || !claimed {
 			t.Fatalf("new key: claimed=%v err=%v", claimed, err)
 		}
-		rec, claimed, err := s.ClaimIdempotencyKey(ctx, "vms", "k1", "h1", time.Minute, time.Hour)
+		rec, claimed, err := s.ClaimIdempotencyKey(ctx, "vms", "c1", "k1", "h1", time.Minute, time.Hour)
 		if err != nil || claimed || !rec.InFlight() {
 			t.Fatalf("second claim in flight: %+v claimed=%v err=%v", rec, claimed, err)
 		}
-		if err := s.CompleteIdempotencyKey(ctx, "vms", "k1", 201, `{"id":"x"}`); err != nil {
+		if err := s.CompleteIdempotencyKey(ctx, "vms", "c1", "k1", 201, `{"id":"x"}`); err != nil {
 			t.Fatal(err)
 		}
-		rec, claimed, _ = s.ClaimIdempotencyKey(ctx, "vms", "k1", "h2", time.Minute, time.Hour)
+		rec, claimed, _ = s.ClaimIdempotencyKey(ctx, "vms", "c1", "k1", "h2", time.Minute, time.Hour)
 		if claimed || rec.Status != 201 || rec.Response != `{"id":"x"}` || rec.RequestHash != "h1" {
 			t.Fatalf("completed key: %+v claimed=%v", rec, claimed)
 		}
+		// Another caller's key of the same name is its own.
+		if _, claimed, err := s.ClaimIdempotencyKey(ctx, "vms", "c2", "k1", "h2", time.Minute, time.Hour); err != nil || !claimed {
+			t.Fatalf("caller c2's key k1 beside c1's: claimed=%v err=%v; want claimed", claimed, err)
+		}
 		// An abandoned request (lease over) is taken over by the same body only.
-		if _, claimed, _ := s.ClaimIdempotencyKey(ctx, "vms", "k2", "h1", -time.Second, time.Hour); !claimed {
+		if _, claimed, _ := s.ClaimIdempotencyKey(ctx, "vms", "c1", "k2", "h1", -time.Second, time.Hour); !claimed {
 			t.Fatal("claim k2")
 		}
-		if _, claimed, _ := s.ClaimIdempotencyKey(ctx, "vms", "k2", "other", time.Minute, time.Hour); claimed {
+		if _, claimed, _ := s.ClaimIdempotencyKey(ctx, "vms", "c1", "k2", "other", time.Minute, time.Hour); claimed {
 			t.Error("a different body must not take over an abandoned key")
 		}
-		if _, claimed, _ := s.ClaimIdempotencyKey(ctx, "vms", "k2", "h1", time.Minute, time.Hour); !claimed {
+		if _, claimed, _ := s.ClaimIdempotencyKey(ctx, "vms", "c1", "k2", "h1", time.Minute, time.Hour); !claimed {
 			t.Error("the same body must take over an abandoned key")
 		}
 		// A released key can be claimed again; an expired one is deleted.
-		if err := s.ReleaseIdempotencyKey(ctx, "vms", "k2"); err != nil {
+		if err := s.ReleaseIdempotencyKey(ctx, "vms", "c1", "k2"); err != nil {
 			t.Fatal(err)
 		}
-		if _, claimed, _ := s.ClaimIdempotencyKey(ctx, "vms", "k2", "h3", time.Minute, -time.Second); !claimed {
+		if _, claimed, _ := s.ClaimIdempotencyKey(ctx, "vms", "c1", "k2", "h3", time.Minute, -time.Second); !claimed {
 			t.Error("a released key must be free")
 		}
 		if n, err := s.DeleteExpiredIdempotencyKeys(ctx); err != nil || n != 1 {

@@ -40,6 +40,10 @@ type ControlOptions struct {
 	DeadAfter    int
 	CreateGrace  time.Duration
 	OrphanGrace  time.Duration
+	// AllowInsecureAgents accepts http:// agents off loopback, as
+	// --allow-insecure-agents does: for tests whose agents listen on an
+	// address of their own network namespace.
+	AllowInsecureAgents bool
 }
 
 // Control is a control API running in the test process with real HTTP.
@@ -92,7 +96,7 @@ func StartControl(t testing.TB, opts ControlOptions) *Control {
 	}
 	svc, err := control.New(ctx, st, control.Options{AgentToken: opts.AgentToken, SyncInterval: opts.SyncInterval,
 		AgentTimeout: opts.AgentTimeout, Logger: log, Hooks: opts.Hooks, DeadAfter: opts.DeadAfter,
-		CreateGrace: opts.CreateGrace, OrphanGrace: opts.OrphanGrace})
+		CreateGrace: opts.CreateGrace, OrphanGrace: opts.OrphanGrace, AllowInsecureAgents: opts.AllowInsecureAgents})
 	if err != nil {
 		_ = st.Close()
 		t.Fatalf("start control: %v", err)
