@@ -74,6 +74,11 @@ func (h *Host) attachChild(at Attachment, bridge string, cidr netip.Prefix, gw n
 		if err := nh.LinkSetUp(p); err != nil {
 			return fmt.Errorf("bring %s up: %w", peer, err)
 		}
+		// Beyond the network, through the gateway as any guest of it.
+		def := &netlink.Route{LinkIndex: p.Attrs().Index, Gw: gw.AsSlice()}
+		if err := nh.RouteReplace(def); err != nil {
+			return fmt.Errorf("default route via %s on %s: %w", gw, peer, err)
+		}
 		// The tap wears the gateway's MAC: the guest's ARP cache says so.
 		if err := ensureTap(tap, "", bridgeMAC(at.NIC.Network)); err != nil {
 			return err
