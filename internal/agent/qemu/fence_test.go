@@ -32,15 +32,7 @@ import (
 const outsideAddr, outsideHostSide = "198.51.100.2", "198.51.100.1"
 
 type outside struct {
-	mu    sync.Mutex
-	paths []string
 	goNow atomic.Bool // /go answers kvm-test-go once set
-}
-
-func (o *outside) seen() []string {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	return append([]string(nil), o.paths...)
 }
 
 func startOutside(t *testing.T) *outside {
@@ -104,9 +96,6 @@ func startOutside(t *testing.T) *outside {
 	}
 	o := &outside{}
 	srv := &http.Server{ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		o.mu.Lock()
-		o.paths = append(o.paths, r.URL.Path)
-		o.mu.Unlock()
 		if r.URL.Path == "/go" {
 			if !o.goNow.Load() {
 				http.NotFound(w, r)
