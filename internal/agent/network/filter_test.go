@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/vishvananda/netlink"
+
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/network"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv/netnstest"
@@ -134,5 +136,45 @@ func TestFenceFollowsNetworksAndSurvivesReadoption(t *testing.T) {
 	}
 	if rules, err := network.ListRules(-1); err != nil || len(rules) != 0 {
 		t.Fatalf("nat rules after detaching every nic: %+v, %v", rules, err)
+	}
+}
+
+// On an operator's bridge without a cidr the agent knows the MAC only: the
+// port checks the MAC and drops DHCP server traffic, and lets IPv6 pass
+// (an operator's LAN may carry it) but for router advertisements.
+func TestFenceOfABridgeNICWithoutAddress(t *testing.T) {
+	if !netnstest.InOwnNetNS(t) {
+		return
+	}
+	if err := netlink.LinkAdd(&netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: "opbr0"}}); err != nil {
+		t.Fatal(err)
+	}
+	h := network.New(nil)
+	defer h.Close()
+	n := agentapi.NIC{Network: "ops", Mode: agentapi.NetworkBridge, Bridge: "opbr0", MACAddress: "52:54:00:71:00:01"}
+	if _, err := h.Attach(network.Attachment{VMID: "vm-o", Key: "vm-o", NIC: n, Guest: n}); err != nil {
+		t.Fatal(err)
+	}
+	port := "bridge port-" + network.TapName("vm-o", 0)
+	f := fence(t)
+	for _, want := range []string{port + " spoofed mac", port + " spoofed arp mac", port + " dhcp server",
+		port + " router advertisement", port + " ipv6", port + " other"} {
+		if count(f, want) != 1 {
+			t.Errorf("fence has %d of %q; want one", count(f, want), want)
+		}
+	}
+	for _, l := range f {
+		if strings.HasPrefix(l, "inet ") || strings.Contains(l, "address") {
+			t.Errorf("fence has %q: a bridge network has no forward or input chain, and no address is known", l)
+		}
+	}
+	if err := h.Detach("vm-o", 0, n); err != nil {
+		t.Fatal(err)
+	}
+	if f := fence(t); len(f) != 0 {
+		t.Fatalf("after detach: fence\n%s\nwant none", strings.Join(f, "\n"))
+	}
+	if _, err := netlink.LinkByName("opbr0"); err != nil {
+		t.Fatalf("the operator's bridge is gone: %v", err)
 	}
 }
