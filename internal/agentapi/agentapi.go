@@ -155,6 +155,11 @@ type NIC struct {
 	// control plane does not assign one).
 	IPv4Address  string        `json:"ipv4_address,omitempty"`
 	PortForwards []PortForward `json:"port_forwards,omitempty"`
+	// Allow is what the guests of a nat network may reach beyond their
+	// own network and the outside: names of other nat networks and IPv4
+	// CIDRs (private ranges included). Everything else of the host's
+	// networks is fenced off.
+	Allow []string `json:"allow,omitempty"`
 }
 
 // PortForward maps 127.0.0.1:HostPort (chosen by the agent) to GuestPort.

@@ -390,6 +390,12 @@ type NetworkCreate struct {
 	Bridge string `json:"bridge,omitempty"`
 	// Hosts limits the network to these hosts; empty means every host.
 	Hosts []string `json:"hosts,omitempty"`
+	// Allow (nat networks) is what the network's guests may reach besides
+	// their own network and the outside through NAT: names of other nat
+	// networks (their guests on the same host) and IPv4 CIDRs (private
+	// ranges, e.g. the operator's LAN, are fenced off unless listed here).
+	// The host itself is never reachable.
+	Allow []string `json:"allow,omitempty"`
 }
 
 // NetworkPatch is the body of PATCH /v1/networks/{name}: what changes in
@@ -408,6 +414,7 @@ type Network struct {
 	DHCP    bool     `json:"dhcp"`
 	Bridge  string   `json:"bridge"`
 	Hosts   []string `json:"hosts"`
+	Allow   []string `json:"allow"`
 	// AddressesTotal and AddressesUsed count the IPAM range (0 without a CIDR).
 	AddressesTotal int       `json:"addresses_total"`
 	AddressesUsed  int       `json:"addresses_used"`

@@ -72,6 +72,9 @@ func networkFromCreate(in api.NetworkCreate) (store.Network, error) {
 		return store.Network{}, err
 	}
 	n.Hosts = hosts
+	if n.Allow, err = validateAllow(in); err != nil {
+		return store.Network{}, err
+	}
 	switch in.Mode {
 	case api.NetworkUser:
 		for field, v := range map[string]string{"cidr": in.CIDR, "gateway": in.Gateway, "bridge": in.Bridge} {
@@ -151,6 +154,50 @@ func setRange(n *store.Network, cidr, gateway string) error {
 	}
 	n.Gateway = numAddr(n.GatewayNum).String()
 	return nil
+}
+
+// maxAllow bounds a network's allow list (each entry is a rule on every
+// host the network is on).
+const maxAllow = 64
+
+// validateAllow checks a nat network's allow list: names of other networks
+// and IPv4 CIDRs, each once; sorted.
+func validateAllow(in api.NetworkCreate) ([]string, error) {
+	if len(in.Allow) == 0 {
+		return []string{}, nil
+	}
+	if in.Mode != api.NetworkNAT {
+		return nil, invalidf("allow: only a nat network has a fence to open (the agent routes nat networks only); leave allow empty for mode %q", in.Mode)
+	}
+	if len(in.Allow) > maxAllow {
+		return nil, invalidf("allow: at most %d entries, got %d", maxAllow, len(in.Allow))
+	}
+	out := make([]string, 0, len(in.Allow))
+	for _, a := range in.Allow {
+		if strings.Contains(a, "/") {
+			p, err := netip.ParsePrefix(a)
+			if err != nil || !p.Addr().Is4() {
+				return nil, invalidf("allow: %q is not an IPv4 CIDR such as 192.168.10.0/24", a)
+			}
+			if p.Masked() != p {
+				return nil, invalidf("allow: %q has host bits set; did you mean %s?", a, p.Masked())
+			}
+			a = p.String()
+		} else {
+			if err := validateName("allow entry", a); err != nil {
+				return nil, invalidf("allow: %q is neither an IPv4 CIDR nor a network name", a)
+			}
+			if a == in.Name {
+				return nil, invalidf("allow: %q is this network; its own guests always reach each other", a)
+			}
+		}
+		if slices.Contains(out, a) {
+			return nil, invalidf("allow: %q is listed twice", a)
+		}
+		out = append(out, a)
+	}
+	slices.Sort(out)
+	return out, nil
 }
 
 func validateNetworkHosts(hosts []string) ([]string, error) {
@@ -269,8 +316,12 @@ func apiNetwork(n store.Network, used int64) api.Network {
 	if hosts == nil {
 		hosts = []string{}
 	}
+	allow := n.Allow
+	if allow == nil {
+		allow = []string{}
+	}
 	return api.Network{Name: n.Name, Mode: n.Mode, CIDR: n.CIDR, Gateway: n.Gateway, DHCP: n.DHCP, Bridge: n.Bridge,
-		Hosts: hosts, AddressesTotal: int(n.Size()), AddressesUsed: int(used), CreatedAt: n.CreatedAt}
+		Hosts: hosts, Allow: allow, AddressesTotal: int(n.Size()), AddressesUsed: int(used), CreatedAt: n.CreatedAt}
 }
 
 func addrNum(a netip.Addr) int64 {

@@ -595,3 +595,56 @@ func TestConcurrentOverlappingNetworksOneWins(t *testing.T) {
 		t.Errorf("%d created (%v) and %d refused as overlapping; want 1 and %d", len(won), won, conflict, n-1)
 	}
 }
+
+// A nat network's allow list: checked, kept sorted, shown, and passed to
+// the agents with each NIC on the network (they open their fence for it).
+func TestNetworkAllowReachesTheAgents(t *testing.T) {
+	eachDatabase(t, func(t *testing.T, dbURL string) {
+		c := testenv.StartControl(t, testenv.ControlOptions{DatabaseURL: dbURL})
+		d := testenv.StartAgentDouble(t, testenv.AgentDoubleOptions{})
+		c.RegisterHost(t, "h1", d.Address)
+		ctx := ctxT(t)
+		bad := []struct {
+			name string
+			in   api.NetworkCreate
+			want string
+		}{
+			{"garbage cidr", api.NetworkCreate{Name: "x", Mode: api.NetworkNAT, CIDR: "10.30.0.0/24", Allow: []string{"10.1.0.0/33"}}, "IPv4 CIDR"},
+			{"ipv6 cidr", api.NetworkCreate{Name: "x", Mode: api.NetworkNAT, CIDR: "10.30.0.0/24", Allow: []string{"fd00::/64"}}, "IPv4 CIDR"},
+			{"host bits", api.NetworkCreate{Name: "x", Mode: api.NetworkNAT, CIDR: "10.30.0.0/24", Allow: []string{"192.168.1.5/24"}}, "192.168.1.0/24"},
+			{"bad name", api.NetworkCreate{Name: "x", Mode: api.NetworkNAT, CIDR: "10.30.0.0/24", Allow: []string{"no spaces"}}, "neither"},
+			{"itself", api.NetworkCreate{Name: "x", Mode: api.NetworkNAT, CIDR: "10.30.0.0/24", Allow: []string{"x"}}, "this network"},
+			{"twice", api.NetworkCreate{Name: "x", Mode: api.NetworkNAT, CIDR: "10.30.0.0/24", Allow: []string{"a", "a"}}, "twice"},
+			{"bridge mode", api.NetworkCreate{Name: "x", Mode: api.NetworkBridge, Bridge: "br0", Allow: []string{"a"}}, "only a nat network"},
+			{"user mode", api.NetworkCreate{Name: "x", Mode: api.NetworkUser, Allow: []string{"10.0.0.0/8"}}, "only a nat network"},
+		}
+		for _, tc := range bad {
+			_, err := c.Client.CreateNetwork(ctx, tc.in)
+			var e *client.Error
+			if !errors.As(err, &e) || e.Status != 400 || !strings.Contains(e.Message, "allow") || !strings.Contains(e.Message, tc.want) {
+				t.Errorf("%s: got %v; want 400 naming allow and %q", tc.name, err, tc.want)
+			}
+		}
+		in := natNet("lan", "10.20.0.0/24")
+		in.Allow = []string{"office", "192.168.10.0/24", "db"}
+		want := []string{"192.168.10.0/24", "db", "office"}
+		n, err := c.Client.CreateNetwork(ctx, in)
+		if err != nil || !slices.Equal(n.Allow, want) {
+			t.Fatalf("create with allow: %+v, %v; want allow %v", n, err, want)
+		}
+		if n, err = c.Client.GetNetwork(ctx, "lan"); err != nil || !slices.Equal(n.Allow, want) {
+			t.Fatalf("get: allow %v, %v; want %v", n.Allow, err, want)
+		}
+		plain, err := c.Client.CreateNetwork(ctx, natNet("plain", "10.21.0.0/24"))
+		if err != nil || plain.Allow == nil || len(plain.Allow) != 0 {
+			t.Fatalf("a network without allow: %+v, %v; want allow []", plain, err)
+		}
+		vm, err := c.Client.CreateVM(ctx, vmOn("web", api.NetworkInterface{Network: "lan"}, api.NetworkInterface{Network: "plain"}), "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if asked := d.NICs(vm.ID); len(asked) != 2 || !slices.Equal(asked[0].Allow, want) || len(asked[1].Allow) != 0 {
+			t.Errorf("agent was asked for %+v; want lan's NIC with allow %v, plain's without", asked, want)
+		}
+	})
+}

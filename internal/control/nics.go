@@ -292,7 +292,7 @@ func agentNICs(p vmNICs) []agentapi.NIC {
 	for i, nic := range p.nics {
 		n := p.nets[i]
 		a := agentapi.NIC{Network: n.Name, Mode: n.Mode, MACAddress: nic.MACAddress, CIDR: n.CIDR, Gateway: n.Gateway,
-			DHCP: n.DHCP, Bridge: n.Bridge}
+			DHCP: n.DHCP, Bridge: n.Bridge, Allow: n.Allow}
 		if n.HasIPAM() {
 			a.IPv4Address = nic.IPv4Address
 		}

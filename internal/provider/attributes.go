@@ -90,7 +90,7 @@ func stringSet(items []string) types.Set {
 	return types.SetValueMust(types.StringType, elems)
 }
 
-// hostsFromSet reads a set of host names; null or unknown is none.
+// hostsFromSet reads a set of names (hosts, allow entries); null or unknown is none.
 func hostsFromSet(ctx context.Context, v types.Set) ([]string, error) {
 	out := []string{}
 	if v.IsNull() || v.IsUnknown() {

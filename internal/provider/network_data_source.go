@@ -50,6 +50,12 @@ func (d *networkDataSource) Schema(_ context.Context, _ datasource.SchemaRequest
 				ElementType:         types.StringType,
 				Computed:            true,
 			},
+			"allow": schema.SetAttribute{
+				MarkdownDescription: "What the network's guests may reach besides their own network and the outside " +
+					"(`nat`): names of other `nat` networks and IPv4 CIDRs; empty for none.",
+				ElementType: types.StringType,
+				Computed:    true,
+			},
 			"addresses_total": schema.Int64Attribute{MarkdownDescription: "Addresses the control plane can assign.", Computed: true},
 			"addresses_used":  schema.Int64Attribute{MarkdownDescription: "Addresses VMs hold now.", Computed: true},
 		},

@@ -13,6 +13,7 @@ import (
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/int64planmodifier"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/planmodifier"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/setdefault"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/setplanmodifier"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringplanmodifier"
 	"github.com/hashicorp/terraform-plugin-framework/schema/validator"
 	"github.com/hashicorp/terraform-plugin-framework/types"
@@ -44,6 +45,7 @@ type networkModel struct {
 	DHCP           types.Bool   `tfsdk:"dhcp"`
 	Bridge         types.String `tfsdk:"bridge"`
 	Hosts          types.Set    `tfsdk:"hosts"`
+	Allow          types.Set    `tfsdk:"allow"`
 	AddressesTotal types.Int64  `tfsdk:"addresses_total"`
 	AddressesUsed  types.Int64  `tfsdk:"addresses_used"`
 }
@@ -56,6 +58,7 @@ func (m *networkModel) fromAPI(n api.Network) {
 	m.DHCP = types.BoolValue(n.DHCP)
 	m.Bridge = optionalString(n.Bridge)
 	m.Hosts = stringSet(n.Hosts)
+	m.Allow = stringSet(n.Allow)
 	m.AddressesTotal = types.Int64Value(int64(n.AddressesTotal))
 	m.AddressesUsed = types.Int64Value(int64(n.AddressesUsed))
 }
@@ -72,7 +75,10 @@ func (r *networkResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			"reached through `port_forward`s on `127.0.0.1` of its host. A network named `default` of this mode exists " +
 			"out of the box; VMs without `network_interface` blocks get one NIC on it.\n" +
 			"- `nat`: a private network that each host's agent makes (a Linux bridge, a tap per NIC, DHCP with one " +
-			"static lease per MAC, masquerade for traffic out). The control plane assigns addresses from `cidr`.\n" +
+			"static lease per MAC, masquerade for traffic out). The control plane assigns addresses from `cidr`. " +
+			"Its guests reach each other and the outside through NAT; the agents fence off the host itself, the " +
+			"other networks and the private ranges unless `allow` lists them, and stop a guest from using another " +
+			"guest's MAC or address or answering DHCP.\n" +
 			"- `bridge`: taps on an existing Linux `bridge` of the hosts. With a `cidr` the control plane assigns " +
 			"addresses and the agent serves them by DHCP; without one, addresses are the bridge network's business.\n\n" +
 			"Only `hosts` changes in place; every other argument replaces the network, which the control API refuses " +
@@ -126,6 +132,20 @@ func (r *networkResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 				Computed:    true,
 				Default:     setdefault.StaticValue(stringSet(nil)),
 			},
+			"allow": schema.SetAttribute{
+				MarkdownDescription: "`nat` networks only: what the network's guests may reach besides their own " +
+					"network and the outside through NAT. Each entry is the name of another `nat` network (its guests " +
+					"on the same host) or an IPv4 CIDR, e.g. the operator's LAN (`192.168.10.0/24`): the private, " +
+					"loopback, link-local (metadata), shared, multicast and reserved ranges are fenced off unless " +
+					"listed. It opens connections one way: the other network's guests reach this one's only if that " +
+					"network allows it too. The hosts themselves are never reachable from guests (but for DHCP). " +
+					"Empty (the default): nothing more.",
+				ElementType:   types.StringType,
+				Optional:      true,
+				Computed:      true,
+				Default:       setdefault.StaticValue(stringSet(nil)),
+				PlanModifiers: []planmodifier.Set{setplanmodifier.RequiresReplace()},
+			},
 			"addresses_total": schema.Int64Attribute{
 				MarkdownDescription: "How many addresses the control plane can assign on the network (0 without a `cidr`).",
 				Computed:            true,
@@ -154,8 +174,13 @@ func (r *networkResource) Create(ctx context.Context, req resource.CreateRequest
 		resp.Diagnostics.AddAttributeError(path.Root("hosts"), summaryCreateNetwork, err.Error())
 		return
 	}
+	allow, err := hostsFromSet(ctx, plan.Allow)
+	if err != nil {
+		resp.Diagnostics.AddAttributeError(path.Root("allow"), summaryCreateNetwork, err.Error())
+		return
+	}
 	in := api.NetworkCreate{Name: plan.Name.ValueString(), Mode: plan.Mode.ValueString(), CIDR: plan.CIDR.ValueString(),
-		Gateway: plan.Gateway.ValueString(), Bridge: plan.Bridge.ValueString(), Hosts: hosts}
+		Gateway: plan.Gateway.ValueString(), Bridge: plan.Bridge.ValueString(), Hosts: hosts, Allow: allow}
 	if !plan.DHCP.IsNull() && !plan.DHCP.IsUnknown() {
 		dhcp := plan.DHCP.ValueBool()
 		in.DHCP = &dhcp

@@ -66,6 +66,7 @@ func TestAccNetwork_basic(t *testing.T) {
 					statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("dhcp"), knownvalue.Bool(true)),
 					statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("bridge"), knownvalue.Null()),
 					statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("hosts"), knownvalue.SetSizeExact(0)),
+					statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("allow"), knownvalue.SetSizeExact(0)),
 					statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("addresses_total"), knownvalue.Int64Exact(253)),
 					statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("addresses_used"), knownvalue.Int64Exact(0)),
 				},
@@ -110,6 +111,32 @@ func TestAccNetwork_basic(t *testing.T) {
 					statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("gateway"), knownvalue.StringExact("10.30.0.254")),
 				},
 			},
+			{
+				// Neither does the fence's allow list.
+				Config: networkConfig(f, `
+  name    = "lan"
+  mode    = "nat"
+  cidr    = "10.30.0.0/24"
+  gateway = "10.30.0.254"
+  hosts   = ["node-a"]
+  allow   = ["lan2", "192.168.10.0/24"]
+`),
+				ConfigPlanChecks: resource.ConfigPlanChecks{
+					PreApply:             []plancheck.PlanCheck{plancheck.ExpectResourceAction(netAddr, plancheck.ResourceActionDestroyBeforeCreate)},
+					PostApplyPostRefresh: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
+				},
+				ConfigStateChecks: []statecheck.StateCheck{
+					statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("allow"), knownvalue.SetExact([]knownvalue.Check{
+						knownvalue.StringExact("192.168.10.0/24"), knownvalue.StringExact("lan2")})),
+				},
+			},
+			{
+				ResourceName:                         netAddr,
+				ImportState:                          true,
+				ImportStateId:                        "lan",
+				ImportStateVerify:                    true,
+				ImportStateVerifyIdentifierAttribute: "name",
+			},
 		},
 	})
 }
@@ -128,6 +155,14 @@ func TestAccNetwork_userAndBadInput(t *testing.T) {
   gateway = "10.21.0.1"
 `),
 				ExpectError: regexp.MustCompile(`gateway 10\.21\.0\.1 is outside`),
+			},
+			{
+				Config: networkConfig(f, `
+  name  = "lab"
+  mode  = "user"
+  allow = ["10.0.0.0/8"]
+`),
+				ExpectError: regexp.MustCompile(`allow: only a nat network`),
 			},
 			{
 				Config: networkConfig(f, `

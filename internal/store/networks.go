@@ -30,6 +30,9 @@ type Network struct {
 	DHCP    bool     `gorm:"column:dhcp"`
 	Bridge  string   `gorm:"column:bridge"`
 	Hosts   []string `gorm:"column:hosts;serializer:json"`
+	// Allow is what a nat network's guests may reach beyond it (names of
+	// nat networks, IPv4 CIDRs); fixed at create.
+	Allow []string `gorm:"column:allow;serializer:json"`
 	// RangeFirst..RangeLast are the assignable addresses as numbers (0 when
 	// the network has no IPAM); GatewayNum is skipped inside the range.
 	RangeFirst int64     `gorm:"column:range_first"`
@@ -96,6 +99,9 @@ func (s *Store) InsertNetworkChecked(ctx context.Context, n Network, check func(
 	n.CreatedAt, n.UpdatedAt = t, t
 	if n.Hosts == nil {
 		n.Hosts = []string{}
+	}
+	if n.Allow == nil {
+		n.Allow = []string{}
 	}
 	err := s.inTx(ctx, func(tx *gorm.DB) error {
 		if check == nil {

@@ -1,11 +1,21 @@
 # A private network that each host's agent makes: a bridge, a tap per NIC,
 # DHCP with one static lease per MAC and masquerade for traffic out. The
-# control plane assigns each VM an address from the cidr.
+# control plane assigns each VM an address from the cidr. Its guests reach
+# each other and the outside, not their host nor other networks.
 resource "kvm_network" "lan" {
   name = "lan"
   mode = "nat"
   cidr = "10.20.0.0/24"
   # gateway defaults to the first usable address (10.20.0.1).
+}
+
+# A nat network whose guests may also open connections to lan's guests and
+# to the office LAN (private ranges are fenced off unless listed).
+resource "kvm_network" "app" {
+  name  = "app"
+  mode  = "nat"
+  cidr  = "10.21.0.0/24"
+  allow = [kvm_network.lan.name, "192.168.50.0/24"]
 }
 
 # An existing bridge of some hosts; VMs on it are placed on those hosts only.

@@ -42,6 +42,15 @@ func (h *Host) attachChild(at Attachment, bridge string, cidr netip.Prefix, gw n
 		return Attached{}, fmt.Errorf("namespace %s of child %s nic %d: %w", nsName, at.VMID, at.Index, err)
 	}
 	veth, peer := vethName(at.Key, at.Index), peerName(at.Key, at.Index)
+	// The veth carries the child's own MAC and address, whatever its
+	// guest sends into the namespace.
+	port, err := portOf(at, veth, at.NIC)
+	if err != nil {
+		return fail(err)
+	}
+	if err := ensurePortFence(-1, port); err != nil {
+		return fail(err)
+	}
 	if err := ensureVeth(veth, peer, bridge, ownMAC, ns); err != nil {
 		return fail(err)
 	}
@@ -64,6 +73,11 @@ func (h *Host) attachChild(at Attachment, bridge string, cidr netip.Prefix, gw n
 		}
 		if err := nh.LinkSetUp(p); err != nil {
 			return fmt.Errorf("bring %s up: %w", peer, err)
+		}
+		// Beyond the network, through the gateway as any guest of it.
+		def := &netlink.Route{LinkIndex: p.Attrs().Index, Gw: gw.AsSlice()}
+		if err := nh.RouteReplace(def); err != nil {
+			return fmt.Errorf("default route via %s on %s: %w", gw, peer, err)
 		}
 		// The tap wears the gateway's MAC: the guest's ARP cache says so.
 		if err := ensureTap(tap, "", bridgeMAC(at.NIC.Network)); err != nil {

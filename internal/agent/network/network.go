@@ -144,7 +144,8 @@ func BridgeExists(name string) (bool, error) {
 }
 
 // Attach makes (or re-adopts) the host side of one nat or bridge NIC:
-// the bridge, the tap on it, the DHCP lease, the NAT rules. It is
+// the bridge, the tap on it, the DHCP lease, the NAT rules, the fence
+// (filter.go) of the network and of the port. It is
 // idempotent; what exists is kept as it is.
 func (h *Host) Attach(at Attachment) (Attached, error) {
 	h.mu.Lock()
@@ -176,6 +177,13 @@ func (h *Host) Attach(at Attachment) (Attached, error) {
 		if err := ensureRule(-1, postrouting, masqTag(n.Network), masquerade(cidr)); err != nil {
 			return Attached{}, err
 		}
+		fence, err := ParseAllow(n.Allow)
+		if err != nil {
+			return Attached{}, fmt.Errorf("network %s: %w", n.Network, err)
+		}
+		if err := ensureNetworkFence(-1, n.Network, fence); err != nil {
+			return Attached{}, fmt.Errorf("network %s: %w", n.Network, err)
+		}
 		if at.Forked() {
 			return h.attachChild(at, master, cidr, gw)
 		}
@@ -192,6 +200,14 @@ func (h *Host) Attach(at Attachment) (Attached, error) {
 	default:
 		return Attached{}, fmt.Errorf("nic %d of vm %s: mode %s has no host side", at.Index, at.VMID, n.Mode)
 	}
+	port, err := portOf(at, tap, n)
+	if err != nil {
+		return Attached{}, err
+	}
+	// Before the tap is on the bridge: no frame passes unchecked.
+	if err := ensurePortFence(-1, port); err != nil {
+		return Attached{}, fmt.Errorf("nic %d of vm %s: %w", at.Index, at.VMID, err)
+	}
 	if err := ensureTap(tap, master, nil); err != nil {
 		return Attached{}, err
 	}
@@ -205,6 +221,22 @@ func (h *Host) Attach(at Attachment) (Attached, error) {
 		}
 	}
 	return Attached{Tap: tap}, nil
+}
+
+// portOf is what the port name of NIC n (its tap, or a child's veth) may
+// carry: n's MAC, and n's address when the control plane assigned one.
+func portOf(at Attachment, name string, n agentapi.NIC) (Port, error) {
+	mac, err := net.ParseMAC(n.MACAddress)
+	if err != nil {
+		return Port{}, fmt.Errorf("nic %d of vm %s: mac %q: %w", at.Index, at.VMID, n.MACAddress, err)
+	}
+	p := Port{Name: name, MAC: mac, IPv6: n.Mode == agentapi.NetworkBridge}
+	if n.IPv4Address != "" {
+		if p.IPv4, err = netip.ParseAddr(n.IPv4Address); err != nil || !p.IPv4.Is4() {
+			return Port{}, fmt.Errorf("nic %d of vm %s: address %q is not an IPv4 address", at.Index, at.VMID, n.IPv4Address)
+		}
+	}
+	return p, nil
 }
 
 func natShape(n agentapi.NIC) (netip.Prefix, netip.Addr, error) {
@@ -286,8 +318,8 @@ func (h *Host) Close() {
 }
 
 // Detach removes the host side of one NIC: its lease, its tap (or its
-// namespace and veth), and the network's bridge and masquerade rule when
-// no other NIC is on it. Nothing there is not an error.
+// namespace and veth) and its port's fence, and the network's bridge,
+// masquerade rule and fence when no other NIC is on it. Nothing there is not an error.
 func (h *Host) Detach(key string, index int, n agentapi.NIC) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -300,7 +332,8 @@ func (h *Host) Detach(key string, index int, n agentapi.NIC) error {
 			delete(h.responders, key)
 		}
 	}
-	errs = append(errs, deleteLink(tap), deleteLink(vethName(key, index)))
+	errs = append(errs, deleteLink(tap), deleteLink(vethName(key, index)),
+		deletePortFence(-1, tap), deletePortFence(-1, vethName(key, index)))
 	if _, err := os.Stat(filepath.Join(netnsDir, ns)); err == nil {
 		if err := netns.DeleteNamed(ns); err != nil {
 			errs = append(errs, fmt.Errorf("delete network namespace %s: %w", ns, err))
@@ -319,7 +352,7 @@ func (h *Host) dropUnusedBridge(network string) error {
 	l, err := netlink.LinkByName(br)
 	var nf netlink.LinkNotFoundError
 	if errors.As(err, &nf) {
-		return deleteRule(-1, postrouting, masqTag(network))
+		return errors.Join(deleteRule(-1, postrouting, masqTag(network)), deleteNetworkFence(-1, network))
 	}
 	if err != nil {
 		return fmt.Errorf("look up bridge %s: %w", br, err)
@@ -336,7 +369,7 @@ func (h *Host) dropUnusedBridge(network string) error {
 	if err := netlink.LinkDel(l); err != nil {
 		return fmt.Errorf("delete bridge %s of network %s: %w", br, network, err)
 	}
-	return deleteRule(-1, postrouting, masqTag(network))
+	return errors.Join(deleteRule(-1, postrouting, masqTag(network)), deleteNetworkFence(-1, network))
 }
 
 func deleteLink(name string) error {

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -221,22 +220,6 @@ func agentNetNS(t *testing.T) []string {
 	return out
 }
 
-// gatewayServer answers on the gateway's address inside the test's
-// namespace, so that a guest can prove it reaches the gateway.
-func gatewayServer(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", lanGateway+":8080")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := &http.Server{ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-		_, _ = io.WriteString(w, "kvm-test-gateway\n")
-	})}
-	go func() { _ = srv.Serve(ln) }()
-	t.Cleanup(func() { _ = srv.Close() })
-	return lanGateway + ":8080"
-}
-
 func TestNATGuestsReachEachOtherAndSurviveAgentRestart(t *testing.T) {
 	if !netnstest.InOwnNetNS(t) {
 		return
@@ -262,7 +245,7 @@ func TestNATGuestsReachEachOtherAndSurviveAgentRestart(t *testing.T) {
 			t.Fatalf("guest %s printed address %s; its spec says %s", id, got, want)
 		}
 	}
-	gw := gatewayServer(t)
+	startOutside(t)
 	check := func(phase string) {
 		t.Helper()
 		for id, addr := range addrs {
@@ -273,12 +256,12 @@ func TestNATGuestsReachEachOtherAndSurviveAgentRestart(t *testing.T) {
 			if body := get(t, "http://"+addr+"/", time.Minute); !strings.Contains(body, "kvm-guest "+id+" "+addr) {
 				t.Fatalf("%s: %s answered %q; want guest %s", phase, addr, body, id)
 			}
-			// From inside guest id: the other guest, and the gateway.
+			// From inside guest id: the other guest, and the outside through NAT.
 			if body := get(t, "http://"+addr+"/cgi-bin/get?"+addrs[other], time.Minute); !strings.Contains(body, "kvm-guest "+other+" "+addrs[other]) {
 				t.Fatalf("%s: guest %s fetching from %s got %q", phase, id, addrs[other], body)
 			}
-			if body := get(t, "http://"+addr+"/cgi-bin/get?"+gw, time.Minute); !strings.Contains(body, "kvm-test-gateway") {
-				t.Fatalf("%s: guest %s fetching from the gateway got %q", phase, id, body)
+			if body := get(t, "http://"+addr+"/cgi-bin/get?"+outsideAddr, time.Minute); !strings.Contains(body, "kvm-test-outside") {
+				t.Fatalf("%s: guest %s fetching from the outside got %q", phase, id, body)
 			}
 		}
 	}
@@ -395,10 +378,10 @@ func TestForkOfNATGuestChildrenAnswerAtTheirOwnAddresses(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	// A child reaches the gateway (its traffic leaves with its own address).
-	gw := gatewayServer(t)
-	if body := get(t, "http://"+addrs["c1"]+"/cgi-bin/get?"+gw, time.Minute); !strings.Contains(body, "kvm-test-gateway") {
-		t.Fatalf("child c1 fetching from the gateway got %q", body)
+	// A child reaches the outside (its traffic leaves with its own address).
+	startOutside(t)
+	if body := get(t, "http://"+addrs["c1"]+"/cgi-bin/get?"+outsideAddr, time.Minute); !strings.Contains(body, "kvm-test-outside") {
+		t.Fatalf("child c1 fetching from the outside got %q", body)
 	}
 	if ns := agentNetNS(t); len(ns) != 3 {
 		t.Fatalf("network namespaces = %v; want one per child", ns)
