@@ -122,6 +122,9 @@ var (
 // (HTTP_PROXY, HTTPS_PROXY) is reached as configured.
 func newSourceClient() *http.Client {
 	t := http.DefaultTransport.(*http.Transport).Clone()
+	// A source that takes the request and never answers is cut (the body,
+	// once it flows, has its own stall timeout).
+	t.ResponseHeaderTimeout = time.Minute
 	var proxies sync.Map // host:port of the proxies the environment named
 	t.Proxy = func(req *http.Request) (*url.URL, error) {
 		p, err := http.ProxyFromEnvironment(req)

@@ -101,8 +101,7 @@ func TestRedirectsCannotReachGuardedAddresses(t *testing.T) {
 	linkLocal := serveAt(t, "169.254.10.1:0", redirectTo(inner.FileURL("tiny.qcow2"), &linkLocalHits))
 	toLinkLocal := serveAt(t, "127.0.0.1:0", redirectTo(linkLocal+"/tiny.qcow2", &hops))
 	toFile := serveAt(t, "127.0.0.1:0", redirectTo("file://"+filepath.Join(dir, "tiny.qcow2"), &hops))
-	var loop string
-	loop = serveAt(t, "127.0.0.1:0", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	loop := serveAt(t, "127.0.0.1:0", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		n := loops.Add(1)
 		http.Redirect(w, r, fmt.Sprintf("/again-%d", n), http.StatusFound)
 	}))
