@@ -160,7 +160,7 @@ func TestUserNetFenceRefusesHostAndPrivateRangesOfPasstsUID(t *testing.T) {
 		{"172.16.0.5:80", uid, "refused"},
 		{"192.168.1.5:80", uid, "refused"},
 		{"100.64.0.5:80", uid, "refused"},
-		{"10.99.0.5:80", uid, "silent"},  // allowed by the operator
+		{"10.99.0.5:80", uid, "silent"},   // allowed by the operator
 		{"203.0.113.5:80", uid, "silent"}, // public: let out through NAT
 	} {
 		if got := dialAs(t, bin, c.uid, c.addr); got != c.want {
