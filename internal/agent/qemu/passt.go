@@ -49,8 +49,6 @@ const (
 	// userNetGatewayMAC is slirp's gateway MAC: a fork child's guest keeps
 	// the source's ARP entry for its gateway.
 	userNetGatewayMAC = "52:55:0a:00:02:02"
-	// passtReadyTimeout bounds passt's own start.
-	passtReadyTimeout = 10 * time.Second
 )
 
 // userNet is the driver's user-mode networking: passt's binary, the uid it
