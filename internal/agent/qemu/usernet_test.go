@@ -4,18 +4,24 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"regexp"
 	"runtime"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/qemu"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv/netnstest"
 )
 
@@ -232,5 +238,41 @@ func TestUserModeGuestReachesTheOutsideButNotItsHost(t *testing.T) {
 		case tg[0] != "internet" && got != "nothing":
 			t.Errorf("the guest reached %s (%s): %s", tg[0], tg[1], got)
 		}
+	}
+}
+
+// TestUserModeNICWithoutPasstFailsNamingThePackage: no silent fallback to
+// QEMU's slirp (which would hand the guest the host's loopback): a
+// user-mode NIC on a host without passt fails, naming the package.
+func TestUserModeNICWithoutPasstFailsNamingThePackage(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	d, err := qemu.New(ctx, qemu.Options{ImageDir: testenv.GuestImageDir(t), Accel: testenv.Accel(), Passt: "kvm-test-no-such-passt",
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	a, err := agent.New(ctx, agent.Config{StateDir: dir, Driver: d, Token: "agent-token", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(a.Handler())
+	t.Cleanup(func() {
+		srv.Close()
+		_ = a.Close()
+		d.Close()
+		for _, pid := range qemu.ProcessesUnder(dir) {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+	})
+	spec := guest
+	spec.NICs = []agentapi.NIC{{Network: "default", Mode: agentapi.NetworkUser, MACAddress: "52:54:00:50:00:02"}}
+	_, err = agentapi.NewClient(srv.URL, "agent-token").CreateVM(ctx, "nopasst", spec)
+	if err == nil || !strings.Contains(err.Error(), "apt-get install passt") {
+		t.Fatalf("create with a user-mode nic and no passt: %v; want an error naming the package passt", err)
+	}
+	if pids := qemu.ProcessesUnder(dir); len(pids) != 0 {
+		t.Fatalf("qemu processes %v run for a vm whose nic failed", pids)
 	}
 }
