@@ -5,7 +5,8 @@
 # prints the one command to run and exits 1, so that the caller can fall back
 # (make demo to the sim driver, make test to skipping the real-QEMU tests).
 #
-#   demo: QEMU, qemu-img and the tools scripts/build-image.sh uses
+#   demo: QEMU, qemu-img, passt (user-mode networks) and the tools
+#         scripts/build-image.sh uses
 #   test: the same (PostgreSQL is optional: the tests start their own from
 #         the system's binaries, or use KVM_TEST_DATABASE_URL)
 #   debian: mmdebstrap and mkfs.ext4 for the Debian guest (make image-debian)
@@ -27,8 +28,9 @@ declare -A pkg_of=(
 	[xz]=xz-utils
 	[apt-get]=apt
 	[dpkg-deb]=dpkg
+	[passt]=passt
 )
-cmds=(qemu-system-x86_64 qemu-img cpio gzip xz apt-get dpkg-deb)
+cmds=(qemu-system-x86_64 qemu-img passt cpio gzip xz apt-get dpkg-deb)
 # Packages that provide no command the scripts call by name.
 extra_pkgs=(busybox-static zstd kmod ca-certificates)
 

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"strings"
 	"time"
 
@@ -41,6 +42,10 @@ type agentConfig struct {
 	// AdvertiseURLs are addresses the agent proves its identity for beside
 	// the IP and port a challenge arrives on (DNS names, proxies).
 	AdvertiseURLs []string
+	// UserNetUser is the user passt runs as for user-mode NICs (root only).
+	UserNetUser string
+	// UserNetAllow are private or link-local ranges user-mode guests may reach.
+	UserNetAllow []netip.Prefix
 }
 
 // runAgent runs the host agent (kvmd agent) until ctx ends. Its VMs keep
@@ -49,7 +54,7 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 	fs := flag.NewFlagSet("kvmd agent", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var cfg agentConfig
-	var tokenFile, logLevel, advertise string
+	var tokenFile, logLevel, advertise, userNetAllow string
 	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:8471", "address to serve the agent API on")
 	fs.StringVar(&cfg.StateDir, "state-dir", "", "directory of the VMs' disks, consoles and metadata (required)")
 	fs.StringVar(&cfg.ImageDir, "image-dir", "", "directory of images, one folder with an image.json each (make image); registered images are cached in its sha256/ folder")
@@ -74,6 +79,10 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 	fs.Int64Var(&cfg.ImageMaxBytes, "image-max-bytes", image.DefaultMaxBytes, "the largest registered image this agent fetches, in bytes: "+
 		"a source that announces more is refused before a byte is read, one that sends more is cut there and the image fails")
 	fs.StringVar(&cfg.PeerCAFile, "peer-ca-file", "", "PEM CA certificates to trust for other agents at https:// addresses (snapshot pulls)")
+	fs.StringVar(&cfg.UserNetUser, "user-net-user", qemu.DefaultUserNetUser, "user-mode networks: the system user passt runs as when the agent is root "+
+		"(its new connections to the host and to private ranges are refused by the agent's nftables chain); nobody, with a warning, when it does not exist")
+	fs.StringVar(&userNetAllow, "user-net-allow", "", "user-mode networks: comma-separated CIDRs of private, shared or link-local ranges that guests may reach "+
+		"through NAT (by default they reach only public addresses; never the host's own addresses)")
 	if err := parseFlags(fs, args, getenv); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil
@@ -87,6 +96,16 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 	cfg.Token = secret
 	if cfg.MetricsToken, err = metricsToken(); err != nil {
 		return err
+	}
+	for _, c := range strings.Split(userNetAllow, ",") {
+		if c = strings.TrimSpace(c); c == "" {
+			continue
+		}
+		p, err := netip.ParsePrefix(c)
+		if err != nil || !p.Addr().Is4() {
+			return fmt.Errorf("kvmd agent: --user-net-allow: %q is not an IPv4 CIDR (like 10.20.0.0/16)", c)
+		}
+		cfg.UserNetAllow = append(cfg.UserNetAllow, p.Masked())
 	}
 	for _, u := range strings.Split(advertise, ",") {
 		if u = strings.TrimSpace(u); u != "" {
@@ -138,7 +157,8 @@ func newDriver(ctx context.Context, cfg agentConfig, log *slog.Logger) (agent.Dr
 	if cfg.Driver == "sim" {
 		return sim.New(sim.Options{ImageDir: cfg.ImageDir}), nil
 	}
-	d, err := qemu.New(ctx, qemu.Options{ImageDir: cfg.ImageDir, Accel: cfg.Accel, Logger: log})
+	d, err := qemu.New(ctx, qemu.Options{ImageDir: cfg.ImageDir, Accel: cfg.Accel, Logger: log,
+		UserNetUser: cfg.UserNetUser, UserNetAllow: cfg.UserNetAllow})
 	if err != nil {
 		return nil, fmt.Errorf("kvmd agent: %w", err)
 	}

@@ -119,11 +119,14 @@ func guestNIC(m *agent.Machine, i int) agentapi.NIC {
 }
 
 // attachNICs makes the host side of m's NICs: host ports for user-mode
-// forwards (written into m.NICs), taps, leases and rules for the others.
-// It returns QEMU's NIC arguments and the network namespace QEMU must run
-// in ("" for the agent's own).
-func (d *Driver) attachNICs(m *agent.Machine, img *image) ([]string, string, error) {
+// forwards (written into m.NICs) and their passt processes, taps, leases
+// and rules for the others. It returns QEMU's NIC arguments, the network
+// namespace QEMU must run in ("" for the agent's own), and the descriptors
+// QEMU inherits (passt's sockets, named by the arguments), for the caller
+// to close once QEMU has started.
+func (d *Driver) attachNICs(m *agent.Machine, img *image) ([]string, string, []*os.File, error) {
 	var args []string
+	var files []*os.File
 	netns := ""
 	dev := "virtio-net-pci"
 	if img.Machine == "microvm" {
@@ -135,38 +138,53 @@ func (d *Driver) attachNICs(m *agent.Machine, img *image) ([]string, string, err
 		id := "net" + strconv.Itoa(i)
 		switch n.Mode {
 		case agentapi.NetworkUser:
-			// hostname= is what QEMU's DHCP server tells the guest.
-			nd := "user,id=" + id + ",hostname=" + m.ID
 			for j := range n.PortForwards {
 				f := &n.PortForwards[j]
 				port, err := d.ports.take(m.ID, f.HostPort)
 				if err != nil {
-					return nil, "", fmt.Errorf("nic %d of vm %s: forward of guest port %d: %w", i, m.ID, f.GuestPort, err)
+					closeAll(files)
+					return nil, "", nil, fmt.Errorf("nic %d of vm %s: forward of guest port %d: %w", i, m.ID, f.GuestPort, err)
 				}
 				f.HostAddress, f.HostPort = "127.0.0.1", port
-				nd += fmt.Sprintf(",hostfwd=tcp:127.0.0.1:%d-:%d", port, f.GuestPort)
 				hasForwards = true
 			}
-			args = append(args, "-netdev", nd)
+			// passt, not QEMU's slirp: see passt.go.
+			f, err := d.startPasst(m.ID, m.Dir, i, n.PortForwards)
+			if err != nil {
+				closeAll(files)
+				return nil, "", nil, fmt.Errorf("nic %d of vm %s on the user-mode network: %w", i, m.ID, err)
+			}
+			// QEMU's descriptor 3+k is files[k] (exec.Cmd.ExtraFiles).
+			args = append(args, "-netdev", "stream,id="+id+",server=off,addr.type=fd,addr.str="+strconv.Itoa(3+len(files)))
+			files = append(files, f)
 		case agentapi.NetworkNAT, agentapi.NetworkBridge:
 			at, err := d.net.Attach(network.Attachment{VMID: m.ID, Key: m.Dir, Index: i, NIC: *n, Guest: guestNIC(m, i), Hostname: m.ID})
 			if err != nil {
-				return nil, "", fmt.Errorf("nic %d of vm %s on network %s: %w", i, m.ID, n.Network, err)
+				closeAll(files)
+				return nil, "", nil, fmt.Errorf("nic %d of vm %s on network %s: %w", i, m.ID, n.Network, err)
 			}
 			if at.NetNS != "" {
 				netns = at.NetNS
 			}
 			args = append(args, "-netdev", "tap,id="+id+",ifname="+at.Tap+",script=no,downscript=no")
 		default:
-			return nil, "", fmt.Errorf("nic %d of vm %s: unknown mode %q", i, m.ID, n.Mode)
+			closeAll(files)
+			return nil, "", nil, fmt.Errorf("nic %d of vm %s: unknown mode %q", i, m.ID, n.Mode)
 		}
 		args = append(args, "-device", dev+",netdev="+id+",mac="+strings.ToLower(guestNIC(m, i).MACAddress))
 	}
 	if netns != "" && hasForwards {
-		return nil, "", fmt.Errorf("vm %s is a child with a nat nic, which runs in a network namespace of its own: "+
+		closeAll(files)
+		return nil, "", nil, fmt.Errorf("vm %s is a child with a nat nic, which runs in a network namespace of its own: "+
 			"its user-mode port forwards would listen there, out of reach; give the source vm no port forwards beside nat nics", m.ID)
 	}
-	return args, netns, nil
+	return args, netns, files, nil
+}
+
+func closeAll(files []*os.File) {
+	for _, f := range files {
+		_ = f.Close()
+	}
 }
 
 // AdoptNetwork re-adopts m's NICs after an agent restart: its host ports
@@ -182,6 +200,12 @@ func (d *Driver) AdoptNetwork(_ context.Context, m *agent.Machine) error {
 					d.ports.keep(m.ID, f.HostPort)
 				}
 			}
+			// passt runs on in its own session; QEMU 7.2 cannot join a new
+			// one, so a lost passt is only reported.
+			if _, record := passtPaths(launchDir(m), i); fileExists(record) && !passtAlive(record) {
+				d.log.Warn("the passt process of a user-mode nic is gone: the guest has no network until the vm is stopped and started",
+					"vm", m.ID, "nic", i, "record", record)
+			}
 		case agentapi.NetworkNAT, agentapi.NetworkBridge:
 			if _, err := d.net.Attach(network.Attachment{VMID: m.ID, Key: m.Dir, Index: i, NIC: n, Guest: guestNIC(m, i), Hostname: m.ID}); err != nil {
 				errs = append(errs, fmt.Errorf("nic %d on network %s: %w", i, n.Network, err))
@@ -192,10 +216,11 @@ func (d *Driver) AdoptNetwork(_ context.Context, m *agent.Machine) error {
 }
 
 // ReleaseNetwork removes what m's NICs have on the host (the VM's QEMU has
-// ended): host ports, taps, leases, its namespace, and a nat network's
-// bridge and rule when m was its last VM here.
+// ended): host ports, passt processes, taps, leases, its namespace, and a
+// nat network's bridge and rule when m was its last VM here.
 func (d *Driver) ReleaseNetwork(_ context.Context, m *agent.Machine) error {
 	d.ports.release(m.ID)
+	stopPassts(m.Dir, m.Process.LaunchDir)
 	var errs []error
 	for i, n := range m.NICs {
 		if n.Mode == agentapi.NetworkUser {
@@ -213,3 +238,16 @@ func (d *Driver) Network() *network.Host { return d.net }
 // Close stops what the driver runs in the agent's process (DHCP
 // responders). VMs, taps, bridges and rules stay for the next agent.
 func (d *Driver) Close() { d.net.Close() }
+
+// launchDir is the directory m's QEMU was started in (pidfileOf).
+func launchDir(m *agent.Machine) string {
+	if m.Process.LaunchDir != "" {
+		return m.Process.LaunchDir
+	}
+	return m.Dir
+}
+
+func fileExists(path string) bool {
+	_, err := os.Stat(path)
+	return err == nil
+}

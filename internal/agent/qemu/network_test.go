@@ -146,6 +146,9 @@ func TestUserModeForwardReachesGuest(t *testing.T) {
 	spec := guest
 	spec.NICs = []agentapi.NIC{{Network: "default", Mode: agentapi.NetworkUser, MACAddress: "52:54:00:10:00:01",
 		PortForwards: []agentapi.PortForward{{GuestPort: 80}}}}
+	// The user-mode network's DHCP (passt) names no host: the guest
+	// configuration does.
+	spec.Seed = &agentapi.SeedSpec{Hostname: "web"}
 	vm, err := a.client.CreateVM(ctx, "web", spec)
 	if err != nil {
 		t.Fatal(err)
@@ -158,7 +161,7 @@ func TestUserModeForwardReachesGuest(t *testing.T) {
 		t.Fatalf("GET reports forward %+v, create reported %+v", got.NICs[0].PortForwards[0], f)
 	}
 	if ip := a.waitGuestIP(t, "web"); ip != "10.0.2.15" {
-		t.Fatalf("guest printed address %s; QEMU's user-mode DHCP gives 10.0.2.15", ip)
+		t.Fatalf("guest printed address %s; the user-mode network's DHCP gives 10.0.2.15", ip)
 	}
 	body := get(t, fmt.Sprintf("http://127.0.0.1:%d/", f.HostPort), bootWait)
 	if !strings.Contains(body, "kvm-guest web") {
@@ -420,6 +423,7 @@ func TestForkOfUserModeGuestChildrenGetTheirOwnForwards(t *testing.T) {
 	}
 	src := guest
 	src.NICs = nic("52:54:00:40:00:01")
+	src.Seed = &agentapi.SeedSpec{Hostname: "src"}
 	vm, err := a.client.CreateVM(ctx, "src", src)
 	if err != nil {
 		t.Fatal(err)

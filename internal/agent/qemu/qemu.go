@@ -21,6 +21,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -55,6 +56,14 @@ type Options struct {
 	QEMU     string       // default qemu-system-x86_64
 	QEMUImg  string       // default qemu-img
 	Logger   *slog.Logger // default slog.Default()
+	// Passt is the passt binary of user-mode NICs (default passt).
+	Passt string
+	// UserNetUser is the user passt runs as when the agent is root
+	// (default DefaultUserNetUser; nobody when that user is missing).
+	UserNetUser string
+	// UserNetAllow are private or link-local ranges that user-mode guests
+	// may reach (network.UserNetBlocked lists what they may not).
+	UserNetAllow []netip.Prefix
 }
 
 // Driver runs VMs with QEMU.
@@ -76,6 +85,8 @@ type Driver struct {
 	// ports are the host ports of user-mode forwards (network.go).
 	net   *network.Host
 	ports hostPorts
+	// usernet runs user-mode NICs (passt.go).
+	usernet *userNet
 	// cg puts each QEMU in a cgroup of its own (cgroup.go).
 	cg *cgroups
 }
@@ -96,6 +107,7 @@ func New(ctx context.Context, opts Options) (*Driver, error) {
 		d.log = slog.Default()
 	}
 	d.net = network.New(d.log)
+	d.usernet = newUserNet(opts, d.log)
 	var err error
 	if d.qemu, err = exec.LookPath(d.qemu); err != nil {
 		return nil, fmt.Errorf("qemu driver: %w: install qemu-system-x86", err)
@@ -329,10 +341,11 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	_ = os.Remove(qmpPathOf(m))
 	_ = os.Remove(pidfileOf(m))
 
-	nics, netns, err := d.attachNICs(m, img)
+	nics, netns, files, err := d.attachNICs(m, img)
 	if err != nil {
 		return nil, fmt.Errorf("boot vm %s: %w", m.ID, err)
 	}
+	defer closeAll(files)
 
 	if err := markBoot(m); err != nil {
 		return nil, fmt.Errorf("boot vm %s: %w", m.ID, err)
@@ -344,6 +357,7 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	defer cancel()
 	cmd := exec.CommandContext(sctx, d.qemu, d.args(m, img, opts, child, nics)...)
 	cmd.Dir = m.Dir
+	cmd.ExtraFiles = files
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	// Started inside its own cgroup: QEMU never runs, nor allocates,
 	// outside its limits.
@@ -379,6 +393,10 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 		return nil, fmt.Errorf("start qemu for vm %s: qemu %d exited at once; see %s: %w", m.ID, pid, filepath.Join(m.Dir, consoleFileName), err)
 	}
 	m.Process = agent.Process{PID: pid, StartTime: start}
+	if err := checkPassts(m.Dir, m.NICs); err != nil {
+		d.killLeftovers(m)
+		return nil, fmt.Errorf("start vm %s: %w", m.ID, err)
+	}
 	t2 := time.Now()
 	q, err := d.monitor(ctx, m)
 	var st qmpStatus
@@ -397,6 +415,7 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 }
 
 func (d *Driver) killLeftovers(m *agent.Machine) {
+	defer stopPassts(m.Dir)
 	for _, p := range findProcesses(pidfileOf(m)) {
 		if err := killProcess(p, pidfileOf(m)); err != nil {
 			d.log.Error("kill qemu of a failed boot", "vm", m.ID, "pid", p.PID, "err", err)
