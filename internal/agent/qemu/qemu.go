@@ -26,6 +26,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -55,6 +56,11 @@ type Options struct {
 	QEMU     string       // default qemu-system-x86_64
 	QEMUImg  string       // default qemu-img
 	Logger   *slog.Logger // default slog.Default()
+	// UIDBase and UIDCount are the uids (and gids of the same numbers)
+	// the agent, when root, runs its VMs' QEMU processes as, one per VM
+	// (sandbox.go); defaults DefaultUIDBase and DefaultUIDCount. They
+	// must belong to no user of the host.
+	UIDBase, UIDCount uint32
 }
 
 // Driver runs VMs with QEMU.
@@ -78,6 +84,14 @@ type Driver struct {
 	ports hostPorts
 	// cg puts each QEMU in a cgroup of its own (cgroup.go).
 	cg *cgroups
+	// runAs: the agent is root and runs each QEMU as its VM's uid
+	// (sandbox.go). uidMu guards the uid registry, uidNext (where the next
+	// search for a free uid starts) and searchable (directories known to
+	// let QEMU's uids through).
+	runAs      bool
+	uidMu      sync.Mutex
+	uidNext    uint32
+	searchable map[string]bool
 }
 
 var _ agent.Driver = (*Driver)(nil)
@@ -85,7 +99,13 @@ var _ agent.Driver = (*Driver)(nil)
 // New finds QEMU and picks the accelerator: with auto, KVM only when a probe
 // guest really runs under it (nested KVM may open and then hang guests).
 func New(ctx context.Context, opts Options) (*Driver, error) {
-	d := &Driver{opts: opts, qemu: opts.QEMU, qemuImg: opts.QEMUImg, log: opts.Logger}
+	d := &Driver{opts: opts, qemu: opts.QEMU, qemuImg: opts.QEMUImg, log: opts.Logger, searchable: map[string]bool{}}
+	if d.opts.UIDCount == 0 {
+		d.opts.UIDBase, d.opts.UIDCount = DefaultUIDBase, DefaultUIDCount
+	}
+	if d.opts.UIDBase == 0 || uint64(d.opts.UIDBase)+uint64(d.opts.UIDCount) > 1<<32-2 {
+		return nil, fmt.Errorf("qemu driver: uids %d to %d: want above 0 and below 4294967294", d.opts.UIDBase, uint64(d.opts.UIDBase)+uint64(d.opts.UIDCount)-1)
+	}
 	if d.qemu == "" {
 		d.qemu = "qemu-system-x86_64"
 	}
@@ -119,6 +139,14 @@ func New(ctx context.Context, opts Options) (*Driver, error) {
 	}
 	d.log.Info("qemu accelerator chosen", "accel", d.accel, "why", d.accelNote, "qemu", d.qemu)
 	d.cg = detectCgroups("/proc/self/mounts", os.Geteuid(), d.log)
+	d.runAs = os.Geteuid() == 0
+	if d.runAs {
+		d.log.Info("qemu runs sandboxed, as a uid of its vm", "sandbox", qemuSandbox,
+			"uids", fmt.Sprintf("%d-%d", d.opts.UIDBase, d.opts.UIDBase+d.opts.UIDCount-1))
+	} else {
+		d.log.Warn("the agent is not root: qemu runs sandboxed but as the agent's own user, which owns every vm's files",
+			"sandbox", qemuSandbox, "uid", os.Geteuid())
+	}
 	return d, nil
 }
 
@@ -199,7 +227,9 @@ func (d *Driver) Create(ctx context.Context, m *agent.Machine) error {
 //
 // child, for a VM started from a snapshot, says where that snapshot's
 // files are when QEMU starts (see childFiles).
-func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, child childFiles, nics []string) []string {
+//
+// uid is the uid QEMU drops to once set up (0: it keeps the agent's).
+func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, child childFiles, nics []string, uid uint32) []string {
 	cpu := "max"
 	if d.accel == "kvm" {
 		cpu = "host"
@@ -220,6 +250,7 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, chil
 		"-pidfile", pidfileOf(m),
 		"-daemonize",
 	}
+	args = append(args, sandboxArgs(uid)...)
 	blk := "virtio-blk-pci"
 	if img.Machine == "microvm" {
 		blk = "virtio-blk-device"
@@ -337,12 +368,21 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	if err := markBoot(m); err != nil {
 		return nil, fmt.Errorf("boot vm %s: %w", m.ID, err)
 	}
+	var uid uint32
+	if d.runAs {
+		if uid, err = d.vmUID(m); err == nil {
+			err = d.prepareFiles(m, uid)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("boot vm %s: %w", m.ID, err)
+		}
+	}
 
 	// The start must finish even when the caller gives up: a half-started
 	// QEMU that nobody records is worse than a finished one.
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), startTimeout)
 	defer cancel()
-	cmd := exec.CommandContext(sctx, d.qemu, d.args(m, img, opts, child, nics)...)
+	cmd := exec.CommandContext(sctx, d.qemu, d.args(m, img, opts, child, nics, uid)...)
 	cmd.Dir = m.Dir
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	// Started inside its own cgroup: QEMU never runs, nor allocates,
