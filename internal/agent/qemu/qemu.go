@@ -61,6 +61,11 @@ type Options struct {
 	// (sandbox.go); defaults DefaultUIDBase and DefaultUIDCount. They
 	// must belong to no user of the host.
 	UIDBase, UIDCount uint32
+	// ConsoleLogBytes caps each VM's console log (console.go); default
+	// DefaultConsoleLogBytes. ConsoleTrimInterval is how often the agent
+	// trims the logs that outgrew it; default 1s.
+	ConsoleLogBytes     int64
+	ConsoleTrimInterval time.Duration
 }
 
 // Driver runs VMs with QEMU.
@@ -92,6 +97,12 @@ type Driver struct {
 	uidMu      sync.Mutex
 	uidNext    uint32
 	searchable map[string]bool
+	// consoles are the console logs of running QEMUs, by pid, that the
+	// trimmer (running while trimming is set) keeps within their cap
+	// (console.go); consoleMu guards them and every write of a log.
+	consoleMu sync.Mutex
+	consoles  map[int]consoleWatch
+	trimming  bool
 }
 
 var _ agent.Driver = (*Driver)(nil)
@@ -99,7 +110,17 @@ var _ agent.Driver = (*Driver)(nil)
 // New finds QEMU and picks the accelerator: with auto, KVM only when a probe
 // guest really runs under it (nested KVM may open and then hang guests).
 func New(ctx context.Context, opts Options) (*Driver, error) {
-	d := &Driver{opts: opts, qemu: opts.QEMU, qemuImg: opts.QEMUImg, log: opts.Logger, searchable: map[string]bool{}}
+	d := &Driver{opts: opts, qemu: opts.QEMU, qemuImg: opts.QEMUImg, log: opts.Logger, searchable: map[string]bool{},
+		consoles: map[int]consoleWatch{}}
+	if d.opts.ConsoleLogBytes == 0 {
+		d.opts.ConsoleLogBytes = DefaultConsoleLogBytes
+	}
+	if d.opts.ConsoleLogBytes < 64<<10 {
+		return nil, fmt.Errorf("qemu driver: console log cap %d bytes: want at least 64 KiB", d.opts.ConsoleLogBytes)
+	}
+	if d.opts.ConsoleTrimInterval <= 0 {
+		d.opts.ConsoleTrimInterval = defaultTrimInterval
+	}
 	if d.opts.UIDCount == 0 {
 		d.opts.UIDBase, d.opts.UIDCount = DefaultUIDBase, DefaultUIDCount
 	}
@@ -365,7 +386,7 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 		return nil, fmt.Errorf("boot vm %s: %w", m.ID, err)
 	}
 
-	if err := markBoot(m); err != nil {
+	if err := d.markBoot(m); err != nil {
 		return nil, fmt.Errorf("boot vm %s: %w", m.ID, err)
 	}
 	var uid uint32
@@ -419,6 +440,7 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 		return nil, fmt.Errorf("start qemu for vm %s: qemu %d exited at once; see %s: %w", m.ID, pid, filepath.Join(m.Dir, consoleFileName), err)
 	}
 	m.Process = agent.Process{PID: pid, StartTime: start}
+	d.watchConsole(m)
 	t2 := time.Now()
 	q, err := d.monitor(ctx, m)
 	var st qmpStatus
@@ -539,6 +561,9 @@ func (d *Driver) Observe(ctx context.Context, m *agent.Machine, last string) age
 		return agent.Observed{State: agentapi.StateStopped,
 			Reason: why + " (crashed, killed, or powered off from inside); start the vm to boot it again"}
 	}
+	// A QEMU the agent found again (after its restart) has its console
+	// log trimmed again.
+	d.watchConsole(m)
 	var st qmpStatus
 	if err := d.withMonitor(ctx, m, func(q *monitor) (err error) { st, err = q.queryStatus(ctx); return err }); err != nil {
 		return agent.Observed{State: agentapi.StateError, Process: found,
@@ -579,9 +604,15 @@ func (d *Driver) Console(m *agent.Machine, limit int64) ([]byte, error) {
 
 // markBoot appends the boot marker line (agent.ConsoleBootMarker) to the
 // VM's console log before QEMU starts: what the guest printed before it
-// belongs to an earlier boot.
-func markBoot(m *agent.Machine) error {
-	f, err := os.OpenFile(filepath.Join(m.Dir, consoleFileName), os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o640)
+// belongs to an earlier boot. The earlier boots keep half the log's cap.
+func (d *Driver) markBoot(m *agent.Machine) error {
+	d.consoleMu.Lock()
+	defer d.consoleMu.Unlock()
+	path := filepath.Join(m.Dir, consoleFileName)
+	if _, err := trimConsole(path, d.opts.ConsoleLogBytes/2); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("trim the console log: %w", err)
+	}
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o640)
 	if err != nil {
 		return fmt.Errorf("mark the boot in the console log: %w", err)
 	}
