@@ -61,7 +61,7 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 	fs.Int64Var(&cfg.Capacity.DiskMiB, "disk-mib", 0, "disk to advertise in MiB (default: the state directory's filesystem)")
 	fs.Int64Var(&cfg.ConsoleLogKiB, "console-log-kib", qemu.DefaultConsoleLogBytes>>10,
 		"qemu: cap of each VM's serial console log in KiB (at least 64): the agent keeps the boot's first sixteenth (at most 64 KiB) and the latest output, "+
-			"trimming every second; the cap, rounded up to MiB, counts in each VM's host disk (allocated and free disk in /v1/info, the warm pool's room) beside its disk_mib")
+			"trimming every second; the cap and 64 KiB of QEMU's own log, rounded up to MiB, count in each VM's host disk (allocated and free disk in /v1/info, the warm pool's room) beside its disk_mib")
 	fs.UintVar(&cfg.QEMUUIDBase, "qemu-uid-base", qemu.DefaultUIDBase,
 		"qemu: first uid (and gid) of the range the agent, when root, runs each VM's QEMU as, one per VM; no user or group of the host may have one")
 	fs.UintVar(&cfg.QEMUUIDCount, "qemu-uid-count", qemu.DefaultUIDCount, "qemu: how many uids from --qemu-uid-base the agent may give VMs")

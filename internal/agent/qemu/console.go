@@ -30,20 +30,24 @@ import (
 // writes while the agent restarts, and QEMU would block on a full pipe:
 // a file that the agent trims loses at most those microseconds.
 //
-// A VM's log can take the cap plus what the guest writes in one interval;
-// the agent counts the cap, in whole MiB, in each VM's disk (DiskOverhead).
+// A VM's log can take the cap plus what the guest writes in one interval.
+// QEMU's own output (qemu.log) is trimmed alike to qemuLogMax. The agent
+// counts both caps, in whole MiB, in each VM's host disk (DiskOverhead).
 const (
 	DefaultConsoleLogBytes = 1 << 20
 	consoleHeadMax         = 64 << 10
 	defaultTrimInterval    = time.Second
 	consoleTrimmedNote     = "kvm-agent: console log trimmed: "
+	qemuLogMax             = 64 << 10
 )
 
 var _ agent.DiskOverhead = (*Driver)(nil)
 
 // VMDiskOverheadMiB is the host disk each VM takes beside its disk: its
-// console log's cap, in whole MiB.
-func (d *Driver) VMDiskOverheadMiB() int64 { return (d.opts.ConsoleLogBytes + 1<<20 - 1) >> 20 }
+// console log's cap and QEMU's log's, in whole MiB.
+func (d *Driver) VMDiskOverheadMiB() int64 {
+	return (d.opts.ConsoleLogBytes + qemuLogMax + 1<<20 - 1) >> 20
+}
 
 func consoleHead(limit int64) int64 { return min(consoleHeadMax, limit/16) }
 
@@ -82,6 +86,10 @@ func (d *Driver) trimConsoles() {
 			}
 			if _, err := trimConsole(w.path, d.opts.ConsoleLogBytes); err != nil && !errors.Is(err, fs.ErrNotExist) {
 				d.log.Error("trim a vm's console log", "path", w.path, "err", err)
+			}
+			qemuLog := filepath.Join(filepath.Dir(w.path), qemuLogFileName)
+			if _, err := trimConsole(qemuLog, qemuLogMax); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				d.log.Error("trim a vm's qemu log", "path", qemuLog, "err", err)
 			}
 		}
 		if len(d.consoles) == 0 {

@@ -1,7 +1,7 @@
 // Package qemu is the real VMM driver of the host agent: one
-// qemu-system-x86_64 process per VM, started detached (-daemonize, its own
-// session) so that it outlives an agent restart, and driven over QMP on a
-// unix socket in the VM's directory.
+// qemu-system-x86_64 process per VM, started detached (its own session) so
+// that it outlives an agent restart, sandboxed (sandbox.go), and driven over
+// QMP on a unix socket in the VM's directory.
 //
 // A VM's directory holds:
 //
@@ -9,7 +9,9 @@
 //	             (a child's: on a snapshot's frozen disk, see snapshot.go)
 //	disk.N.qcow2 the overlay that snapshot N put on top of the one before;
 //	             the VM's metadata (Machine.Disk) names the one it writes
-//	console.log  the serial console (appended across boots)
+//	console.log  the serial console (appended across boots, capped: console.go)
+//	qemu.log     QEMU's own output (its errors)
+//	qemu.uid     the uid QEMU runs as (sandbox.go)
 //	qmp.sock     the QMP monitor socket
 //	qemu.pid     QEMU's pid file; its path on QEMU's command line names the VM
 package qemu
@@ -41,8 +43,9 @@ const (
 	consoleFileName = "console.log"
 	qmpFileName     = "qmp.sock"
 	pidFileName     = "qemu.pid"
-	// startTimeout bounds QEMU's own start (until it daemonizes), not the
-	// guest's boot.
+	qemuLogFileName = "qemu.log"
+	// startTimeout bounds QEMU's own start (until its monitor answers),
+	// not the guest's boot.
 	startTimeout = 60 * time.Second
 )
 
@@ -269,7 +272,6 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, chil
 		"-chardev", "socket,id=qmp,server=on,wait=off,path=" + qemuOptQuote(qmpFileName),
 		"-mon", "chardev=qmp,mode=control",
 		"-pidfile", pidfileOf(m),
-		"-daemonize",
 	}
 	args = append(args, sandboxArgs(uid)...)
 	blk := "virtio-blk-pci"
@@ -342,9 +344,8 @@ func ramObject(memMiB int64, ramImage string) string {
 // a new option.
 func qemuOptQuote(v string) string { return strings.ReplaceAll(v, ",", ",,") }
 
-// Boot starts QEMU detached: -daemonize returns once QEMU is set up (its
-// QMP socket listens, its pid file is written) and leaves the VM running in
-// a session of its own, not a child that dies with the agent.
+// Boot starts QEMU detached, in a session of its own (not a child that dies
+// with the agent), and returns once its QMP monitor answers.
 func (d *Driver) Boot(ctx context.Context, m *agent.Machine, opts agent.BootOptions) error {
 	q, err := d.boot(ctx, m, opts, childFiles{})
 	if err != nil {
@@ -403,8 +404,17 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	// QEMU that nobody records is worse than a finished one.
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), startTimeout)
 	defer cancel()
-	cmd := exec.CommandContext(sctx, d.qemu, d.args(m, img, opts, child, nics, uid)...)
+	// QEMU's stdout and stderr: its own errors at start, and what it warns
+	// of later (trimmed with the console log).
+	logPath := filepath.Join(m.Dir, qemuLogFileName)
+	logf, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|os.O_APPEND, 0o640)
+	if err != nil {
+		return nil, fmt.Errorf("boot vm %s: %w", m.ID, err)
+	}
+	// Not a CommandContext: QEMU outlives this call (and the agent).
+	cmd := exec.Command(d.qemu, d.args(m, img, opts, child, nics, uid)...)
 	cmd.Dir = m.Dir
+	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	// Started inside its own cgroup: QEMU never runs, nor allocates,
 	// outside its limits.
@@ -412,46 +422,43 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 		defer func() { _ = syscall.Close(fd) }()
 		cmd.SysProcAttr.UseCgroupFD, cmd.SysProcAttr.CgroupFD = true, fd
 	}
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	// QEMU's daemon child points its stdio at /dev/null; should it keep
-	// our pipe, Wait must not hang on it.
-	cmd.WaitDelay = 5 * time.Second
 	t1 := time.Now()
 	// A forked child's QEMU runs in the child's network namespace (its
-	// taps are there); -daemonize keeps it there.
-	if err := network.RunIn(netns, cmd.Run); err != nil {
-		d.killLeftovers(m)
-		return nil, fmt.Errorf("start qemu for vm %s: %v: %s", m.ID, err, strings.TrimSpace(out.String()))
-	}
-	b, err := os.ReadFile(pidfileOf(m))
+	// taps are there).
+	err = network.RunIn(netns, cmd.Start)
+	_ = logf.Close()
 	if err != nil {
 		d.killLeftovers(m)
-		return nil, fmt.Errorf("start qemu for vm %s: read pid file: %w", m.ID, err)
+		return nil, fmt.Errorf("start qemu for vm %s: %w", m.ID, err)
 	}
-	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err != nil {
+	// The agent's child, in a session of its own (not -daemonize: QEMU 7.2
+	// sets its seccomp filter first, and spawn=deny forbids the fork). It
+	// is reaped here while this agent runs; after an agent restart it is
+	// init's.
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	pid := cmd.Process.Pid
+	failed := func(err error) (*monitor, error) {
+		_ = cmd.Process.Kill()
 		d.killLeftovers(m)
-		return nil, fmt.Errorf("start qemu for vm %s: pid file %q: %w", m.ID, b, err)
+		b, _ := os.ReadFile(logPath)
+		return nil, fmt.Errorf("start qemu for vm %s: %w: %s", m.ID, err, strings.TrimSpace(string(b)))
 	}
 	_, start, err := procStat(pid)
 	if err != nil {
-		d.killLeftovers(m)
-		return nil, fmt.Errorf("start qemu for vm %s: qemu %d exited at once; see %s: %w", m.ID, pid, filepath.Join(m.Dir, consoleFileName), err)
+		return failed(err)
 	}
 	m.Process = agent.Process{PID: pid, StartTime: start}
 	d.watchConsole(m)
 	t2 := time.Now()
-	q, err := d.monitor(ctx, m)
-	var st qmpStatus
-	if err == nil {
-		if st, err = q.queryStatus(ctx); err != nil {
-			_ = q.Close()
-		}
-	}
+	q, err := d.awaitMonitor(ctx, sctx, m, exited)
 	if err != nil {
-		d.killLeftovers(m)
-		return nil, fmt.Errorf("start qemu for vm %s: %w", m.ID, err)
+		return failed(err)
+	}
+	st, err := q.queryStatus(ctx)
+	if err != nil {
+		_ = q.Close()
+		return failed(err)
 	}
 	d.log.Info("qemu started", "vm", m.ID, "pid", pid, "status", st.Status, "accel", d.accel,
 		"prepare_ms", t1.Sub(t0).Milliseconds(), "exec_ms", t2.Sub(t1).Milliseconds(), "qmp_ms", time.Since(t2).Milliseconds())

@@ -17,12 +17,12 @@ import (
 // agent is root, as a uid and gid of its own VM (-runas uid:gid), so that a
 // guest that takes QEMU over holds only that VM's files.
 //
-// QEMU 7.2 installs its filter before -daemonize forks and before -runas
-// calls setgid/setuid: spawn=deny kills the fork and elevateprivileges=deny
-// the uid change (both with SIGSYS). So the filter denies the obsolete and
-// resource-control calls only; the uid drop does what elevateprivileges
-// would (a non-root uid cannot take root back), and what spawn=deny would is
-// left to the uid: a shell QEMU started would run as the VM's uid.
+// QEMU 7.2 installs its filter before it would daemonize and before -runas
+// calls setgid/setuid: spawn=deny would kill -daemonize's fork, and
+// elevateprivileges=deny the uid change (both with SIGSYS). So the agent
+// starts QEMU in a session of its own without -daemonize (spawn=deny: no
+// fork, no exec of a shell), and denies uid changes only when QEMU keeps
+// the agent's uid; with -runas the dropped uid cannot take root back.
 //
 // QEMU opens every file of its command line (disks and their backing
 // chain, a child's RAM image, the console log, taps, the QMP socket, the
@@ -41,9 +41,9 @@ import (
 //	console.log, seed.iso  root: opened by QEMU before the drop
 //	qemu.uid               root 0644: U, the VM's identity (below)
 const (
-	// qemuSandbox is QEMU's -sandbox option (see above for what QEMU 7.2
-	// cannot deny with -daemonize and -runas).
-	qemuSandbox = "on,obsolete=deny,resourcecontrol=deny"
+	// qemuSandbox is QEMU's -sandbox option; elevateprivileges=deny is
+	// added when QEMU does not drop to a uid of its own (see above).
+	qemuSandbox = "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
 
 	// DefaultUIDBase and DefaultUIDCount are the uids (and gids) the agent
 	// gives its VMs' QEMU processes: far above any system or login uid,
@@ -65,11 +65,10 @@ const (
 // sandboxArgs are the QEMU options that sandbox it, for a QEMU that runs as
 // uid (0: the agent is not root, QEMU runs as the agent's user).
 func sandboxArgs(uid uint32) []string {
-	args := []string{"-sandbox", qemuSandbox}
-	if uid != 0 {
-		args = append(args, "-runas", fmt.Sprintf("%d:%d", uid, uid))
+	if uid == 0 {
+		return []string{"-sandbox", qemuSandbox + ",elevateprivileges=deny"}
 	}
-	return args
+	return []string{"-sandbox", qemuSandbox, "-runas", fmt.Sprintf("%d:%d", uid, uid)}
 }
 
 // uidsDir is the uid registry of the agent that keeps m: the agent's state
