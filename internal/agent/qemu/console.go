@@ -25,10 +25,10 @@ import (
 // The trim rewrites the file in place (QEMU holds it open): it copies the
 // kept parts to the file's start and truncates the rest. What QEMU appends
 // between the trim's last look at the file's size and the truncation (a
-// few microseconds) is lost, and a console read meanwhile may see the file
-// half rewritten. A pipe read by the agent would lose everything the guest
-// writes while the agent restarts, and QEMU would block on a full pipe:
-// a file that the agent trims loses at most those microseconds.
+// few microseconds) is lost; GET console waits for the trim. A pipe read
+// by the agent would lose everything the guest writes while the agent
+// restarts, and QEMU would block on a full pipe: a file that the agent
+// trims loses at most those microseconds.
 //
 // A VM's log can take the cap plus what the guest writes in one interval.
 // QEMU's own output (qemu.log) is trimmed alike to qemuLogMax. The agent

@@ -591,8 +591,11 @@ func (d *Driver) Observe(ctx context.Context, m *agent.Machine, last string) age
 	return obs
 }
 
-// Console returns the end of the VM's serial console log.
+// Console returns the end of the VM's serial console log: never while the
+// trimmer rewrites it.
 func (d *Driver) Console(m *agent.Machine, limit int64) ([]byte, error) {
+	d.consoleMu.Lock()
+	defer d.consoleMu.Unlock()
 	f, err := os.Open(filepath.Join(m.Dir, consoleFileName))
 	if errors.Is(err, os.ErrNotExist) {
 		return []byte{}, nil

@@ -298,11 +298,13 @@ func (d *Driver) QMPSessions() int64 { return d.qmpSessions.Load() }
 
 // awaitMonitor opens a QMP session on the QEMU just started for m once it
 // answers: its socket listens early, its greeting comes once it is set up.
-// It gives up when QEMU exits (exited) or start ends.
+// It gives up when QEMU exits (exited) or start ends. Only the session it
+// opens counts in qmpSessions, not the tries before QEMU listens.
 func (d *Driver) awaitMonitor(ctx, start context.Context, m *agent.Machine, exited <-chan error) (*monitor, error) {
 	for {
-		q, err := d.monitor(ctx, m)
+		q, err := openMonitor(ctx, qmpPathOf(m))
 		if err == nil {
+			d.qmpSessions.Add(1)
 			return q, nil
 		}
 		select {
