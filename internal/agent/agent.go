@@ -735,7 +735,7 @@ func (a *Agent) allocated() (agentapi.Resources, int) {
 		// Stopped VMs keep their reservation, as in the control API.
 		alloc.VCPUs += r.VCPUs
 		alloc.MemoryMiB += r.MemoryMiB
-		alloc.DiskMiB += r.DiskMiB
+		alloc.DiskMiB += a.vmDiskMiB(r.DiskMiB)
 	}
 	return alloc, count
 }

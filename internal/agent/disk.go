@@ -16,6 +16,22 @@ type DiskResizer interface {
 	ResizeDisk(ctx context.Context, m *Machine, online bool, diskMiB int64) error
 }
 
+// DiskOverhead is a driver whose VMs take host disk beside their disk_mib
+// (the qemu driver: each VM's console log, up to its cap). The agent counts
+// it per VM, user and warm, in the disk it reports allocated and free and
+// in the warm pool's room.
+type DiskOverhead interface {
+	VMDiskOverheadMiB() int64
+}
+
+// vmDiskMiB is the host disk a VM of disk_mib diskMiB takes.
+func (a *Agent) vmDiskMiB(diskMiB int64) int64 {
+	if o, ok := a.cfg.Driver.(DiskOverhead); ok {
+		return diskMiB + o.VMDiskOverheadMiB()
+	}
+	return diskMiB
+}
+
 // ResizeDisk grows VM id's disk to diskMiB in place. A smaller size is
 // refused; the same size changes nothing.
 func (a *Agent) ResizeDisk(ctx context.Context, id string, diskMiB int64) (agentapi.VM, error) {

@@ -342,7 +342,7 @@ func (p *pool) fill() time.Duration {
 			booting++
 		}
 		held.MemoryMiB += w.MemoryMiB
-		held.DiskMiB += w.DiskMiB
+		held.DiskMiB += p.a.vmDiskMiB(w.DiskMiB)
 	}
 	// Surplus: ready VMs beyond a lowered target, newest first.
 	var surplus []*warmVM
@@ -355,7 +355,7 @@ func (p *pool) fill() time.Duration {
 			delete(p.entries, w.ID)
 			surplus = append(surplus, w)
 			held.MemoryMiB -= w.MemoryMiB
-			held.DiskMiB -= w.DiskMiB
+			held.DiskMiB -= p.a.vmDiskMiB(w.DiskMiB)
 		}
 		c.ready -= extra
 	}
@@ -381,7 +381,7 @@ func (p *pool) fill() time.Duration {
 					break
 				}
 				if info.Allocated.MemoryMiB+held.MemoryMiB+key.MemoryMiB > usable.MemoryMiB ||
-					info.Allocated.DiskMiB+held.DiskMiB+key.DiskMiB > usable.DiskMiB {
+					info.Allocated.DiskMiB+held.DiskMiB+p.a.vmDiskMiB(key.DiskMiB) > usable.DiskMiB {
 					if !p.short[key] {
 						p.short[key] = true
 						p.log.Warn("warm pool below target: the host's memory or disk is taken by vms; it refills when they are deleted",
@@ -400,7 +400,7 @@ func (p *pool) fill() time.Duration {
 				c.booting++
 				booting++
 				held.MemoryMiB += key.MemoryMiB
-				held.DiskMiB += key.DiskMiB
+				held.DiskMiB += p.a.vmDiskMiB(key.DiskMiB)
 			}
 		}
 	}
@@ -566,7 +566,7 @@ func (p *pool) held() agentapi.Resources {
 	for _, w := range p.entries {
 		r.VCPUs += w.VCPUs
 		r.MemoryMiB += w.MemoryMiB
-		r.DiskMiB += w.DiskMiB
+		r.DiskMiB += p.a.vmDiskMiB(w.DiskMiB)
 	}
 	return r
 }
@@ -588,7 +588,7 @@ func (p *pool) makeRoom(vm string) {
 	var victims []*warmVM
 	for _, w := range p.entries {
 		held.MemoryMiB += w.MemoryMiB
-		held.DiskMiB += w.DiskMiB
+		held.DiskMiB += p.a.vmDiskMiB(w.DiskMiB)
 	}
 	over := func() bool {
 		return alloc.MemoryMiB+held.MemoryMiB > capacity.MemoryMiB || alloc.DiskMiB+held.DiskMiB > capacity.DiskMiB
@@ -600,7 +600,7 @@ func (p *pool) makeRoom(vm string) {
 				break
 			}
 			held.MemoryMiB -= w.MemoryMiB
-			held.DiskMiB -= w.DiskMiB
+			held.DiskMiB -= p.a.vmDiskMiB(w.DiskMiB)
 			if state == warmReady {
 				delete(p.entries, w.ID)
 				victims = append(victims, w)

@@ -46,6 +46,10 @@ type agentConfig struct {
 	UserNetUser string
 	// UserNetAllow are private or link-local ranges user-mode guests may reach.
 	UserNetAllow []netip.Prefix
+	// ConsoleLogKiB caps each VM's console log; QEMUUIDBase and
+	// QEMUUIDCount are the uids QEMU runs as (qemu.Options).
+	ConsoleLogKiB             int64
+	QEMUUIDBase, QEMUUIDCount uint
 }
 
 // runAgent runs the host agent (kvmd agent) until ctx ends. Its VMs keep
@@ -66,6 +70,12 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 	fs.Int64Var(&cfg.Capacity.VCPUs, "vcpus", 0, "vCPUs to advertise (default: the host's; the sim driver needs it)")
 	fs.Int64Var(&cfg.Capacity.MemoryMiB, "memory-mib", 0, "memory to advertise in MiB (default: the host's)")
 	fs.Int64Var(&cfg.Capacity.DiskMiB, "disk-mib", 0, "disk to advertise in MiB (default: the state directory's filesystem)")
+	fs.Int64Var(&cfg.ConsoleLogKiB, "console-log-kib", qemu.DefaultConsoleLogBytes>>10,
+		"qemu: cap of each VM's serial console log in KiB (at least 64): the agent keeps the boot's first sixteenth (at most 64 KiB) and the latest output, "+
+			"trimming every second; the cap and 64 KiB of QEMU's own log, rounded up to MiB, count in each VM's host disk (allocated and free disk in /v1/info, the warm pool's room) beside its disk_mib")
+	fs.UintVar(&cfg.QEMUUIDBase, "qemu-uid-base", qemu.DefaultUIDBase,
+		"qemu: first uid (and gid) of the range the agent, when root, runs each VM's QEMU as, one per VM; no user or group of the host may have one")
+	fs.UintVar(&cfg.QEMUUIDCount, "qemu-uid-count", qemu.DefaultUIDCount, "qemu: how many uids from --qemu-uid-base the agent may give VMs")
 	fs.DurationVar(&cfg.StopTimeout, "stop-timeout", 10*time.Second, "how long a stop waits for the guest's ACPI power-off before ending QEMU")
 	fs.IntVar(&cfg.Pool.Concurrency, "pool-concurrency", 1, "warm pool: how many warm VMs boot at once")
 	fs.IntVar(&cfg.Pool.Nice, "pool-nice", 10, "warm pool: nice value warm VMs boot at, below user VMs (0: the default 10; negative: the agent's own priority)")
@@ -157,7 +167,11 @@ func newDriver(ctx context.Context, cfg agentConfig, log *slog.Logger) (agent.Dr
 	if cfg.Driver == "sim" {
 		return sim.New(sim.Options{ImageDir: cfg.ImageDir}), nil
 	}
+	if cfg.QEMUUIDBase+cfg.QEMUUIDCount > 1<<32-2 || cfg.QEMUUIDCount == 0 {
+		return nil, fmt.Errorf("kvmd agent: --qemu-uid-base %d and --qemu-uid-count %d: want a non-empty range below 4294967294", cfg.QEMUUIDBase, cfg.QEMUUIDCount)
+	}
 	d, err := qemu.New(ctx, qemu.Options{ImageDir: cfg.ImageDir, Accel: cfg.Accel, Logger: log,
+		ConsoleLogBytes: cfg.ConsoleLogKiB << 10, UIDBase: uint32(cfg.QEMUUIDBase), UIDCount: uint32(cfg.QEMUUIDCount),
 		UserNetUser: cfg.UserNetUser, UserNetAllow: cfg.UserNetAllow})
 	if err != nil {
 		return nil, fmt.Errorf("kvmd agent: %w", err)

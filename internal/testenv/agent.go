@@ -39,6 +39,11 @@ type AgentOptions struct {
 	// Addresses are more addresses the agent proves its identity for
 	// (agent.Config.Addresses), beside its own IP and port.
 	Addresses []string
+	// ConsoleLogBytes and ConsoleTrimInterval: qemu: each VM's console
+	// log cap and how often it is trimmed (qemu.Options); default the
+	// driver's.
+	ConsoleLogBytes     int64
+	ConsoleTrimInterval time.Duration
 }
 
 // Agent is a host agent running in the test process with real HTTP.
@@ -153,7 +158,8 @@ func (a *Agent) start(t testing.TB, ln net.Listener) {
 
 func newAgentDriver(ctx context.Context, opts AgentOptions, log *slog.Logger) (agent.Driver, error) {
 	if opts.Driver == "qemu" {
-		return qemu.New(ctx, qemu.Options{ImageDir: opts.ImageDir, CacheDir: opts.CacheDir, Accel: Accel(), Logger: log})
+		return qemu.New(ctx, qemu.Options{ImageDir: opts.ImageDir, CacheDir: opts.CacheDir, Accel: Accel(), Logger: log,
+			ConsoleLogBytes: opts.ConsoleLogBytes, ConsoleTrimInterval: opts.ConsoleTrimInterval})
 	}
 	return sim.New(sim.Options{ImageDir: opts.ImageDir, CacheDir: opts.CacheDir}), nil
 }

@@ -1,7 +1,7 @@
 // Package qemu is the real VMM driver of the host agent: one
-// qemu-system-x86_64 process per VM, started detached (-daemonize, its own
-// session) so that it outlives an agent restart, and driven over QMP on a
-// unix socket in the VM's directory.
+// qemu-system-x86_64 process per VM, started detached (its own session) so
+// that it outlives an agent restart, sandboxed (sandbox.go), and driven over
+// QMP on a unix socket in the VM's directory.
 //
 // A VM's directory holds:
 //
@@ -9,7 +9,9 @@
 //	             (a child's: on a snapshot's frozen disk, see snapshot.go)
 //	disk.N.qcow2 the overlay that snapshot N put on top of the one before;
 //	             the VM's metadata (Machine.Disk) names the one it writes
-//	console.log  the serial console (appended across boots)
+//	console.log  the serial console (appended across boots, capped: console.go)
+//	qemu.log     QEMU's own output (its errors)
+//	qemu.uid     the uid QEMU runs as (sandbox.go)
 //	qmp.sock     the QMP monitor socket
 //	qemu.pid     QEMU's pid file; its path on QEMU's command line names the VM
 package qemu
@@ -27,6 +29,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -41,8 +44,9 @@ const (
 	consoleFileName = "console.log"
 	qmpFileName     = "qmp.sock"
 	pidFileName     = "qemu.pid"
-	// startTimeout bounds QEMU's own start (until it daemonizes), not the
-	// guest's boot.
+	qemuLogFileName = "qemu.log"
+	// startTimeout bounds QEMU's own start (until its monitor answers),
+	// not the guest's boot.
 	startTimeout = 60 * time.Second
 )
 
@@ -64,6 +68,16 @@ type Options struct {
 	// UserNetAllow are private or link-local ranges that user-mode guests
 	// may reach (network.UserNetBlocked lists what they may not).
 	UserNetAllow []netip.Prefix
+	// UIDBase and UIDCount are the uids (and gids of the same numbers)
+	// the agent, when root, runs its VMs' QEMU processes as, one per VM
+	// (sandbox.go); defaults DefaultUIDBase and DefaultUIDCount. They
+	// must belong to no user of the host.
+	UIDBase, UIDCount uint32
+	// ConsoleLogBytes caps each VM's console log (console.go); default
+	// DefaultConsoleLogBytes. ConsoleTrimInterval is how often the agent
+	// trims the logs that outgrew it; default 1s.
+	ConsoleLogBytes     int64
+	ConsoleTrimInterval time.Duration
 }
 
 // Driver runs VMs with QEMU.
@@ -89,6 +103,20 @@ type Driver struct {
 	usernet *userNet
 	// cg puts each QEMU in a cgroup of its own (cgroup.go).
 	cg *cgroups
+	// runAs: the agent is root and runs each QEMU as its VM's uid
+	// (sandbox.go). uidMu guards the uid registry, uidNext (where the next
+	// search for a free uid starts) and searchable (directories known to
+	// let QEMU's uids through).
+	runAs      bool
+	uidMu      sync.Mutex
+	uidNext    uint32
+	searchable map[string]bool
+	// consoles are the console logs of running QEMUs, by pid, that the
+	// trimmer (running while trimming is set) keeps within their cap
+	// (console.go); consoleMu guards them and every write of a log.
+	consoleMu sync.Mutex
+	consoles  map[int]consoleWatch
+	trimming  bool
 }
 
 var _ agent.Driver = (*Driver)(nil)
@@ -96,7 +124,23 @@ var _ agent.Driver = (*Driver)(nil)
 // New finds QEMU and picks the accelerator: with auto, KVM only when a probe
 // guest really runs under it (nested KVM may open and then hang guests).
 func New(ctx context.Context, opts Options) (*Driver, error) {
-	d := &Driver{opts: opts, qemu: opts.QEMU, qemuImg: opts.QEMUImg, log: opts.Logger}
+	d := &Driver{opts: opts, qemu: opts.QEMU, qemuImg: opts.QEMUImg, log: opts.Logger, searchable: map[string]bool{},
+		consoles: map[int]consoleWatch{}}
+	if d.opts.ConsoleLogBytes == 0 {
+		d.opts.ConsoleLogBytes = DefaultConsoleLogBytes
+	}
+	if d.opts.ConsoleLogBytes < 64<<10 {
+		return nil, fmt.Errorf("qemu driver: console log cap %d bytes: want at least 64 KiB", d.opts.ConsoleLogBytes)
+	}
+	if d.opts.ConsoleTrimInterval <= 0 {
+		d.opts.ConsoleTrimInterval = defaultTrimInterval
+	}
+	if d.opts.UIDCount == 0 {
+		d.opts.UIDBase, d.opts.UIDCount = DefaultUIDBase, DefaultUIDCount
+	}
+	if d.opts.UIDBase == 0 || uint64(d.opts.UIDBase)+uint64(d.opts.UIDCount) > 1<<32-2 {
+		return nil, fmt.Errorf("qemu driver: uids %d to %d: want above 0 and below 4294967294", d.opts.UIDBase, uint64(d.opts.UIDBase)+uint64(d.opts.UIDCount)-1)
+	}
 	if d.qemu == "" {
 		d.qemu = "qemu-system-x86_64"
 	}
@@ -131,6 +175,14 @@ func New(ctx context.Context, opts Options) (*Driver, error) {
 	}
 	d.log.Info("qemu accelerator chosen", "accel", d.accel, "why", d.accelNote, "qemu", d.qemu)
 	d.cg = detectCgroups("/proc/self/mounts", os.Geteuid(), d.log)
+	d.runAs = os.Geteuid() == 0
+	if d.runAs {
+		d.log.Info("qemu runs sandboxed, as a uid of its vm", "sandbox", qemuSandbox,
+			"uids", fmt.Sprintf("%d-%d", d.opts.UIDBase, d.opts.UIDBase+d.opts.UIDCount-1))
+	} else {
+		d.log.Warn("the agent is not root: qemu runs sandboxed but as the agent's own user, which owns every vm's files",
+			"sandbox", qemuSandbox, "uid", os.Geteuid())
+	}
 	return d, nil
 }
 
@@ -211,7 +263,9 @@ func (d *Driver) Create(ctx context.Context, m *agent.Machine) error {
 //
 // child, for a VM started from a snapshot, says where that snapshot's
 // files are when QEMU starts (see childFiles).
-func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, child childFiles, nics []string) []string {
+//
+// uid is the uid QEMU drops to once set up (0: it keeps the agent's).
+func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, child childFiles, nics []string, uid uint32) []string {
 	cpu := "max"
 	if d.accel == "kvm" {
 		cpu = "host"
@@ -230,8 +284,8 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, chil
 		"-chardev", "socket,id=qmp,server=on,wait=off,path=" + qemuOptQuote(qmpFileName),
 		"-mon", "chardev=qmp,mode=control",
 		"-pidfile", pidfileOf(m),
-		"-daemonize",
 	}
+	args = append(args, sandboxArgs(uid)...)
 	blk := "virtio-blk-pci"
 	if img.Machine == "microvm" {
 		blk = "virtio-blk-device"
@@ -302,9 +356,8 @@ func ramObject(memMiB int64, ramImage string) string {
 // a new option.
 func qemuOptQuote(v string) string { return strings.ReplaceAll(v, ",", ",,") }
 
-// Boot starts QEMU detached: -daemonize returns once QEMU is set up (its
-// QMP socket listens, its pid file is written) and leaves the VM running in
-// a session of its own, not a child that dies with the agent.
+// Boot starts QEMU detached, in a session of its own (not a child that dies
+// with the agent), and returns once its QMP monitor answers.
 func (d *Driver) Boot(ctx context.Context, m *agent.Machine, opts agent.BootOptions) error {
 	q, err := d.boot(ctx, m, opts, childFiles{})
 	if err != nil {
@@ -347,17 +400,35 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	}
 	defer closeAll(files)
 
-	if err := markBoot(m); err != nil {
+	if err := d.markBoot(m); err != nil {
 		return nil, fmt.Errorf("boot vm %s: %w", m.ID, err)
+	}
+	var uid uint32
+	if d.runAs {
+		if uid, err = d.vmUID(m); err == nil {
+			err = d.prepareFiles(m, uid)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("boot vm %s: %w", m.ID, err)
+		}
 	}
 
 	// The start must finish even when the caller gives up: a half-started
 	// QEMU that nobody records is worse than a finished one.
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), startTimeout)
 	defer cancel()
-	cmd := exec.CommandContext(sctx, d.qemu, d.args(m, img, opts, child, nics)...)
+	// QEMU's stdout and stderr: its own errors at start, and what it warns
+	// of later (trimmed with the console log).
+	logPath := filepath.Join(m.Dir, qemuLogFileName)
+	logf, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|os.O_APPEND, 0o640)
+	if err != nil {
+		return nil, fmt.Errorf("boot vm %s: %w", m.ID, err)
+	}
+	// Not a CommandContext: QEMU outlives this call (and the agent).
+	cmd := exec.Command(d.qemu, d.args(m, img, opts, child, nics, uid)...)
 	cmd.Dir = m.Dir
 	cmd.ExtraFiles = files
+	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	// Started inside its own cgroup: QEMU never runs, nor allocates,
 	// outside its limits.
@@ -365,49 +436,49 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 		defer func() { _ = syscall.Close(fd) }()
 		cmd.SysProcAttr.UseCgroupFD, cmd.SysProcAttr.CgroupFD = true, fd
 	}
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	// QEMU's daemon child points its stdio at /dev/null; should it keep
-	// our pipe, Wait must not hang on it.
-	cmd.WaitDelay = 5 * time.Second
 	t1 := time.Now()
 	// A forked child's QEMU runs in the child's network namespace (its
-	// taps are there); -daemonize keeps it there.
-	if err := network.RunIn(netns, cmd.Run); err != nil {
-		d.killLeftovers(m)
-		return nil, fmt.Errorf("start qemu for vm %s: %v: %s", m.ID, err, strings.TrimSpace(out.String()))
-	}
-	b, err := os.ReadFile(pidfileOf(m))
-	if err != nil {
-		d.killLeftovers(m)
-		return nil, fmt.Errorf("start qemu for vm %s: read pid file: %w", m.ID, err)
-	}
-	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err != nil {
-		d.killLeftovers(m)
-		return nil, fmt.Errorf("start qemu for vm %s: pid file %q: %w", m.ID, b, err)
-	}
-	_, start, err := procStat(pid)
-	if err != nil {
-		d.killLeftovers(m)
-		return nil, fmt.Errorf("start qemu for vm %s: qemu %d exited at once; see %s: %w", m.ID, pid, filepath.Join(m.Dir, consoleFileName), err)
-	}
-	m.Process = agent.Process{PID: pid, StartTime: start}
-	if err := checkPassts(m.Dir, m.NICs); err != nil {
-		d.killLeftovers(m)
-		return nil, fmt.Errorf("start vm %s: %w", m.ID, err)
-	}
-	t2 := time.Now()
-	q, err := d.monitor(ctx, m)
-	var st qmpStatus
-	if err == nil {
-		if st, err = q.queryStatus(ctx); err != nil {
-			_ = q.Close()
-		}
-	}
+	// taps are there).
+	err = network.RunIn(netns, cmd.Start)
+	_ = logf.Close()
 	if err != nil {
 		d.killLeftovers(m)
 		return nil, fmt.Errorf("start qemu for vm %s: %w", m.ID, err)
+	}
+	// The agent's child, in a session of its own (not -daemonize: QEMU 7.2
+	// sets its seccomp filter first, and spawn=deny forbids the fork). It
+	// is reaped here while this agent runs; after an agent restart it is
+	// init's.
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	pid := cmd.Process.Pid
+	failed := func(err error) (*monitor, error) {
+		_ = cmd.Process.Kill()
+		d.killLeftovers(m)
+		b, _ := os.ReadFile(logPath)
+		return nil, fmt.Errorf("start qemu for vm %s: %w: %s", m.ID, err, strings.TrimSpace(string(b)))
+	}
+	_, start, err := procStat(pid)
+	if err != nil {
+		return failed(err)
+	}
+	m.Process = agent.Process{PID: pid, StartTime: start}
+	d.watchConsole(m)
+	t2 := time.Now()
+	q, err := d.awaitMonitor(ctx, sctx, m, exited)
+	if err != nil {
+		return failed(err)
+	}
+	st, err := q.queryStatus(ctx)
+	if err != nil {
+		_ = q.Close()
+		return failed(err)
+	}
+	// QEMU has connected to its passt processes by now: one that died
+	// meanwhile fails the start with its own log.
+	if err := checkPassts(m.Dir, m.NICs); err != nil {
+		_ = q.Close()
+		return failed(err)
 	}
 	d.log.Info("qemu started", "vm", m.ID, "pid", pid, "status", st.Status, "accel", d.accel,
 		"prepare_ms", t1.Sub(t0).Milliseconds(), "exec_ms", t2.Sub(t1).Milliseconds(), "qmp_ms", time.Since(t2).Milliseconds())
@@ -518,6 +589,9 @@ func (d *Driver) Observe(ctx context.Context, m *agent.Machine, last string) age
 		return agent.Observed{State: agentapi.StateStopped,
 			Reason: why + " (crashed, killed, or powered off from inside); start the vm to boot it again"}
 	}
+	// A QEMU the agent found again (after its restart) has its console
+	// log trimmed again.
+	d.watchConsole(m)
 	var st qmpStatus
 	if err := d.withMonitor(ctx, m, func(q *monitor) (err error) { st, err = q.queryStatus(ctx); return err }); err != nil {
 		return agent.Observed{State: agentapi.StateError, Process: found,
@@ -538,8 +612,11 @@ func (d *Driver) Observe(ctx context.Context, m *agent.Machine, last string) age
 	return obs
 }
 
-// Console returns the end of the VM's serial console log.
+// Console returns the end of the VM's serial console log: never while the
+// trimmer rewrites it.
 func (d *Driver) Console(m *agent.Machine, limit int64) ([]byte, error) {
+	d.consoleMu.Lock()
+	defer d.consoleMu.Unlock()
 	f, err := os.Open(filepath.Join(m.Dir, consoleFileName))
 	if errors.Is(err, os.ErrNotExist) {
 		return []byte{}, nil
@@ -558,9 +635,15 @@ func (d *Driver) Console(m *agent.Machine, limit int64) ([]byte, error) {
 
 // markBoot appends the boot marker line (agent.ConsoleBootMarker) to the
 // VM's console log before QEMU starts: what the guest printed before it
-// belongs to an earlier boot.
-func markBoot(m *agent.Machine) error {
-	f, err := os.OpenFile(filepath.Join(m.Dir, consoleFileName), os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o640)
+// belongs to an earlier boot. The earlier boots keep half the log's cap.
+func (d *Driver) markBoot(m *agent.Machine) error {
+	d.consoleMu.Lock()
+	defer d.consoleMu.Unlock()
+	path := filepath.Join(m.Dir, consoleFileName)
+	if _, err := trimConsole(path, d.opts.ConsoleLogBytes/2); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("trim the console log: %w", err)
+	}
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o640)
 	if err != nil {
 		return fmt.Errorf("mark the boot in the console log: %w", err)
 	}

@@ -295,3 +295,26 @@ func (d *Driver) rescue(ctx context.Context, m *agent.Machine, q *monitor, fn fu
 // QMPSessions is how many QMP sessions the driver opened: one per
 // operation, so tests can count them.
 func (d *Driver) QMPSessions() int64 { return d.qmpSessions.Load() }
+
+// awaitMonitor opens a QMP session on the QEMU just started for m once it
+// answers: its socket listens early, its greeting comes once it is set up.
+// It gives up when QEMU exits (exited) or start ends. Only the session it
+// opens counts in qmpSessions, not the tries before QEMU listens.
+func (d *Driver) awaitMonitor(ctx, start context.Context, m *agent.Machine, exited <-chan error) (*monitor, error) {
+	for {
+		q, err := openMonitor(ctx, qmpPathOf(m))
+		if err == nil {
+			d.qmpSessions.Add(1)
+			return q, nil
+		}
+		select {
+		case werr := <-exited:
+			return nil, fmt.Errorf("qemu %d exited: %v", m.Process.PID, werr)
+		case <-start.Done():
+			return nil, err
+		case <-ctx.Done():
+			return nil, err
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}

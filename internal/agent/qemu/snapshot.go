@@ -202,6 +202,17 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 		if err := qcow2.WriteOverlay(filepath.Join(m.Dir, next), diskFile(gen), size); err != nil {
 			return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
 		}
+		// QEMU opens it after it dropped root: its uid's file.
+		if d.runAs {
+			uid, err := d.vmUID(m)
+			if err == nil {
+				err = chownWritable(filepath.Join(m.Dir, next), uid)
+			}
+			if err != nil {
+				_ = os.Remove(filepath.Join(m.Dir, next))
+				return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
+			}
+		}
 		if err := opts.RecordDisk(next); err != nil {
 			_ = os.Remove(filepath.Join(m.Dir, next))
 			return files, fmt.Errorf("snapshot vm %s: record its new disk %s: %w", m.ID, next, err)
@@ -247,7 +258,7 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 				return fail(fmt.Errorf("link frozen disk %s into the snapshot: %w", name, err))
 			}
 			// The frozen files are read-only from now on, for every link.
-			if err := os.Chmod(filepath.Join(dir, name), 0o444); err != nil {
+			if err := freezeDisk(filepath.Join(dir, name), d.runAs); err != nil {
 				return fail(err)
 			}
 			if g == gen {
