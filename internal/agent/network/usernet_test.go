@@ -168,3 +168,61 @@ func TestUserNetFenceRefusesHostAndPrivateRangesOfPasstsUID(t *testing.T) {
 		}
 	}
 }
+
+// TestQEMUFenceRefusesEverySocketOfQEMUUIDs: a socket of a uid in the
+// QEMU range reaches nothing, the host's loopback included; uids outside
+// the range (passt's, the agent's) are not touched by it.
+func TestQEMUFenceRefusesEverySocketOfQEMUUIDs(t *testing.T) {
+	if !netnstest.InOwnNetNS(t) {
+		return
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = ln.Close() }()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.Close()
+		}
+	}()
+	addr := ln.Addr().String()
+	const first, last = 64000, 64099
+	bin := dialer(t)
+	// Before the fence a QEMU uid reaches the loopback server: the check
+	// below can say "open".
+	if got := dialAs(t, bin, first+5, addr); got != "open" {
+		t.Fatalf("uid %d dialing %s before the fence: %s, want open", first+5, addr, got)
+	}
+	for range 2 { // a second agent start rewrites the rule, it adds none
+		if err := network.FenceQEMU(first, last); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out, err := exec.Command("nft", "list", "table", "inet", "kvmd-qemu").CombinedOutput()
+	if err == nil && strings.Count(string(out), "skuid") != 1 {
+		t.Errorf("table inet kvmd-qemu has %d skuid rules after two fences, want 1:\n%s", strings.Count(string(out), "skuid"), out)
+	}
+	for _, c := range []struct {
+		uid  uint32
+		want string
+	}{
+		{first, "refused"},
+		{first + 50, "refused"},
+		{last, "refused"},
+		{first - 1, "open"},
+		{last + 1, "open"},
+		{0, "open"},
+	} {
+		if got := dialAs(t, bin, c.uid, addr); got != c.want {
+			t.Errorf("uid %d dialing %s: %s, want %s", c.uid, addr, got, c.want)
+		}
+	}
+	if err := network.FenceQEMU(10, 9); err == nil {
+		t.Error("FenceQEMU(10, 9): no error for an empty range")
+	}
+}

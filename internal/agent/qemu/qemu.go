@@ -177,6 +177,12 @@ func New(ctx context.Context, opts Options) (*Driver, error) {
 	d.cg = detectCgroups("/proc/self/mounts", os.Geteuid(), d.log)
 	d.runAs = os.Geteuid() == 0
 	if d.runAs {
+		// QEMU needs no IP socket of its own (taps and passt come as
+		// descriptors): one that a guest took over reaches nothing, not
+		// even the host's loopback.
+		if err := network.FenceQEMU(d.opts.UIDBase, d.opts.UIDBase+d.opts.UIDCount-1); err != nil {
+			return nil, fmt.Errorf("qemu driver: %w (the agent refuses to run qemu as root-started uids that could reach the host's loopback; check that nftables works here)", err)
+		}
 		d.log.Info("qemu runs sandboxed, as a uid of its vm", "sandbox", qemuSandbox,
 			"uids", fmt.Sprintf("%d-%d", d.opts.UIDBase, d.opts.UIDBase+d.opts.UIDCount-1))
 	} else {

@@ -2,6 +2,7 @@ package qemu_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -66,7 +67,8 @@ func canAs(t *testing.T, id procIdentity, op, path string) bool {
 	cmd := exec.Command("test", op, path)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: id.uids[0], Gid: id.gids[0], Groups: id.groups}}
 	err := cmd.Run()
-	if _, exited := err.(*exec.ExitError); err != nil && !exited {
+	var exit *exec.ExitError
+	if err != nil && !errors.As(err, &exit) {
 		t.Fatalf("test %s %s as uid %d: %v", op, path, id.uids[0], err)
 	}
 	return err == nil
