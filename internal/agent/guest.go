@@ -102,9 +102,12 @@ var (
 	// effort): a module or script that failed, a datasource not found.
 	cloudInitFailed = regexp.MustCompile(`cloud-init\[\d+\]: .*(Failed to run module|Failed running)|` +
 		`Cloud-init v\. \S+ finished at .*Datasource DataSourceNone`)
-	guestIPLine   = regexp.MustCompile(`(?m)^.*?kvm-guest-ip (\d+\.\d+\.\d+\.\d+)`)
+	// Lines are read while the guest writes them: a value counts only
+	// once its line has ended ("kvm-guest-ip 10.77.0.1" may be the start
+	// of 10.77.0.10).
+	guestIPLine   = regexp.MustCompile(`(?m)^.*?kvm-guest-ip (\d+\.\d+\.\d+\.\d+)\r?\n`)
 	ciInfoAddress = regexp.MustCompile(`(?m)ci-info: \|\s*[^|\s]+\s*\|\s*True\s*\|\s*(\d+\.\d+\.\d+\.\d+)\s*\|`)
-	guestHostname = regexp.MustCompile(`(?m)kvm-guest-hostname (\S+)`)
+	guestHostname = regexp.MustCompile(`(?m)kvm-guest-hostname (\S+)\r?\n`)
 	guestUserData = regexp.MustCompile(`(?m)kvm-guest-userdata-sha256 ([0-9a-f]{64})`)
 )
 

@@ -27,6 +27,10 @@ func TestParseGuestStatus(t *testing.T) {
 		{"busybox", "kvm-guest-ready\nkvm-guest-hostname web-1\nkvm-guest-userdata-sha256 " + digest +
 			"\nCloud-init v. kvm-busybox finished at Mon, 30 Nov 2026 15:00:00 +0000. Datasource NoCloud.\nkvm-guest-ip 10.0.2.15\nkvm-guest-ip 10.0.2.15\n",
 			agentapi.GuestStatus{CloudInit: "done", IPv4Addresses: []string{"10.0.2.15"}, Hostname: "web-1", UserDataSHA256: digest}},
+		{"a line still being written does not count", "kvm-guest-ready\nkvm-guest-hostname web-1\nkvm-guest-ip 10.77.0.10\nkvm-guest-hostname web-12",
+			agentapi.GuestStatus{CloudInit: "none", IPv4Addresses: []string{"10.77.0.10"}, Hostname: "web-1"}},
+		{"an address still being written does not count", "kvm-guest-ready\nkvm-guest-ip 10.77.0.1",
+			agentapi.GuestStatus{CloudInit: "none", IPv4Addresses: []string{}}},
 		{"only the current boot counts", "kvm-guest-hostname old\nCloud-init v. kvm-busybox finished at x. Datasource NoCloud.\nkvm-guest-ip 10.0.2.15\n\r\n" +
 			ConsoleBootMarker + "vm-1 at 2026-11-30T15:00:00Z\r\nkvm-guest-ready\n",
 			agentapi.GuestStatus{CloudInit: "none", IPv4Addresses: []string{}}},

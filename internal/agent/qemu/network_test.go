@@ -90,7 +90,9 @@ func (n *netAgent) console(t *testing.T, id string) string {
 // returns the address.
 func (n *netAgent) waitGuestIP(t *testing.T, id string) string {
 	t.Helper()
-	re := regexp.MustCompile(`(?m)^kvm-guest-ip (\S+)\r?$`)
+	// The line's end is part of the match: the console is read while the
+	// guest writes, and "kvm-guest-ip 10." may be the end of the log.
+	re := regexp.MustCompile(`(?m)^kvm-guest-ip (\S+)\r?\n`)
 	deadline := time.Now().Add(bootWait)
 	for time.Now().Before(deadline) {
 		if m := re.FindStringSubmatch(n.console(t, id)); m != nil {
