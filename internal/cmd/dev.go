@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/qemu"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
@@ -65,6 +66,9 @@ func runDev(ctx context.Context, args []string, getenv Env, stderr io.Writer) er
 	agentCfg := agentConfig{
 		Listen: agentListen, StateDir: filepath.Join(dataDir, "agent"), ImageDir: imageDir,
 		Driver: driver, Accel: "auto", Token: randomToken(), StopTimeout: 10 * time.Second,
+		// The defaults of kvmd agent's flags, which kvmd dev does not parse.
+		ConsoleLogKiB: qemu.DefaultConsoleLogBytes >> 10, QEMUUIDBase: qemu.DefaultUIDBase, QEMUUIDCount: qemu.DefaultUIDCount,
+		UserNetUser: qemu.DefaultUserNetUser,
 	}
 	if driver == "sim" {
 		agentCfg.Capacity = devSimCapacity
