@@ -115,21 +115,7 @@ func TestUserNetFenceRefusesHostAndPrivateRangesOfPasstsUID(t *testing.T) {
 	if err := netlink.RouteAdd(&netlink.Route{LinkIndex: dummy.Attrs().Index, Gw: net.IPv4(198, 51, 100, 2)}); err != nil {
 		t.Fatal(err)
 	}
-	ln, err := net.Listen("tcp", "0.0.0.0:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = ln.Close() }()
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			_ = c.Close()
-		}
-	}()
-	port := ln.Addr().(*net.TCPAddr).Port
+	port := acceptAndClose(t, "0.0.0.0:0").Port
 	const uid = 64998
 	if err := network.FenceUserNet(network.UserNetFence{UID: uid, Allow: []netip.Prefix{netip.MustParsePrefix("10.99.0.0/16")}}); err != nil {
 		t.Fatal(err)
@@ -176,21 +162,7 @@ func TestQEMUFenceRefusesEverySocketOfQEMUUIDs(t *testing.T) {
 	if !netnstest.InOwnNetNS(t) {
 		return
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = ln.Close() }()
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			_ = c.Close()
-		}
-	}()
-	addr := ln.Addr().String()
+	addr := acceptAndClose(t, "127.0.0.1:0").String()
 	const first, last = 64000, 64099
 	bin := dialer(t)
 	// Before the fence a QEMU uid reaches the loopback server: the check
@@ -225,4 +197,25 @@ func TestQEMUFenceRefusesEverySocketOfQEMUUIDs(t *testing.T) {
 	if err := network.FenceQEMU(10, 9); err == nil {
 		t.Error("FenceQEMU(10, 9): no error for an empty range")
 	}
+}
+
+// acceptAndClose listens on addr until the test ends, accepting and
+// closing every connection (a dial that gets through says "open").
+func acceptAndClose(t *testing.T, addr string) *net.TCPAddr {
+	t.Helper()
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.Close()
+		}
+	}()
+	return ln.Addr().(*net.TCPAddr)
 }
