@@ -149,7 +149,14 @@ func startSimAgent(t *testing.T, args []string, env map[string]string) string {
 
 func metricsStatus(t *testing.T, addr, bearer string) int {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodGet, "http://"+addr+"/metrics", nil)
+	return bearerStatus(t, context.Background(), http.MethodGet, "http://"+addr+"/metrics", bearer)
+}
+
+// bearerStatus sends one request with the bearer token ("" for none) and
+// returns the answer's status.
+func bearerStatus(t *testing.T, ctx context.Context, method, u, bearer string) int {
+	t.Helper()
+	req, err := http.NewRequestWithContext(ctx, method, u, strings.NewReader(`{}`))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -3,7 +3,6 @@ package cmd
 import (
 	"bytes"
 	"context"
-	"net/http"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -59,16 +58,7 @@ func TestTokenCommands(t *testing.T) {
 	}
 	status := func(method, path, bearer string) int {
 		t.Helper()
-		req, _ := http.NewRequestWithContext(ctx, method, base+path, strings.NewReader(`{}`))
-		if bearer != "" {
-			req.Header.Set("Authorization", "Bearer "+bearer)
-		}
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		_ = resp.Body.Close()
-		return resp.StatusCode
+		return bearerStatus(t, ctx, method, base+path, bearer)
 	}
 	if got := status("GET", "/v1/vms", secret); got != 200 {
 		t.Errorf("GET /v1/vms with the created user token: %d", got)

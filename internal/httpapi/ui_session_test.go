@@ -13,20 +13,11 @@ import (
 // post sends a form to the fleet page with the given headers.
 func post(t *testing.T, hc *http.Client, u string, form url.Values, header map[string]string) *http.Response {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodPost, u, strings.NewReader(form.Encode()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	h := map[string]string{"Content-Type": "application/x-www-form-urlencoded"}
 	for k, v := range header {
-		req.Header.Set(k, v)
+		h[k] = v
 	}
-	resp, err := hc.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_ = resp.Body.Close()
-	return resp
+	return sendPage(t, hc, http.MethodPost, u, strings.NewReader(form.Encode()), h)
 }
 
 func sessionCookie(r *http.Response) *http.Cookie {

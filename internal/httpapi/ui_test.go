@@ -2,6 +2,7 @@ package httpapi_test
 
 import (
 	"context"
+	"io"
 	"net/http"
 	"net/url"
 	"os"
@@ -87,7 +88,14 @@ func noRedirects() *http.Client {
 
 func get(t *testing.T, hc *http.Client, u string, header map[string]string) *http.Response {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodGet, u, nil)
+	return sendPage(t, hc, http.MethodGet, u, nil, header)
+}
+
+// sendPage makes one request with the given headers and returns the answer,
+// its body read and closed.
+func sendPage(t *testing.T, hc *http.Client, method, u string, body io.Reader, header map[string]string) *http.Response {
+	t.Helper()
+	req, err := http.NewRequest(method, u, body)
 	if err != nil {
 		t.Fatal(err)
 	}
