@@ -108,7 +108,10 @@ type Host struct {
 
 // VMCreate is the body of POST /v1/vms.
 type VMCreate struct {
-	Name       string            `json:"name"`
+	Name string `json:"name"`
+	// Project is the project the VM belongs to. Empty: the token's project
+	// (a fleet-wide token: "default"). A project token may name only its own.
+	Project    string            `json:"project,omitempty"`
 	Image      string            `json:"image"`
 	VCPUs      int64             `json:"vcpus"`
 	MemoryMiB  int64             `json:"memory_mib"`
@@ -184,6 +187,7 @@ type VMShape struct {
 type VM struct {
 	ID            string `json:"id"`
 	Name          string `json:"name"`
+	Project       string `json:"project"`
 	Image         string `json:"image"`
 	VCPUs         int64  `json:"vcpus"`
 	MemoryMiB     int64  `json:"memory_mib"`
@@ -337,7 +341,9 @@ type ForkPatch struct {
 
 // Fork is N children of one source VM, all from one snapshot.
 type Fork struct {
-	ID            string `json:"id"`
+	ID string `json:"id"`
+	// Project is the source VM's project; the children belong to it.
+	Project       string `json:"project"`
 	SourceVMID    string `json:"source_vm_id"`
 	Count         int    `json:"count"`
 	PauseSource   bool   `json:"pause_source"`
@@ -381,7 +387,10 @@ const DefaultNetwork = "default"
 
 // NetworkCreate is the body of POST /v1/networks.
 type NetworkCreate struct {
-	Name    string `json:"name"`
+	Name string `json:"name"`
+	// Project is the project whose VMs may attach to the network. Empty:
+	// "default". Network names are fleet-wide (they name bridges on hosts).
+	Project string `json:"project,omitempty"`
 	Mode    string `json:"mode"`
 	CIDR    string `json:"cidr,omitempty"`
 	Gateway string `json:"gateway,omitempty"`
@@ -408,6 +417,7 @@ type NetworkPatch struct {
 // Network is a named network VMs attach NICs to.
 type Network struct {
 	Name    string   `json:"name"`
+	Project string   `json:"project"`
 	Mode    string   `json:"mode"`
 	CIDR    string   `json:"cidr"`
 	Gateway string   `json:"gateway"`
@@ -460,7 +470,10 @@ const (
 
 // TokenCreate is the body of POST /v1/tokens.
 type TokenCreate struct {
-	Name      string     `json:"name"`
+	Name string `json:"name"`
+	// Project makes a project token: it sees and acts on that project's
+	// objects only and cannot hold the admin scope. Empty: a fleet-wide token.
+	Project   string     `json:"project,omitempty"`
 	Scopes    []string   `json:"scopes"`
 	ExpiresAt *time.Time `json:"expires_at,omitempty"`
 }
@@ -469,6 +482,7 @@ type TokenCreate struct {
 type Token struct {
 	ID         string     `json:"id"`
 	Name       string     `json:"name"`
+	Project    string     `json:"project,omitempty"`
 	Scopes     []string   `json:"scopes"`
 	ExpiresAt  *time.Time `json:"expires_at,omitempty"`
 	LastUsedAt *time.Time `json:"last_used_at,omitempty"`
@@ -535,4 +549,64 @@ type Image struct {
 	VirtualSizeMiB int64       `json:"virtual_size_mib"`
 	Hosts          []ImageHost `json:"hosts"`
 	CreatedAt      time.Time   `json:"created_at"`
+}
+
+// DefaultProject holds every object made without a project, and every
+// object made before projects existed.
+const DefaultProject = "default"
+
+// Quotas are a project's limits; a nil field is unlimited. Fork children
+// are VMs and count like any other.
+type Quotas struct {
+	VCPUs     *int64 `json:"vcpus"`
+	MemoryMiB *int64 `json:"memory_mib"`
+	DiskMiB   *int64 `json:"disk_mib"`
+	VMs       *int64 `json:"vms"`
+}
+
+// ProjectUsage is what a project's VMs hold now (the VMs that hold
+// capacity on a host).
+type ProjectUsage struct {
+	VCPUs     int64 `json:"vcpus"`
+	MemoryMiB int64 `json:"memory_mib"`
+	DiskMiB   int64 `json:"disk_mib"`
+	VMs       int64 `json:"vms"`
+}
+
+// Quota resources, as named in a quota_exceeded error's details.
+const (
+	ResourceVCPUs     = "vcpus"
+	ResourceMemoryMiB = "memory_mib"
+	ResourceDiskMiB   = "disk_mib"
+	ResourceVMs       = "vms"
+)
+
+// ProjectCreate is the body of POST /v1/projects.
+type ProjectCreate struct {
+	// Name is a DNS label: lowercase letters, digits and '-', at most 63.
+	Name        string `json:"name"`
+	Description string `json:"description,omitempty"`
+	Quotas      Quotas `json:"quotas"`
+	// HostLabels confine the project's VMs to hosts with all these labels.
+	HostLabels map[string]string `json:"host_labels,omitempty"`
+}
+
+// ProjectPatch is the body of PATCH /v1/projects/{name}: the fields that
+// are set replace the stored ones (Quotas whole: a nil field in it is
+// unlimited). A quota below the usage is accepted: it refuses growth
+// only, nothing running is stopped.
+type ProjectPatch struct {
+	Description *string            `json:"description,omitempty"`
+	Quotas      *Quotas            `json:"quotas,omitempty"`
+	HostLabels  *map[string]string `json:"host_labels,omitempty"`
+}
+
+// Project is a team's share of the fleet.
+type Project struct {
+	Name        string            `json:"name"`
+	Description string            `json:"description"`
+	Quotas      Quotas            `json:"quotas"`
+	HostLabels  map[string]string `json:"host_labels"`
+	Usage       ProjectUsage      `json:"usage"`
+	CreatedAt   time.Time         `json:"created_at"`
 }

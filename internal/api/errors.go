@@ -9,10 +9,14 @@ const (
 	CodeNotFound = "not_found"
 	// CodeNoRoute answers a path the API does not serve (404 too, but not
 	// "the object is gone": a wrong endpoint or path prefix).
-	CodeNoRoute             = "no_route"
-	CodeConflict            = "conflict"
-	CodeNoCapacity          = "no_capacity"
-	CodeNoAddress           = "no_address"
+	CodeNoRoute    = "no_route"
+	CodeConflict   = "conflict"
+	CodeNoCapacity = "no_capacity"
+	CodeNoAddress  = "no_address"
+	// CodeQuotaExceeded is a request that would take a project past one
+	// of its quotas (409); details: project, resource, limit, used,
+	// requested.
+	CodeQuotaExceeded       = "quota_exceeded"
 	CodeForbidden           = "forbidden"
 	CodeIdempotencyMismatch = "idempotency_mismatch"
 	CodeInFlight            = "in_flight"
