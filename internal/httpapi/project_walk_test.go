@@ -313,15 +313,22 @@ func TestProjectIsolationWalk(t *testing.T) {
 	}
 
 	// B's objects, made by B: a VM on B's network in a placement group,
-	// made with an Idempotency-Key, and a fork of it with one child.
-	const groupB, vmKeyB, forkKeyB = "bravo-grp", "bravo-vm-key", "bravo-fork-key"
-	var srcB api.VM
+	// made with an Idempotency-Key, and a fork of it with one child in a
+	// group of its own; a second VM in a third group. A probe that creates
+	// puts A's VM in the group it names (A's group of that name), so each
+	// probe of a group names a group of its own.
+	const groupB, forkGroupB, placeGroupB = "bravo-grp", "bravo-fork-grp", "bravo-place-grp"
+	const vmKeyB, forkKeyB = "bravo-vm-key", "bravo-fork-key"
+	var srcB, twoB api.VM
 	w.must(http.MethodPost, "/v1/vms", b, vmBody("bravo-src",
 		`,"labels":{"team":"bravo"},"network_interfaces":[{"network":"bravo-net"},{"network":"default"}],`+
 			`"constraints":{"group":"`+groupB+`","spread_by":"host","max_per_domain":1}`),
 		map[string]string{"Idempotency-Key": vmKeyB}, http.StatusCreated, &srcB)
+	w.must(http.MethodPost, "/v1/vms", b, vmBody("bravo-two", `,"constraints":{"group":"`+placeGroupB+`","max_per_domain":1}`),
+		nil, http.StatusCreated, &twoB)
 	var forkB api.Fork
-	w.must(http.MethodPost, "/v1/forks", b, `{"source_vm_id":"`+srcB.ID+`","count":1}`,
+	w.must(http.MethodPost, "/v1/forks", b, `{"source_vm_id":"`+srcB.ID+`","count":1,`+
+		`"constraints":{"group":"`+forkGroupB+`","spread_by":"host","max_per_domain":1}}`,
 		map[string]string{"Idempotency-Key": forkKeyB}, http.StatusCreated, &forkB)
 	if srcB.Project != "walk-b" || forkB.Project != "walk-b" || len(forkB.Children) != 1 || forkB.Children[0].Project != "walk-b" {
 		t.Fatalf("B's VM is in %q, its fork in %q with %d children; want all in walk-b", srcB.Project, forkB.Project, len(forkB.Children))
@@ -345,14 +352,14 @@ func TestProjectIsolationWalk(t *testing.T) {
 	// The objects A must not see: B's, and the default project's (the
 	// fuzz control's VM and fork).
 	others := map[string][]string{
-		paramVM:      {srcB.ID, childB.ID, fc.vmID},
+		paramVM:      {srcB.ID, childB.ID, twoB.ID, fc.vmID},
 		paramFork:    {forkB.ID, fc.forkID},
 		paramNetwork: {"bravo-net"},
 		paramProject: {"walk-b", api.DefaultProject},
 		paramToken:   {tokB.ID},
 	}
 	w.secrets = []string{srcB.ID, childB.ID, childB.Name, "bravo-src", forkB.ID, "bravo-net", "walk-b", tokB.ID,
-		groupB, vmKeyB, forkKeyB, fc.vmID, fc.forkID, "fuzz-source"}
+		twoB.ID, "bravo-two", groupB, forkGroupB, placeGroupB, vmKeyB, forkKeyB, fc.vmID, fc.forkID, "fuzz-source"}
 	before := w.snapshotB(b, forkB.ID)
 
 	// Bodies of the routes walked by object (the rest send none).
@@ -411,11 +418,11 @@ func TestProjectIsolationWalk(t *testing.T) {
 			{what: "B's Idempotency-Key", other: forkKeyB, kind: aName, creates: true,
 				body:   func(string) string { return `{"source_vm_id":"` + vmA.ID + `","count":1}` },
 				header: func(v string) map[string]string { return map[string]string{"Idempotency-Key": v} }},
-			{what: "B's placement group", other: groupB, kind: aName, creates: true,
+			{what: "B's fork's placement group", other: forkGroupB, kind: aName, creates: true,
 				body: func(v string) string { return `{"source_vm_id":"` + vmA.ID + `","count":1,` + withGroup(v) + `}` }},
 		},
 		"POST /v1/placements": {
-			{what: "B's placement group", other: groupB, kind: aName,
+			{what: "B's placement group", other: placeGroupB, kind: aName,
 				body: func(v string) string {
 					return `{"image":"sim","vcpus":1,"memory_mib":64,"disk_mib":64,` + withGroup(v) + `}`
 				}},
