@@ -36,8 +36,8 @@ var (
 // label.
 var projectNamePattern = regexp.MustCompile(`^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$`)
 
-const projectNameRule = "a project name is a DNS label: 1 to 63 lowercase letters, digits and '-', " +
-	"starting and ending with a letter or digit"
+const projectNameRule = "a DNS label: 1 to 63 lowercase letters, digits and '-', starting and ending with a " +
+	"letter or digit"
 
 func projectNameValidator() validator.String {
 	return stringvalidator.RegexMatches(projectNamePattern, "must be "+projectNameRule)

@@ -364,13 +364,16 @@ data "kvm_project" "default" {
 }
 
 // TestAccProject_usageRefreshes: a kvm_project's usage follows VMs made in
-// it (here in the same configuration, through the provider's project): the
-// refresh after apply reads it, and no change is planned.
+// it (here in the same configuration, through the provider's project from
+// KVM_PROJECT, which networks follow too): the refresh after apply reads
+// it, and no change is planned.
 func TestAccProject_usageRefreshes(t *testing.T) {
 	f := newFleet(t, "h1")
 	resource.Test(t, resource.TestCase{
 		ProtoV6ProviderFactories: factories(env(map[string]string{provider.EnvProject: "team-a"})),
-		CheckDestroy:             f.checkProjectsGone("team-a"),
+		CheckDestroy: func(s *terraform.State) error {
+			return errors.Join(f.checkNetworksGone("lan-a")(s), f.checkProjectsGone("team-a")(s))
+		},
 		Steps: []resource.TestStep{
 			{
 				Config: projectConfig(f, `  name = "team-a"`),
@@ -389,6 +392,13 @@ resource "kvm_vm" "test" {
   disk_mib   = 2048
   depends_on = [kvm_project.test]
 }
+
+resource "kvm_network" "lan" {
+  name       = "lan-a"
+  mode       = "nat"
+  cidr       = "10.40.0.0/24"
+  depends_on = [kvm_project.test]
+}
 `,
 				ConfigPlanChecks: resource.ConfigPlanChecks{
 					PreApply:             []plancheck.PlanCheck{plancheck.ExpectResourceAction(projectAddr, plancheck.ResourceActionNoop)},
@@ -396,6 +406,7 @@ resource "kvm_vm" "test" {
 				},
 				ConfigStateChecks: []statecheck.StateCheck{
 					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("project"), knownvalue.StringExact("team-a")),
+					statecheck.ExpectKnownValue("kvm_network.lan", tfjsonpath.New("project"), knownvalue.StringExact("team-a")),
 				},
 			},
 			{
@@ -408,6 +419,13 @@ resource "kvm_vm" "test" {
   vcpus      = 2
   memory_mib = 512
   disk_mib   = 2048
+  depends_on = [kvm_project.test]
+}
+
+resource "kvm_network" "lan" {
+  name       = "lan-a"
+  mode       = "nat"
+  cidr       = "10.40.0.0/24"
   depends_on = [kvm_project.test]
 }
 `,
@@ -531,6 +549,31 @@ resource "kvm_vm" "test" {
 					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("project"), knownvalue.StringExact("tiny")),
 					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("observed_state"), knownvalue.StringExact("running")),
 				},
+			},
+		},
+	})
+}
+
+// TestAccProject_providerSettingErrors: a provider project that is no
+// project name is refused before any request, from the block or from
+// KVM_PROJECT.
+func TestAccProject_providerSettingErrors(t *testing.T) {
+	f := newFleet(t)
+	hosts := `
+data "kvm_hosts" "all" {}
+`
+	resource.Test(t, resource.TestCase{
+		Steps: []resource.TestStep{
+			{
+				ProtoV6ProviderFactories: factories(),
+				Config:                   f.providerBlockAs("", f.Control.Token, "Team_A") + hosts,
+				ExpectError:              regexp.MustCompile(`(?s)project.*DNS\s+label`),
+			},
+			{
+				ProtoV6ProviderFactories: factories(env(map[string]string{provider.EnvEndpoint: f.Control.URL,
+					provider.EnvToken: f.Control.Token, provider.EnvProject: "Team_A"})),
+				Config:      `provider "kvm" {}` + hosts,
+				ExpectError: regexp.MustCompile(`(?s)Invalid\s+KVM\s+Project.*"Team_A".*KVM_PROJECT`),
 			},
 		},
 	})

@@ -191,7 +191,7 @@ func (p *kvmProvider) Configure(ctx context.Context, req provider.ConfigureReque
 	}
 	if project != "" && !projectNamePattern.MatchString(project) {
 		resp.Diagnostics.AddAttributeError(path.Root("project"), "Invalid KVM Project",
-			fmt.Sprintf("The project %q (project or %s) is not a project name: %s.", project, EnvProject, projectNameRule))
+			fmt.Sprintf("The project %q (project or %s) is no project name, which must be %s.", project, EnvProject, projectNameRule))
 	}
 	timeout := defaultRequestTimeout
 	if s := cfg.RequestTimeout.ValueString(); s != "" {
