@@ -60,7 +60,10 @@ func fromStore(err error, what string) error {
 	if errors.As(err, &e) {
 		return err
 	}
+	var qe *store.QuotaError
 	switch {
+	case errors.As(err, &qe):
+		return quotaExceeded(qe)
 	case errors.Is(err, store.ErrNotFound):
 		return &Error{Code: api.CodeNotFound, Message: err.Error(), Err: err}
 	case errors.Is(err, store.ErrDuplicateName), errors.Is(err, store.ErrHostInUse):

@@ -203,8 +203,12 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 		return store.VM{}, internal(err, fmt.Sprintf("reserve child %d of fork %s", slot, f.ID))
 	}
 	forkID, slotN := f.ID, slot
+	project, err := s.store.GetProject(ctx, f.Project)
+	if err != nil {
+		return store.VM{}, fromStore(err, fmt.Sprintf("read project %s of fork %s", f.Project, f.ID))
+	}
 	vm := store.VM{
-		ID: newID(), Name: childName(f.ID, slot), Image: f.Image, Resources: f.Resources,
+		ID: newID(), Name: childName(f.ID, slot), Project: f.Project, Image: f.Image, Resources: f.Resources,
 		PowerState: api.PowerRunning, ObservedState: api.StateCreating, ForkID: &forkID, ForkSlot: &slotN,
 		Labels: map[string]string{}, Constraints: f.Constraints,
 	}
@@ -213,11 +217,11 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 	vm.Guest = childGuest(f.Guest, vm.Name)
 	// Each child gets NICs of its own on the source's networks: its own
 	// MACs, and addresses allocated with its reservation.
-	nics, err := s.resolveNICs(ctx, vm.ID, forkNICs(f.NICs))
+	nics, err := s.resolveNICs(ctx, vm.ID, f.Project, forkNICs(f.NICs))
 	if err != nil {
 		return store.VM{}, err
 	}
-	req := scheduler.Request{Image: f.Image, Resources: schedResources(f.Resources), Constraints: childConstraints(f)}
+	req := scheduler.Request{Image: f.Image, Resources: schedResources(f.Resources), Constraints: childConstraints(f, project)}
 	if img, ierr := s.store.GetImage(ctx, f.Image); ierr == nil {
 		req.ImageSHA256 = img.SHA256 // a registered image: any host fetches it
 	}
@@ -277,12 +281,12 @@ func (s *Service) childNICs(ctx context.Context, vm store.VM) (vmNICs, error) {
 // childConstraints are the scheduler constraints of f's children: the
 // fork's, in the group they name or else in a group of the fork's own
 // (its id) when they spread or cap.
-func childConstraints(f store.Fork) scheduler.Constraints {
+func childConstraints(f store.Fork, project store.Project) scheduler.Constraints {
 	c := parseConstraints(f.Constraints)
 	if c != nil && c.Group == "" && (c.SpreadBy != "" || c.MaxPerDomain > 0) {
 		c.Group = "fork-" + f.ID
 	}
-	return schedConstraints(c)
+	return schedConstraints(projectConstraints(c, project))
 }
 
 func childName(forkID string, slot int) string { return fmt.Sprintf("%s-%d", forkID, slot) }

@@ -85,7 +85,7 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 			return s.forkPass(ctx, f.ID)
 		}
 	}
-	src, err := s.store.GetVM(ctx, in.SourceVMID)
+	src, err := s.visibleVM(ctx, in.SourceVMID)
 	if errors.Is(err, store.ErrNotFound) {
 		return api.Fork{}, invalidf("source VM %s does not exist", in.SourceVMID)
 	}
@@ -99,6 +99,7 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 		ID: newID(), SourceVMID: src.ID, SourceHost: src.HostName, Image: src.Image, Resources: src.Resources,
 		Count: in.Count, PauseSource: in.PauseSource, Placement: in.Placement, Phase: api.ForkPending,
 		NICs: src.NICs, Constraints: constraintsText(in.Constraints), Owner: &s.replicaID, Guest: src.Guest,
+		Project: src.Project,
 	}
 	if key != "" {
 		f.IdempotencyKey, f.IdempotencyCaller = &key, callerOf(ctx)
@@ -120,7 +121,7 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 
 // GetFork returns a fork and its children.
 func (s *Service) GetFork(ctx context.Context, id string) (api.Fork, error) {
-	f, err := s.store.GetFork(ctx, id)
+	f, err := s.visibleFork(ctx, id)
 	if err != nil {
 		return api.Fork{}, fromStore(err, "read fork "+id)
 	}
@@ -133,7 +134,7 @@ func (s *Service) GetFork(ctx context.Context, id string) (api.Fork, error) {
 		return api.Fork{}, err
 	}
 	return api.Fork{
-		ID: f.ID, SourceVMID: f.SourceVMID, Count: f.Count, PauseSource: f.PauseSource, Placement: f.Placement,
+		ID: f.ID, Project: f.Project, SourceVMID: f.SourceVMID, Count: f.Count, PauseSource: f.PauseSource, Placement: f.Placement,
 		SnapshotID: f.ID, SnapshotTaken: f.SnapshotTaken, Phase: f.Phase, Error: f.Error, Children: vms,
 		Constraints: parseConstraints(f.Constraints), CreatedAt: f.CreatedAt,
 	}, nil
@@ -154,6 +155,9 @@ func (s *Service) UpdateFork(ctx context.Context, id string, in api.ForkPatch) (
 	}
 	ctx, cancel := detached(ctx, createTimeout)
 	defer cancel()
+	if _, err := s.visibleFork(ctx, id); err != nil {
+		return api.Fork{}, fromStore(err, "read fork "+id)
+	}
 	if in.Constraints != nil {
 		if err := s.store.SetForkConstraints(ctx, id, constraintsText(in.Constraints)); err != nil {
 			return api.Fork{}, fromStore(err, "update constraints of fork "+id)
@@ -175,7 +179,7 @@ func (s *Service) DeleteFork(ctx context.Context, id string) error {
 	defer cancel()
 	unlock := s.forkLocks.lock(id)
 	defer unlock()
-	f, err := s.store.GetFork(ctx, id)
+	f, err := s.visibleFork(ctx, id)
 	if errors.Is(err, store.ErrNotFound) {
 		return nil
 	}

@@ -258,7 +258,7 @@ func (s *Service) VMGuest(ctx context.Context, id string) (api.GuestStatus, erro
 // agentOfVM returns the client of the agent that runs VM id; unavailable
 // when that host does not answer.
 func (s *Service) agentOfVM(ctx context.Context, id string) (*agentapi.Client, store.VM, error) {
-	vm, err := s.store.GetVM(ctx, id)
+	vm, err := s.visibleVM(ctx, id)
 	if err != nil {
 		return nil, store.VM{}, fromStore(err, "read vm "+id)
 	}

@@ -39,6 +39,11 @@ func (s *Service) CreateNetwork(ctx context.Context, in api.NetworkCreate) (api.
 	if err != nil {
 		return api.Network{}, err
 	}
+	project, err := s.projectFor(ctx, in.Project)
+	if err != nil {
+		return api.Network{}, err
+	}
+	n.Project = project.Name
 	var check func([]store.Network) error
 	if n.HasIPAM() {
 		check = func(all []store.Network) error { return checkOverlap(n, all) }
@@ -55,7 +60,7 @@ func (s *Service) CreateNetwork(ctx context.Context, in api.NetworkCreate) (api.
 		return api.Network{}, fromStore(err, "create network "+in.Name)
 	}
 	s.networks.put(created)
-	s.log.Info("network created", "network", n.Name, "mode", n.Mode, "cidr", n.CIDR)
+	s.log.Info("network created", "network", n.Name, "project", n.Project, "mode", n.Mode, "cidr", n.CIDR)
 	return apiNetwork(created, 0), nil
 }
 
@@ -235,7 +240,7 @@ func checkOverlap(n store.Network, all []store.Network) error {
 
 // GetNetwork returns one network with its address counts.
 func (s *Service) GetNetwork(ctx context.Context, name string) (api.Network, error) {
-	n, err := s.store.GetNetwork(ctx, name)
+	n, err := s.visibleNetwork(ctx, name)
 	if err != nil {
 		return api.Network{}, fromStore(err, "read network "+name)
 	}
@@ -250,7 +255,8 @@ func (s *Service) GetNetwork(ctx context.Context, name string) (api.Network, err
 	return apiNetwork(n, used), nil
 }
 
-// ListNetworks returns every network.
+// ListNetworks returns every network the caller sees: a project token's
+// project's and the shared default network.
 func (s *Service) ListNetworks(ctx context.Context) (api.List[api.Network], error) {
 	all, err := s.store.ListNetworks(ctx)
 	if err != nil {
@@ -261,7 +267,11 @@ func (s *Service) ListNetworks(ctx context.Context) (api.List[api.Network], erro
 		return api.List[api.Network]{}, fromStore(err, "count addresses")
 	}
 	out := api.List[api.Network]{Items: make([]api.Network, 0, len(all))}
+	p := principalOf(ctx)
 	for _, n := range all {
+		if p.Project != "" && !attachable(n, p.Project) {
+			continue
+		}
 		out.Items = append(out.Items, apiNetwork(n, counts[n.Name]))
 	}
 	return out, nil
@@ -269,6 +279,9 @@ func (s *Service) ListNetworks(ctx context.Context) (api.List[api.Network], erro
 
 // UpdateNetwork changes what can change in place: the hosts.
 func (s *Service) UpdateNetwork(ctx context.Context, name string, in api.NetworkPatch) (api.Network, error) {
+	if _, err := s.visibleNetwork(ctx, name); err != nil {
+		return api.Network{}, fromStore(err, "read network "+name)
+	}
 	if in.Hosts != nil {
 		hosts, err := validateNetworkHosts(*in.Hosts)
 		if err != nil {
@@ -287,6 +300,9 @@ func (s *Service) UpdateNetwork(ctx context.Context, name string, in api.Network
 func (s *Service) DeleteNetwork(ctx context.Context, name string) error {
 	if name == api.DefaultNetwork {
 		return conflictf("the network %q is where VMs without network_interfaces go; it cannot be deleted", name)
+	}
+	if _, err := s.visibleNetwork(ctx, name); err != nil {
+		return fromStore(err, "read network "+name)
 	}
 	err := s.store.DeleteNetwork(ctx, name)
 	if errors.Is(err, store.ErrNetworkInUse) {
@@ -320,7 +336,7 @@ func apiNetwork(n store.Network, used int64) api.Network {
 	if allow == nil {
 		allow = []string{}
 	}
-	return api.Network{Name: n.Name, Mode: n.Mode, CIDR: n.CIDR, Gateway: n.Gateway, DHCP: n.DHCP, Bridge: n.Bridge,
+	return api.Network{Name: n.Name, Project: n.Project, Mode: n.Mode, CIDR: n.CIDR, Gateway: n.Gateway, DHCP: n.DHCP, Bridge: n.Bridge,
 		Hosts: hosts, Allow: allow, AddressesTotal: int(n.Size()), AddressesUsed: int(used), CreatedAt: n.CreatedAt}
 }
 

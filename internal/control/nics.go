@@ -43,7 +43,7 @@ type vmNICs struct {
 // what the control plane decides before placement: MACs (derived from the
 // VM id) and the user-mode address. IPAM addresses come with the
 // reservation (assignAddresses). Omitted, the VM gets one NIC on "default".
-func (s *Service) resolveNICs(ctx context.Context, vmID string, in []api.NetworkInterface) (vmNICs, error) {
+func (s *Service) resolveNICs(ctx context.Context, vmID, project string, in []api.NetworkInterface) (vmNICs, error) {
 	if in == nil {
 		in = []api.NetworkInterface{{Network: api.DefaultNetwork}}
 	}
@@ -57,6 +57,10 @@ func (s *Service) resolveNICs(ctx context.Context, vmID string, in []api.Network
 			return vmNICs{}, invalidf("%s.network is required", field)
 		}
 		n, err := s.networks.get(ctx, s.store, req.Network)
+		if err == nil && !attachable(n, project) {
+			// Another project's network answers as one that does not exist.
+			err = fmt.Errorf("network %q: %w", req.Network, store.ErrNotFound)
+		}
 		if errors.Is(err, store.ErrNotFound) {
 			return vmNICs{}, invalidf("%s.network: network %q does not exist; create it first (GET /v1/networks lists them)", field, req.Network)
 		}

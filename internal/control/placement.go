@@ -144,7 +144,10 @@ func (s *Service) tryReserve(ctx context.Context, vm *store.VM, p vmNICs, req *s
 		s.refreshHost(ctx, best.Host)
 		return false, nil
 	case errors.Is(err, store.ErrDuplicateName):
-		return false, s.nameTaken(ctx, vm.Name, err)
+		return false, s.nameTaken(ctx, vm.Project, vm.Name, err)
+	case isQuota(err):
+		// No other host helps: the project is full, not the host.
+		return false, fromStore(err, "reserve capacity")
 	case errors.Is(err, store.ErrNotFound):
 		return false, notFoundf("host %s was deregistered during placement; retry", best.Host)
 	}
@@ -152,8 +155,8 @@ func (s *Service) tryReserve(ctx context.Context, vm *store.VM, p vmNICs, req *s
 }
 
 // nameTaken is the 409 for a VM name in use; it names the existing VM.
-func (s *Service) nameTaken(ctx context.Context, name string, cause error) error {
-	existing, err := s.store.GetVMByName(ctx, name)
+func (s *Service) nameTaken(ctx context.Context, project, name string, cause error) error {
+	existing, err := s.store.GetVMByName(ctx, project, name)
 	if err != nil {
 		return &Error{Code: api.CodeConflict, Message: fmt.Sprintf("a VM named %q already exists", name), Err: cause}
 	}
@@ -209,9 +212,15 @@ func (s *Service) Place(ctx context.Context, in api.PlacementRequest) (api.Place
 	if err := validateConstraints(in.Constraints); err != nil {
 		return api.PlacementResult{}, err
 	}
+	// The dry run ranks the hosts a create of the caller's project could
+	// use: its host labels apply.
+	project, err := s.projectFor(ctx, "")
+	if err != nil {
+		return api.PlacementResult{}, err
+	}
 	req := scheduler.Request{Image: in.Image, Host: in.Host,
 		Resources:   scheduler.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB},
-		Constraints: schedConstraints(in.Constraints)}
+		Constraints: schedConstraints(projectConstraints(in.Constraints, project))}
 	img, err := s.registeredImage(ctx, in.Image, in.DiskMiB)
 	if err != nil {
 		return api.PlacementResult{}, err
@@ -265,6 +274,9 @@ type ReserveRequest struct {
 	NetworkInterfaces []api.NetworkInterface
 	// Constraints steer the placement as in a create.
 	Constraints *api.Constraints
+	// Project is the VM's project as in a create ("" for default): its
+	// quotas and host labels apply.
+	Project string
 }
 
 // Reserve places a VM and reserves its capacity (the VM row is inserted in
@@ -283,14 +295,19 @@ func (s *Service) Reserve(ctx context.Context, r ReserveRequest) (string, error)
 	if r.ID == "" {
 		r.ID = newID()
 	}
-	vm := store.VM{ID: r.ID, Name: r.Name, Image: r.Image, Labels: r.Labels,
-		Resources:  store.Resources{VCPUs: r.Resources.VCPUs, MemoryMiB: r.Resources.MemoryMiB, DiskMiB: r.Resources.DiskMiB},
-		PowerState: api.PowerRunning, ObservedState: api.StateCreating, Constraints: constraintsText(r.Constraints)}
-	nics, err := s.resolveNICs(ctx, vm.ID, r.NetworkInterfaces)
+	project, err := s.projectFor(ctx, r.Project)
 	if err != nil {
 		return "", err
 	}
-	req := scheduler.Request{Image: r.Image, Resources: schedResources(vm.Resources), Constraints: schedConstraints(r.Constraints)}
+	vm := store.VM{ID: r.ID, Name: r.Name, Project: project.Name, Image: r.Image, Labels: r.Labels,
+		Resources:  store.Resources{VCPUs: r.Resources.VCPUs, MemoryMiB: r.Resources.MemoryMiB, DiskMiB: r.Resources.DiskMiB},
+		PowerState: api.PowerRunning, ObservedState: api.StateCreating, Constraints: constraintsText(r.Constraints)}
+	nics, err := s.resolveNICs(ctx, vm.ID, project.Name, r.NetworkInterfaces)
+	if err != nil {
+		return "", err
+	}
+	req := scheduler.Request{Image: r.Image, Resources: schedResources(vm.Resources),
+		Constraints: schedConstraints(projectConstraints(r.Constraints, project))}
 	if err := s.placeAndReserve(ctx, &vm, nics, req); err != nil {
 		return "", err
 	}

@@ -201,7 +201,7 @@ func (s *Service) renameVM(ctx context.Context, vm store.VM, name string) error 
 	}
 	if err := s.store.RenameVM(ctx, vm.ID, name); err != nil {
 		if errors.Is(err, store.ErrDuplicateName) {
-			return s.nameTaken(ctx, name, err)
+			return s.nameTaken(ctx, vm.Project, name, err)
 		}
 		return fromStore(err, "rename vm "+vm.ID)
 	}

@@ -42,6 +42,9 @@ type Principal struct {
 	TokenID string // "" for the bootstrap token of --token
 	Name    string
 	Scopes  []string
+	// Project is the project a project token acts in ("" for a
+	// fleet-wide token): it sees that project's objects only.
+	Project string
 }
 
 // Has says whether the principal holds scope.
@@ -103,6 +106,18 @@ func (c *tokenCache) forget(id string) {
 		}
 	}
 	delete(c.touched, id)
+}
+
+// forgetProject drops every entry of a token of project (its delete on
+// this replica).
+func (c *tokenCache) forgetProject(project string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for h, e := range c.byHash {
+		if e.found && e.token.Project != nil && *e.token.Project == project {
+			delete(c.byHash, h)
+		}
+	}
 }
 
 // dueForTouch says whether this replica should write last_used_at of id now,
@@ -175,7 +190,11 @@ func (s *Service) AuthenticateDigest(ctx context.Context, hash string) (Principa
 			s.log.Warn("record token use", "token", e.token.ID, "err", err)
 		}
 	}
-	return Principal{TokenID: e.token.ID, Name: e.token.Name, Scopes: e.token.Scopes}, nil
+	p := Principal{TokenID: e.token.ID, Name: e.token.Name, Scopes: e.token.Scopes}
+	if e.token.Project != nil {
+		p.Project = *e.token.Project
+	}
+	return p, nil
 }
 
 // CreateToken makes a token and answers its secret, the only time it is shown.
@@ -195,16 +214,30 @@ func (s *Service) CreateToken(ctx context.Context, in api.TokenCreate) (api.Toke
 		}
 		expires = &at
 	}
+	var project *string
+	if in.Project != "" {
+		// A project token: it acts in its project alone, so it never holds
+		// admin (hosts, images, networks and tokens are fleet-wide), and it
+		// is made only by a fleet-wide token.
+		if slices.Contains(scopes, api.ScopeAdmin) {
+			return api.Token{}, invalidf("a token of project %q cannot hold scope %q: admin acts on the whole fleet; give scopes [%q]",
+				in.Project, api.ScopeAdmin, api.ScopeUser)
+		}
+		if _, err := s.projectFor(ctx, in.Project); err != nil {
+			return api.Token{}, err
+		}
+		project = &in.Project
+	}
 	secret, err := newTokenSecret()
 	if err != nil {
 		return api.Token{}, internal(err, "generate a token secret")
 	}
 	row := store.Token{ID: newID(), Name: in.Name, SecretSHA256: secretDigest(secret), Scopes: scopes,
-		ExpiresAt: expires, CreatedAt: time.Now().UTC()}
+		ExpiresAt: expires, CreatedAt: time.Now().UTC(), Project: project}
 	if err := s.store.InsertToken(ctx, row); err != nil {
 		return api.Token{}, fromStore(err, "create token "+in.Name)
 	}
-	s.log.Info("token created", "token", row.ID, "name", row.Name, "scopes", scopes)
+	s.log.Info("token created", "token", row.ID, "name", row.Name, "scopes", scopes, "project", in.Project)
 	out := apiToken(row)
 	out.Secret = secret
 	return out, nil
@@ -266,5 +299,9 @@ func validateScopes(in []string) ([]string, error) {
 }
 
 func apiToken(r store.Token) api.Token {
-	return api.Token{ID: r.ID, Name: r.Name, Scopes: r.Scopes, ExpiresAt: r.ExpiresAt, LastUsedAt: r.LastUsedAt, CreatedAt: r.CreatedAt}
+	out := api.Token{ID: r.ID, Name: r.Name, Scopes: r.Scopes, ExpiresAt: r.ExpiresAt, LastUsedAt: r.LastUsedAt, CreatedAt: r.CreatedAt}
+	if r.Project != nil {
+		out.Project = *r.Project
+	}
+	return out
 }

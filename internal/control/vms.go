@@ -60,21 +60,30 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	if err := s.checkPlaceable(ctx, builtin, in.Host); err != nil {
 		return api.VM{}, err
 	}
-	if existing, err := s.store.GetVMByName(ctx, in.Name); err == nil {
-		return api.VM{}, s.nameTaken(ctx, existing.Name, nil)
+	project, err := s.projectFor(ctx, in.Project)
+	if err != nil {
+		return api.VM{}, err
+	}
+	if err := checkProjectLabels(in.Constraints, project); err != nil {
+		return api.VM{}, err
+	}
+	if existing, err := s.store.GetVMByName(ctx, project.Name, in.Name); err == nil {
+		return api.VM{}, s.nameTaken(ctx, project.Name, existing.Name, nil)
 	}
 	vm := store.VM{
-		ID: newID(), Name: in.Name, Image: in.Image, Labels: in.Labels,
+		ID: newID(), Name: in.Name, Project: project.Name, Image: in.Image, Labels: in.Labels,
 		Resources:  store.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB},
 		PowerState: in.PowerState, ObservedState: api.StateCreating, Constraints: constraintsText(in.Constraints),
 		CreatedAt: time.Now().UTC().Truncate(time.Microsecond), Owner: &s.replicaID, Guest: guestOf(in),
 	}
-	nics, err := s.resolveNICs(ctx, vm.ID, in.NetworkInterfaces)
+	nics, err := s.resolveNICs(ctx, vm.ID, project.Name, in.NetworkInterfaces)
 	if err != nil {
 		return api.VM{}, err
 	}
+	// The VM keeps the constraints it was asked with; placement also
+	// holds it to its project's hosts.
 	req := scheduler.Request{Image: in.Image, Host: in.Host, Resources: schedResources(vm.Resources),
-		Constraints: schedConstraints(in.Constraints)}
+		Constraints: schedConstraints(projectConstraints(in.Constraints, project))}
 	if img != nil {
 		req.ImageSHA256 = img.SHA256
 	}
@@ -204,7 +213,7 @@ func (s *Service) checkPlaceable(ctx context.Context, image, host string) error 
 
 // GetVM returns one VM.
 func (s *Service) GetVM(ctx context.Context, id string) (api.VM, error) {
-	vm, err := s.store.GetVM(ctx, id)
+	vm, err := s.visibleVM(ctx, id)
 	if err != nil {
 		return api.VM{}, fromStore(err, "read vm "+id)
 	}
@@ -230,7 +239,7 @@ func (s *Service) ListVMs(ctx context.Context, q VMQuery) (api.List[api.VM], err
 	if err != nil {
 		return api.List[api.VM]{}, err
 	}
-	f := store.VMFilter{Host: q.Host, Name: q.Name, ForkID: q.ForkID, After: after, Limit: size + 1}
+	f := store.VMFilter{Project: principalOf(ctx).Project, Host: q.Host, Name: q.Name, ForkID: q.ForkID, After: after, Limit: size + 1}
 	if q.Label != "" {
 		if f.LabelKey, f.LabelValue, err = parseLabelFilter(q.Label); err != nil {
 			return api.List[api.VM]{}, err
@@ -267,7 +276,7 @@ func (s *Service) UpdateVM(ctx context.Context, id string, in api.VMPatch) (api.
 	}
 	ctx, cancel := detached(ctx, createTimeout)
 	defer cancel()
-	vm, err := s.store.GetVM(ctx, id)
+	vm, err := s.visibleVM(ctx, id)
 	if err != nil {
 		return api.VM{}, fromStore(err, "read vm "+id)
 	}
@@ -374,7 +383,7 @@ func (s *Service) DeleteVM(ctx context.Context, id string) error {
 	ctx, cancel := detached(ctx, createTimeout)
 	defer cancel()
 	step := time.Now()
-	vm, err := s.store.GetVM(ctx, id)
+	vm, err := s.visibleVM(ctx, id)
 	if err != nil {
 		return fromStore(err, "read vm "+id)
 	}
@@ -436,7 +445,8 @@ func (s *Service) apiVMs(ctx context.Context, vms []store.VM) ([]api.VM, error) 
 // back shows as drift; observed_state is unknown while its host is dead.
 func apiVM(vm store.VM, hostAlive bool) api.VM {
 	out := api.VM{
-		ID: vm.ID, Name: vm.Name, Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
+		Project: vm.Project,
+		ID:      vm.ID, Name: vm.Name, Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Host: vm.HostName, PowerState: vm.PowerState, ObservedState: vm.ObservedState,
 		Reason: vm.Reason, StartedFrom: vm.StartedFrom, Labels: vm.Labels, CreatedAt: vm.CreatedAt,
 		NetworkInterfaces: apiNICs(vm.NICs),

@@ -25,7 +25,7 @@ import (
 // revoked or expired: 401. A token whose scopes do not allow the route: 403.
 //
 // Scopes by route (the route pattern Echo matched):
-//   - admin: hosts, networks, images and tokens (tokens: reads too);
+//   - admin: hosts, networks, images, projects and tokens (tokens: reads too);
 //   - user:  VMs, forks and placements;
 //   - either: reads (GET, HEAD) of everything but tokens, and the answer to
 //     a path no route serves (404 no_route, after the token check).
@@ -65,6 +65,12 @@ func RouteScopes(method, route string) (scopes []string, ok bool) {
 		return adminOnly, true
 	case "hosts", "networks", "images":
 		// Writes, POST /v1/hosts/:name/retire included, are admin only.
+		if read {
+			return adminOrUser, true
+		}
+		return adminOnly, true
+	case "projects":
+		// A project token reads its own project (its usage and quotas).
 		if read {
 			return adminOrUser, true
 		}
@@ -140,8 +146,9 @@ func authenticate(t tokens) echo.MiddlewareFunc {
 				return err
 			}
 			c.Set(principalKey, p) // the request log names it, refused or not
+			// The principal's project scopes what the request sees;
 			// Idempotency-Keys are kept per caller.
-			c.SetRequest(c.Request().WithContext(control.WithCaller(c.Request().Context(), p.Caller())))
+			c.SetRequest(c.Request().WithContext(control.WithPrincipal(c.Request().Context(), p)))
 			scopes, ok := RouteScopes(c.Request().Method, c.Path())
 			if !ok || !holdsAny(p, scopes) {
 				return &control.Error{Code: api.CodeForbidden,

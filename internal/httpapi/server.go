@@ -90,6 +90,7 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	v1.DELETE("/networks/:name", h.deleteNetwork)
 	h.forkRoutes(v1)
 	h.imageRoutes(v1)
+	h.projectRoutes(v1)
 	v1.POST("/tokens", h.createToken)
 	v1.GET("/tokens", h.listTokens)
 	v1.DELETE("/tokens/:id", h.revokeToken)
@@ -107,6 +108,7 @@ var statusOf = map[string]int{
 	api.CodeConflict:            http.StatusConflict,
 	api.CodeNoCapacity:          http.StatusConflict,
 	api.CodeNoAddress:           http.StatusConflict,
+	api.CodeQuotaExceeded:       http.StatusConflict,
 	api.CodeIdempotencyMismatch: http.StatusUnprocessableEntity,
 	api.CodeInFlight:            http.StatusConflict,
 	api.CodeTooLarge:            http.StatusRequestEntityTooLarge,

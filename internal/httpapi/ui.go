@@ -72,6 +72,8 @@ type uiAuth struct {
 type uiSession struct {
 	id      string
 	expires time.Time
+	// who holds the session's token: the page shows what it may see.
+	who control.Principal
 }
 
 // login returns the digest a session keeps for a token secret, or false
@@ -128,7 +130,8 @@ func (a uiAuth) session(c echo.Context) (uiSession, bool, error) {
 		return uiSession{}, false, nil
 	}
 	ctx := c.Request().Context()
-	if _, err := a.tokens.authenticateDigest(ctx, digest); err != nil {
+	who, err := a.tokens.authenticateDigest(ctx, digest)
+	if err != nil {
 		if isUnauthorized(err) {
 			return uiSession{}, false, nil
 		}
@@ -138,24 +141,31 @@ func (a uiAuth) session(c echo.Context) (uiSession, bool, error) {
 	if err != nil || ended {
 		return uiSession{}, false, err
 	}
-	return uiSession{id: id, expires: time.Unix(exp, 0)}, true, nil
+	return uiSession{id: id, expires: time.Unix(exp, 0), who: who}, true, nil
 }
 
 // bearer says whether the request carries a valid token in its
 // Authorization header (curl and scripts may use the page like the API).
-func (a uiAuth) bearer(c echo.Context) (bool, error) {
+func (a uiAuth) bearer(c echo.Context) (control.Principal, bool, error) {
 	secret, ok := httpserver.BearerToken(c.Request())
-	if !ok {
-		return false, nil
+	if !ok || secret == "" {
+		return control.Principal{}, false, nil
 	}
-	_, ok, err := a.login(c, secret)
-	return ok, err
+	who, err := a.tokens.authenticate(c.Request().Context(), secret)
+	if err != nil {
+		if isUnauthorized(err) {
+			return control.Principal{}, false, nil
+		}
+		return control.Principal{}, false, err
+	}
+	return who, true, nil
 }
 
-// signedIn says whether the request has a session or a bearer token.
-func (a uiAuth) signedIn(c echo.Context) (bool, error) {
-	if _, ok, err := a.session(c); ok || err != nil {
-		return ok, err
+// signedIn says who the request's session or bearer token belongs to, if
+// it has one.
+func (a uiAuth) signedIn(c echo.Context) (control.Principal, bool, error) {
+	if sess, ok, err := a.session(c); ok || err != nil {
+		return sess.who, ok, err
 	}
 	return a.bearer(c)
 }
@@ -235,12 +245,15 @@ func (u *uiHandlers) fleet(c echo.Context) error {
 		uiHeaders(c)
 		return c.Redirect(http.StatusSeeOther, "/ui")
 	}
-	if ok, err := u.auth.signedIn(c); err != nil || !ok {
+	who, ok, err := u.auth.signedIn(c)
+	if err != nil || !ok {
 		if err != nil {
 			return err
 		}
 		return u.loginPage(c, "")
 	}
+	// A project token's page shows its project alone.
+	c.SetRequest(c.Request().WithContext(control.WithPrincipal(c.Request().Context(), who)))
 	view, err := u.view(c)
 	if err != nil {
 		return err
@@ -279,7 +292,7 @@ func (u *uiHandlers) logout(c echo.Context) error {
 		if err := u.svc.EndUISession(c.Request().Context(), sess.id, sess.expires); err != nil {
 			return err
 		}
-	} else if ok, err := u.auth.bearer(c); err != nil || !ok {
+	} else if _, ok, err := u.auth.bearer(c); err != nil || !ok {
 		if err != nil {
 			return err
 		}

@@ -139,6 +139,19 @@ func (b *reservationBatcher) commitSQLite(batch []pendingReservation) {
 				results[i] = err
 				continue
 			}
+			// The project's usage next, in the order of the PostgreSQL
+			// statement: past a quota its CHECK refuses the UPDATE alone.
+			if err := chargeProject(tx, p.vm.Project, vmShare(p.vm), tx); err != nil {
+				var qe *QuotaError
+				if !errors.As(err, &qe) {
+					return err
+				}
+				results[i] = err
+				if err := giveGroupSlot(tx, p.vm.Group); err != nil {
+					return err
+				}
+				continue
+			}
 			// A refused UPDATE changed nothing. A failed insert after a
 			// granted UPDATE is undone by hand, not with a savepoint: two
 			// statements fewer for every reservation that succeeds (a
@@ -152,6 +165,9 @@ func (b *reservationBatcher) commitSQLite(batch []pendingReservation) {
 			if n, err := res.RowsAffected(); err != nil || n != 1 {
 				results[i] = fmt.Errorf("host %s: %w", p.vm.HostName, ErrNoRoom)
 				if err := giveGroupSlot(tx, p.vm.Group); err != nil {
+					return err
+				}
+				if err := creditProject(tx, p.vm.Project, vmShare(p.vm)); err != nil {
 					return err
 				}
 				continue
@@ -208,15 +224,18 @@ func undoReservation(tx *gorm.DB, vm VM) error {
 	if err := giveGroupSlot(tx, vm.Group); err != nil {
 		return err
 	}
+	if err := creditProject(tx, vm.Project, vmShare(vm)); err != nil {
+		return err
+	}
 	r := vm.Resources
 	return tx.Exec(`UPDATE hosts SET alloc_vcpus = alloc_vcpus - ?, alloc_memory_mib = alloc_memory_mib - ?,
 		alloc_disk_mib = alloc_disk_mib - ? WHERE name = ?`, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName).Error
 }
 
-const insertVMSQL = `INSERT INTO vms (id, name, host_name, image, vcpus, memory_mib, disk_mib, power_state,
+const insertVMSQL = `INSERT INTO vms (id, name, project, host_name, image, vcpus, memory_mib, disk_mib, power_state,
 	observed_state, reason, started_from, holds_capacity, fork_id, fork_slot, labels, nics, placement,
 	constraints, group_name, spread_by, spread_domain, group_cap, owner_replica, guest, created_at, updated_at)
-	VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`
+	VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`
 
 // insertVMPrepared writes the VM row the way gorm's Create would (labels as
 // JSON text), with a statement prepared once per batch.
@@ -234,7 +253,7 @@ func insertVMPrepared(ctx context.Context, insert *sql.Stmt, vm VM) error {
 		return err
 	}
 	r := vm.Resources
-	_, err = insert.ExecContext(ctx, vm.ID, vm.Name, vm.HostName, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB,
+	_, err = insert.ExecContext(ctx, vm.ID, vm.Name, vm.Project, vm.HostName, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB,
 		vm.PowerState, vm.ObservedState, vm.Reason, vm.StartedFrom, vm.HoldsCapacity, vm.ForkID, vm.ForkSlot,
 		labels, nics, vm.Placement, vm.Constraints, vm.Group.Name, vm.Group.SpreadBy, vm.Group.Domain, vm.Group.Cap,
 		vm.Owner, guest, vm.CreatedAt, vm.UpdatedAt)

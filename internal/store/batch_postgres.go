@@ -74,6 +74,17 @@ func (s *Store) commitPostgres(batch []pendingReservation) {
 // returns how many VMs each placed (1 or 0).
 func (s *Store) reservePipelined(ctx context.Context, batch []pendingReservation) ([]int, error) {
 	var pb pgx.Batch
+	// The batch's projects are locked first, in name order, and only then
+	// its hosts (each statement locks its project before its host): every
+	// batch and every lone reservation takes the rows in that one order.
+	projects := make([]string, 0, 1)
+	for _, p := range batch {
+		if !slices.Contains(projects, p.vm.Project) {
+			projects = append(projects, p.vm.Project)
+		}
+	}
+	slices.Sort(projects)
+	pb.Queue(`SELECT COUNT(*) FROM (SELECT name FROM projects WHERE name = ANY($1::text[]) ORDER BY name FOR UPDATE) AS locked`, projects)
 	for _, p := range batch {
 		query, args, err := reserveStatement(p.vm)
 		if err != nil {
@@ -98,7 +109,8 @@ func (s *Store) reservePipelined(ctx context.Context, batch []pendingReservation
 		}
 		s.statements.Add(int64(len(batch)))
 		results := c.Conn().SendBatch(ctx, &pb)
-		var firstErr error
+		var locked int
+		firstErr := results.QueryRow().Scan(&locked)
 		for i := range batch {
 			if err := results.QueryRow().Scan(&placed[i]); err != nil && firstErr == nil {
 				firstErr = err

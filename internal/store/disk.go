@@ -23,6 +23,13 @@ func (s *Store) GrowVMDisk(ctx context.Context, id, host string, from, to int64)
 		if res.RowsAffected == 0 {
 			return fmt.Errorf("vm %s with a %d MiB disk: %w", id, from, ErrNotFound)
 		}
+		var project string
+		if err := tx.Raw("SELECT project FROM vms WHERE id = ?", id).Scan(&project).Error; err != nil {
+			return fmt.Errorf("read project of vm %s: %w", id, err)
+		}
+		if err := s.chargeProject(tx, project, share{Resources: Resources{DiskMiB: to - from}}); err != nil {
+			return err
+		}
 		res = tx.Exec(`UPDATE hosts SET alloc_disk_mib = alloc_disk_mib + ? WHERE name = ? AND alloc_disk_mib + ? <= cap_disk_mib`,
 			to-from, host, to-from)
 		if res.Error != nil {
@@ -45,6 +52,13 @@ func (s *Store) UndoGrowVMDisk(ctx context.Context, id, host string, from, to in
 		}
 		if res.RowsAffected == 0 {
 			return nil // released or changed meanwhile: nothing of ours to undo
+		}
+		var project string
+		if err := tx.Raw("SELECT project FROM vms WHERE id = ?", id).Scan(&project).Error; err != nil {
+			return fmt.Errorf("read project of vm %s: %w", id, err)
+		}
+		if err := creditProject(tx, project, share{Resources: Resources{DiskMiB: to - from}}); err != nil {
+			return err
 		}
 		return tx.Exec(`UPDATE hosts SET alloc_disk_mib = alloc_disk_mib - ? WHERE name = ?`, to-from, host).Error
 	})

@@ -14,8 +14,10 @@ import (
 
 // Fork is a row of forks. Its id is also the snapshot id on the agents.
 type Fork struct {
-	ID          string    `gorm:"column:id;primaryKey"`
-	SourceVMID  string    `gorm:"column:source_vm_id"`
+	ID         string `gorm:"column:id;primaryKey"`
+	SourceVMID string `gorm:"column:source_vm_id"`
+	// Project is the source's project, which its children belong to.
+	Project     string    `gorm:"column:project"`
 	SourceHost  string    `gorm:"column:source_host"`
 	Image       string    `gorm:"column:image"`
 	Resources   Resources `gorm:"embedded"`

@@ -23,7 +23,9 @@ var (
 
 // Network is a row of networks.
 type Network struct {
-	Name    string   `gorm:"column:name;primaryKey"`
+	Name string `gorm:"column:name;primaryKey"`
+	// Project is whose VMs may attach (the default user network: anyone's).
+	Project string   `gorm:"column:project"`
 	Mode    string   `gorm:"column:mode"`
 	CIDR    string   `gorm:"column:cidr"`
 	Gateway string   `gorm:"column:gateway"`

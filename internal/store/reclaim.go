@@ -34,7 +34,12 @@ func (s *Store) ReclaimVM(ctx context.Context, id, observedState, reason, starte
 		if res.RowsAffected == 0 {
 			return nil
 		}
-		// Its group slot first (the lock order of reservations); under the
+		// Its project's usage first, under the quota like a create (the
+		// lock order of reservations).
+		if err := s.chargeProject(tx, vm.Project, vmShare(vm)); err != nil {
+			return fmt.Errorf("reclaim vm %s: %w", id, err)
+		}
+		// Its group slot next; under the
 		// cap only, like the capacity below.
 		if err := takeGroupSlot(tx, vm); err != nil {
 			return fmt.Errorf("reclaim vm %s: %w", id, err)

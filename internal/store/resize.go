@@ -78,6 +78,10 @@ func (s *Store) BeginResizeOwned(ctx context.Context, id string, shape Shape, ow
 		if growV == 0 && growM == 0 {
 			return nil
 		}
+		// The project's quota first (the lock order of reservations).
+		if err := s.chargeProject(tx, vm.Project, share{Resources: Resources{VCPUs: growV, MemoryMiB: growM}}); err != nil {
+			return err
+		}
 		// Placement's conditional UPDATE for the growth alone. Not
 		// schedulable is no bar: the VM already lives on this host.
 		res = tx.Exec(`UPDATE hosts SET alloc_vcpus = alloc_vcpus + ?, alloc_memory_mib = alloc_memory_mib + ?
@@ -138,6 +142,9 @@ func (s *Store) FinishResize(ctx context.Context, id string, applied bool) (VM, 
 		vm.PendingVCPUs, vm.PendingMemoryMiB, vm.ResizeStartedAt = nil, nil, nil
 		if !vm.HoldsCapacity || (relV == 0 && relM == 0) {
 			return nil
+		}
+		if err := creditProject(tx, vm.Project, share{Resources: Resources{VCPUs: relV, MemoryMiB: relM}}); err != nil {
+			return err
 		}
 		res = tx.Exec(`UPDATE hosts SET alloc_vcpus = alloc_vcpus - ?, alloc_memory_mib = alloc_memory_mib - ? WHERE name = ?`,
 			relV, relM, vm.HostName)

@@ -150,7 +150,7 @@ func TestRenameVM(t *testing.T) {
 		if err := s.RenameVM(ctx, a.ID, "fresh"); err != nil {
 			t.Fatal(err)
 		}
-		if got, err := s.GetVMByName(ctx, "fresh"); err != nil || got.ID != a.ID {
+		if got, err := s.GetVMByName(ctx, store.DefaultProject, "fresh"); err != nil || got.ID != a.ID {
 			t.Errorf("lookup of the new name: %+v %v", got.ID, err)
 		}
 		if err := s.RenameVM(ctx, "nope", "x"); !errors.Is(err, store.ErrNotFound) {

@@ -12,13 +12,15 @@ import (
 // Token is a row of tokens: an API token with its scopes. SecretSHA256 is
 // the hex SHA-256 of the secret; the secret itself is never stored.
 type Token struct {
-	ID           string     `gorm:"column:id;primaryKey"`
-	Name         string     `gorm:"column:name"`
-	SecretSHA256 string     `gorm:"column:secret_sha256"`
-	Scopes       []string   `gorm:"column:scopes;serializer:json"`
-	ExpiresAt    *time.Time `gorm:"column:expires_at"`
-	LastUsedAt   *time.Time `gorm:"column:last_used_at"`
-	CreatedAt    time.Time  `gorm:"column:created_at"`
+	ID           string   `gorm:"column:id;primaryKey"`
+	Name         string   `gorm:"column:name"`
+	SecretSHA256 string   `gorm:"column:secret_sha256"`
+	Scopes       []string `gorm:"column:scopes;serializer:json"`
+	// Project is the project the token acts in; nil for a fleet-wide token.
+	Project    *string    `gorm:"column:project"`
+	ExpiresAt  *time.Time `gorm:"column:expires_at"`
+	LastUsedAt *time.Time `gorm:"column:last_used_at"`
+	CreatedAt  time.Time  `gorm:"column:created_at"`
 }
 
 // TableName is the table of Token.

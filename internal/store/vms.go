@@ -15,8 +15,10 @@ import (
 
 // VM is a row of vms.
 type VM struct {
-	ID            string    `gorm:"column:id;primaryKey"`
-	Name          string    `gorm:"column:name"`
+	ID   string `gorm:"column:id;primaryKey"`
+	Name string `gorm:"column:name"`
+	// Project owns the VM; its usage counts the VM while it holds capacity.
+	Project       string    `gorm:"column:project"`
 	HostName      string    `gorm:"column:host_name"`
 	Image         string    `gorm:"column:image"`
 	Resources     Resources `gorm:"embedded"`
@@ -108,6 +110,9 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 		vm.CreatedAt = t
 	}
 	vm.UpdatedAt, vm.HoldsCapacity = t, true
+	if vm.Project == "" {
+		vm.Project = DefaultProject
+	}
 	if vm.Labels == nil {
 		vm.Labels = map[string]string{}
 	}
@@ -121,7 +126,10 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 		err = s.batcher.reserve(ctx, vm)
 	}
 	switch {
-	case err == nil || errors.Is(err, ErrNoRoom) || errors.Is(err, ErrGroupCap) || errors.Is(err, ErrAddressTaken) || errors.Is(err, ErrMACTaken):
+	case quotaResource(err) != "":
+		// The PostgreSQL statement's CHECK: read the figures for the error.
+		return quotaError(s.db.WithContext(ctx), vm.Project, quotaResource(err), vmShare(vm))
+	case err == nil || errors.Is(err, ErrNoRoom) || isQuota(err) || errors.Is(err, ErrGroupCap) || errors.Is(err, ErrAddressTaken) || errors.Is(err, ErrMACTaken):
 		return err
 	case pgCode(err) == "23514": // group_domains_cap: the slot's CHECK
 		return fmt.Errorf("group %q already has %d VMs in %s %s: %w", vm.Group.Name, vm.Group.Cap, vm.Group.SpreadBy, vm.Group.Domain, ErrGroupCap)
@@ -286,18 +294,32 @@ func reserveStatement(vm VM) (string, []any, error) {
 	}
 	g := vm.Group
 	r := vm.Resources
-	// The resources are $1-$3 and the host $4; the WHERE and the VM row
-	// reuse them.
+	// The resources are $1-$3, the host $4 and the project $5; the WHERE,
+	// the project's usage and the VM row reuse them.
 	args := make(pgArgs, 0, 32+4*len(vm.NICs)+2*len(vm.Labels))
-	args = append(args, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName)
+	args = append(args, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName, vm.Project)
 	var sql strings.Builder
 	sql.Grow(2048)
-	sql.WriteString(`WITH reserved AS (
+	// The project's row is locked before the host's (project_lock is
+	// evaluated in the host UPDATE's WHERE, before its row is locked), the
+	// order of every other writer of both, so that reservations never
+	// deadlock over the two. Its usage grows only if the host took the VM;
+	// past a quota the CHECK projects_<resource>_quota fails the whole
+	// statement, the host's share with it.
+	sql.WriteString(`WITH project_lock AS (
+		SELECT name FROM projects WHERE name = $5::text FOR UPDATE
+	), reserved AS (
 		UPDATE hosts SET
 			alloc_vcpus = alloc_vcpus + $1, alloc_memory_mib = alloc_memory_mib + $2, alloc_disk_mib = alloc_disk_mib + $3
 		WHERE name = $4 AND alive AND schedulable
 			AND alloc_vcpus + $1 <= cap_vcpus AND alloc_memory_mib + $2 <= cap_memory_mib AND alloc_disk_mib + $3 <= cap_disk_mib
+			AND EXISTS (SELECT 1 FROM project_lock)
 		RETURNING name
+	), quota AS (
+		UPDATE projects SET used_vcpus = used_vcpus + $1, used_memory_mib = used_memory_mib + $2,
+			used_disk_mib = used_disk_mib + $3, used_vms = used_vms + 1
+		FROM reserved WHERE projects.name = $5::text
+		RETURNING 1
 	)`)
 	if g.Name != "" {
 		// The group slot, only if the host took the VM. Past the cap the
@@ -316,12 +338,12 @@ func reserveStatement(vm VM) (string, []any, error) {
 	)`)
 	}
 	sql.WriteString(`, vm AS (
-		INSERT INTO vms (id, name, host_name, image, vcpus, memory_mib, disk_mib, power_state, observed_state,
+		INSERT INTO vms (id, name, project, host_name, image, vcpus, memory_mib, disk_mib, power_state, observed_state,
 			reason, started_from, holds_capacity, fork_id, fork_slot, labels, nics, placement,
 			constraints, group_name, spread_by, spread_domain, group_cap, owner_replica, guest, created_at, updated_at)
 		SELECT `)
 	args.add(&sql, []string{"text", "text"}, vm.ID, vm.Name)
-	sql.WriteString(", name, ")
+	sql.WriteString(", $5::text, name, ")
 	args.add(&sql, []string{"text"}, vm.Image)
 	sql.WriteString(", $1, $2, $3, ")
 	args.add(&sql, []string{"text", "text", "text", "text"}, vm.PowerState, vm.ObservedState, vm.Reason, vm.StartedFrom)
@@ -329,7 +351,9 @@ func reserveStatement(vm VM) (string, []any, error) {
 	args.add(&sql, []string{"text", "integer", "text", "text", "text", "text", "text", "text", "text", "integer", "text", "text", "timestamp", "timestamp"},
 		vm.ForkID, vm.ForkSlot, labels, nics, vm.Placement,
 		vm.Constraints, g.Name, g.SpreadBy, g.Domain, g.Cap, vm.Owner, guest, vm.CreatedAt, vm.UpdatedAt)
-	sql.WriteString(` FROM reserved
+	// FROM quota too: PostgreSQL runs a data-modifying CTE whether or
+	// not it is read, but reading it keeps its place in the plan plain.
+	sql.WriteString(` FROM reserved, quota
 		RETURNING id
 	)`)
 	if len(vm.NICs) > 0 {
@@ -415,8 +439,12 @@ func releaseInTx(tx *gorm.DB, vm VM) (bool, error) {
 	if res.RowsAffected == 0 {
 		return false, nil
 	}
-	// The group slot goes before the host's capacity: reservations lock
-	// the group row before the host row too, so the two never deadlock.
+	// The project's usage goes first, then the group slot, then the
+	// host's capacity: the order in which reservations lock those rows, so
+	// the two never deadlock.
+	if err := creditProject(tx, vm.Project, vmShare(vm)); err != nil {
+		return false, fmt.Errorf("release vm %s: %w", vm.ID, err)
+	}
 	if err := giveGroupSlot(tx, vm.Group); err != nil {
 		return false, fmt.Errorf("release group slot of vm %s: %w", vm.ID, err)
 	}
@@ -518,10 +546,10 @@ func takeVM(q *gorm.DB, id string) (VM, error) {
 	return vm, nil
 }
 
-// GetVMByName returns the VM with this name; ErrNotFound when none.
-func (s *Store) GetVMByName(ctx context.Context, name string) (VM, error) {
+// GetVMByName returns the VM of project with this name; ErrNotFound when none.
+func (s *Store) GetVMByName(ctx context.Context, project, name string) (VM, error) {
 	var vm VM
-	err := s.db.WithContext(ctx).Where("name = ?", name).Take(&vm).Error
+	err := s.db.WithContext(ctx).Where("project = ? AND name = ?", project, name).Take(&vm).Error
 	if errors.Is(err, gorm.ErrRecordNotFound) {
 		return VM{}, fmt.Errorf("vm named %q: %w", name, ErrNotFound)
 	}
@@ -533,6 +561,8 @@ func (s *Store) GetVMByName(ctx context.Context, name string) (VM, error) {
 
 // VMFilter selects VMs in a list. Empty fields match everything.
 type VMFilter struct {
+	// Project, when set, is the one project whose VMs are listed.
+	Project    string
 	Host       string
 	Name       string
 	LabelKey   string
@@ -551,6 +581,9 @@ func (s *Store) ListVMs(ctx context.Context, f VMFilter) ([]VM, error) {
 	}
 	if f.After != "" {
 		q = q.Where("id > ?", f.After)
+	}
+	if f.Project != "" {
+		q = q.Where("project = ?", f.Project)
 	}
 	if f.Host != "" {
 		q = q.Where("host_name = ?", f.Host)

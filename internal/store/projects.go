@@ -1,0 +1,344 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"gorm.io/gorm"
+	"gorm.io/gorm/clause"
+)
+
+// DefaultProject holds what is made without a project.
+const DefaultProject = "default"
+
+// isQuota says whether err is a reservation refused by a project quota.
+func isQuota(err error) bool {
+	var qe *QuotaError
+	return errors.As(err, &qe)
+}
+
+// Errors of projects.
+var (
+	// ErrProjectInUse: the project still holds VMs, forks or networks.
+	ErrProjectInUse = errors.New("project still holds VMs, forks or networks")
+)
+
+// Quota resources, as the CHECK constraints of projects name them
+// (projects_<resource>_quota).
+const (
+	QuotaVCPUs     = "vcpus"
+	QuotaMemoryMiB = "memory_mib"
+	QuotaDiskMiB   = "disk_mib"
+	QuotaVMs       = "vms"
+)
+
+// QuotaError is a reservation refused because it would take its project
+// past a quota. Used and Limit are as read just after the refusal.
+type QuotaError struct {
+	Project   string
+	Resource  string
+	Limit     int64
+	Used      int64
+	Requested int64
+}
+
+func (e *QuotaError) Error() string {
+	return fmt.Sprintf("project %s: %s quota %d, %d in use, %d more requested", e.Project, e.Resource, e.Limit, e.Used, e.Requested)
+}
+
+// Quotas are a project's limits; nil is unlimited.
+type Quotas struct {
+	VCPUs     *int64 `gorm:"column:quota_vcpus"`
+	MemoryMiB *int64 `gorm:"column:quota_memory_mib"`
+	DiskMiB   *int64 `gorm:"column:quota_disk_mib"`
+	VMs       *int64 `gorm:"column:quota_vms"`
+}
+
+// Usage is what a project's VMs that hold capacity hold.
+type Usage struct {
+	VCPUs     int64 `gorm:"column:used_vcpus"`
+	MemoryMiB int64 `gorm:"column:used_memory_mib"`
+	DiskMiB   int64 `gorm:"column:used_disk_mib"`
+	VMs       int64 `gorm:"column:used_vms"`
+}
+
+// Project is a row of projects.
+type Project struct {
+	Name        string            `gorm:"column:name;primaryKey"`
+	Description string            `gorm:"column:description"`
+	HostLabels  map[string]string `gorm:"column:host_labels;serializer:json"`
+	Quotas      Quotas            `gorm:"embedded"`
+	Used        Usage             `gorm:"embedded"`
+	CreatedAt   time.Time         `gorm:"column:created_at"`
+	UpdatedAt   time.Time         `gorm:"column:updated_at"`
+}
+
+// TableName is the table of Project.
+func (Project) TableName() string { return "projects" }
+
+// limit is the quota of resource (nil: unlimited) and what is used of it.
+func (p Project) limit(resource string) (*int64, int64) {
+	switch resource {
+	case QuotaVCPUs:
+		return p.Quotas.VCPUs, p.Used.VCPUs
+	case QuotaMemoryMiB:
+		return p.Quotas.MemoryMiB, p.Used.MemoryMiB
+	case QuotaDiskMiB:
+		return p.Quotas.DiskMiB, p.Used.DiskMiB
+	default:
+		return p.Quotas.VMs, p.Used.VMs
+	}
+}
+
+// InsertProject stores a new project with no usage. ErrDuplicateName when
+// the name is taken.
+func (s *Store) InsertProject(ctx context.Context, p Project) (Project, error) {
+	t := now()
+	p.CreatedAt, p.UpdatedAt, p.Used = t, t, Usage{}
+	if p.HostLabels == nil {
+		p.HostLabels = map[string]string{}
+	}
+	err := s.db.WithContext(ctx).Create(&p).Error
+	if isDuplicate(err) {
+		return Project{}, fmt.Errorf("project %q: %w", p.Name, ErrDuplicateName)
+	}
+	if err != nil {
+		return Project{}, fmt.Errorf("insert project %q: %w", p.Name, err)
+	}
+	return p, nil
+}
+
+// GetProject returns one project; ErrNotFound when there is none.
+func (s *Store) GetProject(ctx context.Context, name string) (Project, error) {
+	var p Project
+	err := s.db.WithContext(ctx).Where("name = ?", name).Take(&p).Error
+	if errors.Is(err, gorm.ErrRecordNotFound) {
+		return Project{}, fmt.Errorf("project %q: %w", name, ErrNotFound)
+	}
+	if err != nil {
+		return Project{}, fmt.Errorf("read project %q: %w", name, err)
+	}
+	return p, nil
+}
+
+// ListProjects returns up to limit projects with names after `after`, by name.
+func (s *Store) ListProjects(ctx context.Context, after string, limit int) ([]Project, error) {
+	var out []Project
+	q := s.db.WithContext(ctx).Order("name").Limit(limit)
+	if after != "" {
+		q = q.Where("name > ?", after)
+	}
+	if err := q.Find(&out).Error; err != nil {
+		return nil, fmt.Errorf("list projects: %w", err)
+	}
+	return out, nil
+}
+
+// ProjectUpdate is what UpdateProject changes; nil fields stay.
+type ProjectUpdate struct {
+	Description *string
+	Quotas      *Quotas
+	HostLabels  *map[string]string
+}
+
+// UpdateProject changes a project in place. New quotas take effect for
+// the next reservation; a quota below the usage is kept (growth is
+// refused, nothing running stops): the usage of now is recorded as the
+// ceiling it may only shrink from (above_quota_*).
+func (s *Store) UpdateProject(ctx context.Context, name string, u ProjectUpdate) (Project, error) {
+	var p Project
+	err := s.inTx(ctx, func(tx *gorm.DB) error {
+		cols := map[string]any{"updated_at": now()}
+		if u.Description != nil {
+			cols["description"] = *u.Description
+		}
+		if u.HostLabels != nil {
+			labels, err := jsonText(*u.HostLabels)
+			if err != nil {
+				return err
+			}
+			cols["host_labels"] = labels
+		}
+		if u.Quotas != nil {
+			cols["quota_vcpus"], cols["quota_memory_mib"] = u.Quotas.VCPUs, u.Quotas.MemoryMiB
+			cols["quota_disk_mib"], cols["quota_vms"] = u.Quotas.DiskMiB, u.Quotas.VMs
+			cols["above_quota_vcpus"] = gorm.Expr("used_vcpus")
+			cols["above_quota_memory_mib"] = gorm.Expr("used_memory_mib")
+			cols["above_quota_disk_mib"] = gorm.Expr("used_disk_mib")
+			cols["above_quota_vms"] = gorm.Expr("used_vms")
+		}
+		res := tx.Model(&Project{}).Where("name = ?", name).Updates(cols)
+		if res.Error != nil {
+			return fmt.Errorf("update project %q: %w", name, res.Error)
+		}
+		if res.RowsAffected == 0 {
+			return fmt.Errorf("project %q: %w", name, ErrNotFound)
+		}
+		return tx.Where("name = ?", name).Take(&p).Error
+	})
+	return p, err
+}
+
+// DeleteProject removes an empty project and its tokens in one
+// transaction (a token of a deleted project stops working at once).
+// ErrProjectInUse while it holds VMs, forks or networks; ErrNotFound when
+// there is none.
+func (s *Store) DeleteProject(ctx context.Context, name string) error {
+	return s.inTx(ctx, func(tx *gorm.DB) error {
+		// The row lock first: a reservation into the project locks it too,
+		// so none can slip in between the count and the delete.
+		var p Project
+		q := tx.Where("name = ?", name)
+		if s.dialect == DialectPostgres {
+			q = q.Clauses(clause.Locking{Strength: "UPDATE"})
+		}
+		if err := q.Take(&p).Error; err != nil {
+			if errors.Is(err, gorm.ErrRecordNotFound) {
+				return fmt.Errorf("project %q: %w", name, ErrNotFound)
+			}
+			return fmt.Errorf("read project %q: %w", name, err)
+		}
+		var held int64
+		if err := tx.Raw(`SELECT (SELECT COUNT(*) FROM vms WHERE project = ?) + (SELECT COUNT(*) FROM forks WHERE project = ?)
+			+ (SELECT COUNT(*) FROM networks WHERE project = ?)`, name, name, name).Scan(&held).Error; err != nil {
+			return fmt.Errorf("count objects of project %q: %w", name, err)
+		}
+		if held > 0 {
+			return fmt.Errorf("project %q holds %d VMs, forks or networks: %w", name, held, ErrProjectInUse)
+		}
+		if err := tx.Exec("DELETE FROM tokens WHERE project = ?", name).Error; err != nil {
+			return fmt.Errorf("delete tokens of project %q: %w", name, err)
+		}
+		return tx.Exec("DELETE FROM projects WHERE name = ?", name).Error
+	})
+}
+
+// chargeProjectSQL adds a VM's share to its project (arguments: vcpus,
+// memory, disk, vm count, project). Past a quota the row's CHECK fails the
+// statement (quotaResource tells which).
+const chargeProjectSQL = `UPDATE projects SET used_vcpus = used_vcpus + ?, used_memory_mib = used_memory_mib + ?,
+	used_disk_mib = used_disk_mib + ?, used_vms = used_vms + ? WHERE name = ?`
+
+// creditProjectSQL gives a share back (arguments: vcpus, memory, disk, vm
+// count, then the same four again, then the project). A ceiling above the
+// quota comes down with the usage, so usage above a lowered quota only
+// ever shrinks.
+const creditProjectSQL = `UPDATE projects SET used_vcpus = used_vcpus - ?, used_memory_mib = used_memory_mib - ?,
+	used_disk_mib = used_disk_mib - ?, used_vms = used_vms - ?,
+	above_quota_vcpus = CASE WHEN above_quota_vcpus > used_vcpus - ? THEN used_vcpus - ? ELSE above_quota_vcpus END,
+	above_quota_memory_mib = CASE WHEN above_quota_memory_mib > used_memory_mib - ? THEN used_memory_mib - ? ELSE above_quota_memory_mib END,
+	above_quota_disk_mib = CASE WHEN above_quota_disk_mib > used_disk_mib - ? THEN used_disk_mib - ? ELSE above_quota_disk_mib END,
+	above_quota_vms = CASE WHEN above_quota_vms > used_vms - ? THEN used_vms - ? ELSE above_quota_vms END
+	WHERE name = ?`
+
+// share is what a reservation of r (and n VMs) adds to its project.
+type share struct {
+	Resources
+	VMs int64
+}
+
+// chargeProject adds a share to project inside tx; a *QuotaError when it
+// would cross a quota (the statement changed nothing then).
+func (s *Store) chargeProject(tx *gorm.DB, project string, sh share) error {
+	if s.dialect == DialectPostgres {
+		// A refusal aborts the transaction: the error's read goes beside it.
+		return chargeProject(tx, project, sh, s.db.WithContext(tx.Statement.Context))
+	}
+	return chargeProject(tx, project, sh, tx)
+}
+
+// chargeProject is Store.chargeProject with the connection that reads a
+// refusal's figures.
+func chargeProject(tx *gorm.DB, project string, sh share, read *gorm.DB) error {
+	if sh == (share{}) {
+		return nil
+	}
+	res := tx.Exec(chargeProjectSQL, sh.VCPUs, sh.MemoryMiB, sh.DiskMiB, sh.VMs, project)
+	err := res.Error
+	if err == nil {
+		if res.RowsAffected == 0 {
+			return fmt.Errorf("project %q: %w", project, ErrNotFound)
+		}
+		return nil
+	}
+	if resource := quotaResource(err); resource != "" {
+		return quotaError(read, project, resource, sh)
+	}
+	return fmt.Errorf("count usage of project %q: %w", project, err)
+}
+
+// creditProject gives a share back to project inside tx.
+func creditProject(tx *gorm.DB, project string, sh share) error {
+	if sh == (share{}) {
+		return nil
+	}
+	err := tx.Exec(creditProjectSQL, sh.VCPUs, sh.MemoryMiB, sh.DiskMiB, sh.VMs,
+		sh.VCPUs, sh.VCPUs, sh.MemoryMiB, sh.MemoryMiB, sh.DiskMiB, sh.DiskMiB, sh.VMs, sh.VMs, project).Error
+	if err != nil {
+		return fmt.Errorf("release usage of project %q: %w", project, err)
+	}
+	return nil
+}
+
+// quotaResource is the resource whose quota CHECK refused a statement
+// ("" when err is no quota refusal). PostgreSQL names the constraint in
+// the error's fields, SQLite in its message.
+func quotaResource(err error) string {
+	if err == nil {
+		return ""
+	}
+	name := pgConstraint(err)
+	if name == "" {
+		msg := err.Error()
+		i := strings.Index(msg, "projects_")
+		if i < 0 || !strings.Contains(msg, "CHECK") {
+			return ""
+		}
+		name = msg[i:]
+		if j := strings.IndexAny(name, " \t\n,)"); j >= 0 {
+			name = name[:j]
+		}
+	}
+	resource, ok := strings.CutPrefix(name, "projects_")
+	if !ok {
+		return ""
+	}
+	resource, ok = strings.CutSuffix(resource, "_quota")
+	if !ok {
+		return ""
+	}
+	return resource
+}
+
+// quotaError reads the project's quota and usage through db for the
+// error of a refused reservation of sh (on PostgreSQL outside the failed
+// statement's transaction; on SQLite in the shared one, where a failed
+// statement undoes only itself).
+func quotaError(db *gorm.DB, project, resource string, sh share) error {
+	qe := &QuotaError{Project: project, Resource: resource}
+	switch resource {
+	case QuotaVCPUs:
+		qe.Requested = sh.VCPUs
+	case QuotaMemoryMiB:
+		qe.Requested = sh.MemoryMiB
+	case QuotaDiskMiB:
+		qe.Requested = sh.DiskMiB
+	default:
+		qe.Requested = sh.VMs
+	}
+	var p Project
+	if err := db.Where("name = ?", project).Take(&p).Error; err == nil {
+		limit, used := p.limit(resource)
+		if limit != nil {
+			qe.Limit = *limit
+		}
+		qe.Used = used
+	}
+	return qe
+}
+
+// vmShare is what VM vm holds of its project while it holds capacity.
+func vmShare(vm VM) share { return share{Resources: vm.held(), VMs: 1} }
