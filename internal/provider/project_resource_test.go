@@ -7,6 +7,8 @@ import (
 	"regexp"
 	"testing"
 
+	"github.com/hashicorp/terraform-plugin-framework/providerserver"
+	"github.com/hashicorp/terraform-plugin-go/tfprotov6"
 	"github.com/hashicorp/terraform-plugin-testing/compare"
 	"github.com/hashicorp/terraform-plugin-testing/helper/resource"
 	"github.com/hashicorp/terraform-plugin-testing/knownvalue"
@@ -30,23 +32,31 @@ resource "kvm_project" "test" {
 `, body)
 }
 
-// providerBlockAs configures the provider (alias "" for the default one)
-// with a token and, unless "", a project.
-func (f *fleet) providerBlockAs(alias, token, project string) string {
+// providerBlockAs configures the provider of local name name ("kvm", or
+// "kvmpeer" of peerFactories) with a token and, unless "", a project.
+func (f *fleet) providerBlockAs(name, token, project string) string {
 	var extra string
-	if alias != "" {
-		extra += fmt.Sprintf("  alias = %q\n", alias)
-	}
 	if project != "" {
-		extra += fmt.Sprintf("  project = %q\n", project)
+		extra = fmt.Sprintf("  project     = %q\n", project)
 	}
 	return fmt.Sprintf(`
-provider "kvm" {
-%s  endpoint    = %q
+provider %q {
+  endpoint    = %q
   token       = %q
-  max_retries = 3
+%s  max_retries = 3
 }
-`, extra, f.Control.URL, token)
+`, name, f.Control.URL, token, extra)
+}
+
+// peerFactories serves the provider twice: as "kvm" and as "kvmpeer", a
+// second instance for a configuration with a second token. (Aliases of one
+// provider do not do: the test framework serves every configuration of a
+// provider from one instance, so the last one configured wins.)
+func peerFactories() map[string]func() (tfprotov6.ProviderServer, error) {
+	return map[string]func() (tfprotov6.ProviderServer, error){
+		"kvm":     providerserver.NewProtocol6WithError(provider.New("test")()),
+		"kvmpeer": providerserver.NewProtocol6WithError(provider.New("test")()),
+	}
 }
 
 // createProject makes a project with the admin token, behind Terraform.
@@ -104,6 +114,11 @@ func TestAccProject_basic(t *testing.T) {
 		CheckDestroy:             f.checkProjectsGone("team-a", "team-b"),
 		Steps: []resource.TestStep{
 			{
+				// Names are DNS labels, refused at plan.
+				Config:      projectConfig(f, `  name = "Team_A"`),
+				ExpectError: regexp.MustCompile(`(?s)name.*DNS\s+label`),
+			},
+			{
 				// A project with every argument, and one with none: neither
 				// plans a change after apply (no perpetual diff of defaults).
 				Config: projectConfig(f, `
@@ -141,11 +156,6 @@ resource "kvm_project" "bare" {
 						quotasCheck(unlimited, unlimited, unlimited, unlimited)),
 					statecheck.ExpectKnownValue("kvm_project.bare", tfjsonpath.New("host_labels"), knownvalue.MapSizeExact(0)),
 				},
-			},
-			{
-				// Names are DNS labels, refused at plan.
-				Config:      projectConfig(f, `  name = "Team_A"`),
-				ExpectError: regexp.MustCompile(`(?s)name.*DNS\s+label`),
 			},
 		},
 	})
@@ -314,7 +324,7 @@ func TestAccProject_disappears(t *testing.T) {
 func TestAccProjectDataSource_usage(t *testing.T) {
 	f := newFleet(t, "h1")
 	f.createProject(t, "team-a")
-	config := f.providerBlockAs("", f.projectToken(t, "team-a"), "") + `
+	config := f.providerBlockAs("kvm", f.projectToken(t, "team-a"), "") + `
 resource "kvm_vm" "test" {
   name       = "a-1"
   image      = "sim"
@@ -448,7 +458,7 @@ func TestAccProjectToken_cannotReadOtherProjectsVM(t *testing.T) {
 	f.createProject(t, "team-a")
 	f.createProject(t, "team-b")
 	tokenA, tokenB := f.projectToken(t, "team-a"), f.projectToken(t, "team-b")
-	vmInB := f.providerBlockAs("", f.Control.Token, "team-b") + `
+	vmInB := f.providerBlockAs("kvm", f.Control.Token, "team-b") + `
 resource "kvm_vm" "test" {
   name       = "b-1"
   image      = "sim"
@@ -458,15 +468,15 @@ resource "kvm_vm" "test" {
 }
 `
 	peek := func(token string) string {
-		return vmInB + f.providerBlockAs("peer", token, "") + `
+		return vmInB + f.providerBlockAs("kvmpeer", token, "") + `
 data "kvm_vm" "peek" {
-  provider = kvm.peer
+  provider = kvmpeer
   id       = kvm_vm.test.id
 }
 `
 	}
 	resource.Test(t, resource.TestCase{
-		ProtoV6ProviderFactories: factories(),
+		ProtoV6ProviderFactories: peerFactories(),
 		CheckDestroy:             f.checkFleetEmpty,
 		Steps: []resource.TestStep{
 			{
@@ -488,9 +498,9 @@ data "kvm_vm" "peek" {
 			},
 			{
 				// A project token naming another project cannot create in it.
-				Config: vmInB + f.providerBlockAs("peer", tokenA, "team-b") + `
+				Config: vmInB + f.providerBlockAs("kvmpeer", tokenA, "team-b") + `
 resource "kvm_vm" "intruder" {
-  provider   = kvm.peer
+  provider   = kvmpeer
   name       = "a-in-b"
   image      = "sim"
   vcpus      = 1
@@ -510,7 +520,7 @@ resource "kvm_vm" "intruder" {
 func TestAccProject_quotaExceeded(t *testing.T) {
 	f := newFleet(t, "h1")
 	project := func(vcpus int) string {
-		return f.providerBlockAs("", f.Control.Token, "tiny") + fmt.Sprintf(`
+		return f.providerBlockAs("kvm", f.Control.Token, "tiny") + fmt.Sprintf(`
 resource "kvm_project" "test" {
   name   = "tiny"
   quotas = { vcpus = %d }
@@ -566,7 +576,7 @@ data "kvm_hosts" "all" {}
 		Steps: []resource.TestStep{
 			{
 				ProtoV6ProviderFactories: factories(),
-				Config:                   f.providerBlockAs("", f.Control.Token, "Team_A") + hosts,
+				Config:                   f.providerBlockAs("kvm", f.Control.Token, "Team_A") + hosts,
 				ExpectError:              regexp.MustCompile(`(?s)project.*DNS\s+label`),
 			},
 			{
