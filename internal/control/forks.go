@@ -92,6 +92,14 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 	if err != nil {
 		return api.Fork{}, fromStore(err, "read source vm "+in.SourceVMID)
 	}
+	// The children are the source's project's: its host labels hold them.
+	project, err := s.projectFor(ctx, src.Project)
+	if err != nil {
+		return api.Fork{}, err
+	}
+	if err := checkProjectLabels(in.Constraints, project); err != nil {
+		return api.Fork{}, err
+	}
 	if src.ObservedState != api.StateRunning {
 		return api.Fork{}, conflictf("source VM %s is %s; only a running VM can be forked (start it first)", src.ID, src.ObservedState)
 	}
