@@ -91,7 +91,7 @@ func nextStep(err error) string {
 		return "It rejected the token: check the provider's \"token\" (or KVM_TOKEN): it may be mistyped, revoked or expired."
 	case errors.Is(err, client.ErrForbidden):
 		return "The token is valid but its scopes do not allow this: VMs, forks and placements need scope \"user\"; " +
-			"hosts, networks, images and tokens need scope \"admin\" (kvmd token create --scopes ...)."
+			"hosts, networks, images, projects and tokens need scope \"admin\", which a project token never holds (kvmd token create --scopes ...)."
 	case errors.Is(err, client.ErrNoCapacity):
 		return "No host can take it: free capacity, register another host (kvm_host), or choose a smaller shape." +
 			rejectionLines(err)

@@ -369,6 +369,15 @@ data "kvm_project" "default" {
 `,
 				ExpectError: regexp.MustCompile(`(?s)No\s+such\s+project.*"default"`),
 			},
+			{
+				// Nor manages projects: that needs an admin token.
+				Config: config + `
+resource "kvm_project" "mine" {
+  name = "team-a2"
+}
+`,
+				ExpectError: regexp.MustCompile(`(?s)Unable\s+to\s+Create\s+Project.*projects\s+and\s+tokens\s+need\s+scope\s+"admin"`),
+			},
 		},
 	})
 }
