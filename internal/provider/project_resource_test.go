@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"strings"
 	"testing"
 
 	"github.com/hashicorp/terraform-plugin-framework/providerserver"
@@ -388,6 +389,24 @@ resource "kvm_project" "mine" {
 // it, and no change is planned.
 func TestAccProject_usageRefreshes(t *testing.T) {
 	f := newFleet(t, "h1")
+	members := `
+resource "kvm_vm" "test" {
+  name       = "a-1"
+  image      = "sim"
+  vcpus      = 2
+  memory_mib = 512
+  disk_mib   = 2048
+  depends_on = [kvm_project.test]
+}
+
+resource "kvm_network" "lan" {
+  name       = "lan-a"
+  mode       = "nat"
+  cidr       = "10.40.0.0/24"
+  depends_on = [kvm_project.test]
+}
+`
+	withMembers := projectConfig(f, `  name = "team-a"`) + members
 	resource.Test(t, resource.TestCase{
 		ProtoV6ProviderFactories: factories(env(map[string]string{provider.EnvProject: "team-a"})),
 		CheckDestroy: func(s *terraform.State) error {
@@ -402,23 +421,7 @@ func TestAccProject_usageRefreshes(t *testing.T) {
 			},
 			{
 				// project comes from KVM_PROJECT.
-				Config: projectConfig(f, `  name = "team-a"`) + `
-resource "kvm_vm" "test" {
-  name       = "a-1"
-  image      = "sim"
-  vcpus      = 2
-  memory_mib = 512
-  disk_mib   = 2048
-  depends_on = [kvm_project.test]
-}
-
-resource "kvm_network" "lan" {
-  name       = "lan-a"
-  mode       = "nat"
-  cidr       = "10.40.0.0/24"
-  depends_on = [kvm_project.test]
-}
-`,
+				Config: withMembers,
 				ConfigPlanChecks: resource.ConfigPlanChecks{
 					PreApply:             []plancheck.PlanCheck{plancheck.ExpectResourceAction(projectAddr, plancheck.ResourceActionNoop)},
 					PostApplyPostRefresh: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
@@ -431,23 +434,7 @@ resource "kvm_network" "lan" {
 			{
 				// The state after that apply predates the VM; the refresh
 				// of the next one reads the usage.
-				Config: projectConfig(f, `  name = "team-a"`) + `
-resource "kvm_vm" "test" {
-  name       = "a-1"
-  image      = "sim"
-  vcpus      = 2
-  memory_mib = 512
-  disk_mib   = 2048
-  depends_on = [kvm_project.test]
-}
-
-resource "kvm_network" "lan" {
-  name       = "lan-a"
-  mode       = "nat"
-  cidr       = "10.40.0.0/24"
-  depends_on = [kvm_project.test]
-}
-`,
+				Config: withMembers,
 				ConfigPlanChecks: resource.ConfigPlanChecks{
 					PreApply: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
 				},
@@ -455,6 +442,13 @@ resource "kvm_network" "lan" {
 					statecheck.ExpectKnownValue(projectAddr, tfjsonpath.New("usage"), usageCheck(2, 512, 2048, 1)),
 				},
 			},
+			{
+				// A project that still holds a VM and a network is kept, with
+				// an error that says what to delete first.
+				Config:      f.providerBlock() + strings.ReplaceAll(members, "depends_on = [kvm_project.test]", ""),
+				ExpectError: regexp.MustCompile(`(?s)Unable\s+to\s+Delete\s+Project.*"team-a"\s+still\s+holds\s+VMs`),
+			},
+			{Config: withMembers},
 		},
 	})
 }
