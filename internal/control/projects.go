@@ -298,10 +298,16 @@ func (s *Service) DeleteProject(ctx context.Context, name string) error {
 	return nil
 }
 
-// projectConstraints confines a VM of project to the project's hosts: the
-// project's host labels join the VM's own (the project's win on a clash,
-// so no VM can step outside them).
+// projectConstraints are the constraints a VM of project is placed with:
+// the project's host labels join the VM's own (the project's win on a
+// clash, so no VM can step outside them), and its group is the project's
+// own (projectGroup).
 func projectConstraints(c *api.Constraints, p store.Project) *api.Constraints {
+	if c != nil && c.Group != "" {
+		grouped := *c
+		grouped.Group = projectGroup(p.Name, c.Group)
+		c = &grouped
+	}
 	if len(p.HostLabels) == 0 {
 		return c
 	}
@@ -316,6 +322,18 @@ func projectConstraints(c *api.Constraints, p store.Project) *api.Constraints {
 	maps.Copy(labels, p.HostLabels)
 	out.HostLabels = labels
 	return &out
+}
+
+// projectGroup is the name a placement group of project has in the
+// database: groups of two projects with one name are two groups, so one
+// team neither fills nor sees another's domains. A user's group name
+// cannot hold '/'; the default project's keep their plain names (the rows
+// from before projects).
+func projectGroup(project, group string) string {
+	if project == api.DefaultProject {
+		return group
+	}
+	return project + "/" + group
 }
 
 // checkProjectLabels refuses constraints that ask for a host label the

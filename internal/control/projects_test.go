@@ -341,3 +341,37 @@ func TestProjectBadInput(t *testing.T) {
 		t.Errorf("delete of default: %d, want 409", status)
 	}
 }
+
+// Placement groups are per project: a group of one project neither fills
+// nor reveals the domains of another project's group with the same name.
+func TestProjectPlacementGroupsArePerProject(t *testing.T) {
+	c := testenv.StartControl(t, testenv.ControlOptions{})
+	a := testenv.StartAgent(t, testenv.AgentOptions{VCPUs: 16, MemoryMiB: 16384, DiskMiB: 100000})
+	c.RegisterHost(t, "host-a", a.Address)
+	createProject(t, c, api.ProjectCreate{Name: "team-b"})
+	createProject(t, c, api.ProjectCreate{Name: "team-c"})
+	ctx := ctxT(t)
+	grouped := func(name string) api.VMCreate {
+		return api.VMCreate{Name: name, Image: "sim", VCPUs: 1, MemoryMiB: 256, DiskMiB: 1024,
+			Constraints: &api.Constraints{Group: "grp", SpreadBy: "host", MaxPerDomain: 1}}
+	}
+	teamB, teamC := projectClient(t, c, "team-b"), projectClient(t, c, "team-c")
+	if _, err := teamB.CreateVM(ctx, grouped("b-1"), ""); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := teamB.CreateVM(ctx, grouped("b-2"), ""); apiCode(err) != api.CodeNoCapacity {
+		t.Fatalf("team-b's second VM of its capped group on the one host: %v, want no_capacity", err)
+	}
+	res, err := teamC.Place(ctx, api.PlacementRequest{Image: "sim", VCPUs: 1, MemoryMiB: 256, DiskMiB: 1024,
+		Constraints: &api.Constraints{Group: "grp", SpreadBy: "host", MaxPerDomain: 1}})
+	if err != nil || len(res.Ranked) != 1 {
+		t.Fatalf("team-c's dry run for its own group grp: %+v, %v; want host-a ranked (team-b's group is not team-c's)", res, err)
+	}
+	if _, err := teamC.CreateVM(ctx, grouped("c-1"), ""); err != nil {
+		t.Fatalf("team-c's first VM of its group grp: %v", err)
+	}
+	// The default project's groups keep their plain names.
+	if _, err := c.Client.CreateVM(ctx, grouped("d-1"), ""); err != nil {
+		t.Fatalf("default's first VM of its group grp: %v", err)
+	}
+}
