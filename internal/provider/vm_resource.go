@@ -96,7 +96,7 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 				PlanModifiers:       fixedAtCreate,
 			},
 			"name": schema.StringAttribute{
-				MarkdownDescription: "Name of the VM, unique in the fleet. Changed in place: it is the control plane's " +
+				MarkdownDescription: "Name of the VM, unique in its project. Changed in place: it is the control plane's " +
 					"name for the VM, the guest does not see it and keeps running. A name another VM holds fails the apply " +
 					"and names that VM. Children of a `kvm_fork` keep their fixed names.",
 				Required:   true,
