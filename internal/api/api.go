@@ -610,3 +610,16 @@ type Project struct {
 	Usage       ProjectUsage      `json:"usage"`
 	CreatedAt   time.Time         `json:"created_at"`
 }
+
+// WhoAmI is the answer of GET /v1/whoami: the token a request carries.
+type WhoAmI struct {
+	// TokenID is "" for the bootstrap token (--token).
+	TokenID string   `json:"token_id"`
+	Name    string   `json:"name"`
+	Scopes  []string `json:"scopes"`
+	// Project is the token's project; "" for a fleet-wide token.
+	Project string `json:"project"`
+	// CreateProject is where the token's creates go when they name no
+	// project: its own, or default for a fleet-wide token.
+	CreateProject string `json:"create_project"`
+}

@@ -329,6 +329,13 @@ func (c *Client) ListTokens(ctx context.Context, opts ListOptions) (api.List[api
 	return out, err
 }
 
+// WhoAmI says who the client's token is: its scopes and its project.
+func (c *Client) WhoAmI(ctx context.Context) (api.WhoAmI, error) {
+	var out api.WhoAmI
+	err := c.call(ctx, http.MethodGet, "/v1/whoami", nil, &out, "", true)
+	return out, err
+}
+
 // RevokeToken deletes a token; ErrNotFound when there is none with this id.
 func (c *Client) RevokeToken(ctx context.Context, id string) error {
 	return c.call(ctx, http.MethodDelete, "/v1/tokens/"+url.PathEscape(id), nil, nil, "", true)

@@ -49,6 +49,17 @@ func principalOf(ctx context.Context) Principal {
 // Sees says whether the principal may see and act on an object of project.
 func (p Principal) Sees(project string) bool { return p.Project == "" || p.Project == project }
 
+// WhoAmI says who ctx's principal is (GET /v1/whoami): a client learns
+// its token's project, and where its creates go, without listing anything.
+func WhoAmI(ctx context.Context) api.WhoAmI {
+	p := principalOf(ctx)
+	out := api.WhoAmI{TokenID: p.TokenID, Name: p.Name, Scopes: p.Scopes, Project: p.Project, CreateProject: p.Project}
+	if out.CreateProject == "" {
+		out.CreateProject = api.DefaultProject
+	}
+	return out
+}
+
 // visibleVM reads VM id if the caller's project may see it; otherwise the
 // answer is the store's own for an unknown id.
 func (s *Service) visibleVM(ctx context.Context, id string) (store.VM, error) {

@@ -375,3 +375,25 @@ func TestProjectPlacementGroupsArePerProject(t *testing.T) {
 		t.Fatalf("default's first VM of its group grp: %v", err)
 	}
 }
+
+// GET /v1/whoami tells a client its token's project and where its creates
+// go without naming it.
+func TestWhoAmISaysTheTokensProject(t *testing.T) {
+	c := testenv.StartControl(t, testenv.ControlOptions{})
+	createProject(t, c, api.ProjectCreate{Name: "team-a"})
+	ctx := ctxT(t)
+	who, err := projectClient(t, c, "team-a").WhoAmI(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if who.Project != "team-a" || who.CreateProject != "team-a" || len(who.Scopes) != 1 || who.TokenID == "" {
+		t.Fatalf("a team-a token: %+v", who)
+	}
+	who, err = c.Client.WhoAmI(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if who.Project != "" || who.CreateProject != api.DefaultProject || who.TokenID != "" {
+		t.Fatalf("the bootstrap token: %+v, want fleet-wide with creates into default", who)
+	}
+}

@@ -69,6 +69,8 @@ func RouteScopes(method, route string) (scopes []string, ok bool) {
 			return adminOrUser, true
 		}
 		return adminOnly, true
+	case "whoami":
+		return adminOrUser, true
 	case "projects":
 		// A project token reads its own project (its usage and quotas).
 		if read {

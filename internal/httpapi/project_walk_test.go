@@ -87,6 +87,7 @@ var projectDecisions = map[string]projectDecision{
 	"GET /v1/images/:name":        {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
 	"PATCH /v1/images/:name":      {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
 	"DELETE /v1/images/:name":     {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
+	"GET /v1/whoami":              {how: noObject, why: "answers the caller's own token: its scopes and project"},
 	"POST /v1/tokens":             {how: adminOnly, why: "tokens are made by admins; a project token never makes one"},
 	"GET /v1/tokens":              {how: adminOnly, why: "tokens are listed by admins only"},
 	"DELETE /v1/tokens/:id":       {how: byObject, param: paramToken},

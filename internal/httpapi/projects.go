@@ -6,6 +6,7 @@ import (
 	"github.com/labstack/echo/v4"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
 )
 
 // projectRoutes are /v1/projects: admins manage them; a project token
@@ -16,6 +17,12 @@ func (h *handlers) projectRoutes(v1 *echo.Group) {
 	v1.GET("/projects/:name", h.getProject)
 	v1.PATCH("/projects/:name", h.updateProject)
 	v1.DELETE("/projects/:name", h.deleteProject)
+	v1.GET("/whoami", h.whoami)
+}
+
+// whoami answers who the request's token is: its scopes and project.
+func (h *handlers) whoami(c echo.Context) error {
+	return c.JSON(http.StatusOK, control.WhoAmI(c.Request().Context()))
 }
 
 func (h *handlers) createProject(c echo.Context) error {

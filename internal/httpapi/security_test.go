@@ -220,6 +220,7 @@ var scopeMatrix = map[string][]string{
 	"GET /v1/projects/:name":      {"admin", "user"},
 	"PATCH /v1/projects/:name":    {"admin"},
 	"DELETE /v1/projects/:name":   {"admin"},
+	"GET /v1/whoami":              {"admin", "user"},
 	"POST /v1/tokens":             {"admin"},
 	"GET /v1/tokens":              {"admin"},
 	"DELETE /v1/tokens/:id":       {"admin"},

@@ -591,3 +591,50 @@ data "kvm_hosts" "all" {}
 		},
 	})
 }
+
+// VM names are unique per project: with a fleet-wide token, the kvm_vm
+// data source by name reads the VM of the provider's project (default when
+// unset: where that token's creates go), never another project's VM of the
+// same name.
+func TestAccVMDataSource_nameIsPerProject(t *testing.T) {
+	f := newFleet(t, "h1")
+	f.createProject(t, "team-b")
+	vm := func(provider string) string {
+		return `
+resource "kvm_vm" "` + provider + `" {
+  provider   = ` + provider + `
+  name       = "web"
+  image      = "sim"
+  vcpus      = 1
+  memory_mib = 512
+  disk_mib   = 2048
+}
+`
+	}
+	both := f.providerBlockAs("kvm", f.Control.Token, "team-b") + vm("kvm") +
+		f.providerBlockAs("kvmpeer", f.Control.Token, "") + vm("kvmpeer")
+	byName := func(provider string) string {
+		return `
+data "kvm_vm" "` + provider + `" {
+  provider   = ` + provider + `
+  name       = "web"
+  depends_on = [kvm_vm.kvm, kvm_vm.kvmpeer]
+}
+`
+	}
+	resource.Test(t, resource.TestCase{
+		ProtoV6ProviderFactories: peerFactories(),
+		CheckDestroy:             f.checkFleetEmpty,
+		Steps: []resource.TestStep{
+			{
+				Config: both + byName("kvm") + byName("kvmpeer"),
+				ConfigStateChecks: []statecheck.StateCheck{
+					statecheck.ExpectKnownValue("kvm_vm.kvm", tfjsonpath.New("project"), knownvalue.StringExact("team-b")),
+					statecheck.ExpectKnownValue("kvm_vm.kvmpeer", tfjsonpath.New("project"), knownvalue.StringExact("default")),
+					statecheck.ExpectKnownValue("data.kvm_vm.kvm", tfjsonpath.New("project"), knownvalue.StringExact("team-b")),
+					statecheck.ExpectKnownValue("data.kvm_vm.kvmpeer", tfjsonpath.New("project"), knownvalue.StringExact("default")),
+				},
+			},
+		},
+	})
+}

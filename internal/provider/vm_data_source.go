@@ -134,7 +134,7 @@ func (d *vmDataSource) Read(ctx context.Context, req datasource.ReadRequest, res
 	} else {
 		name := cfg.Name.ValueString()
 		subject, attr = fmt.Sprintf("finding the VM named %q", name), path.Root("name")
-		vm, err = findVMByName(ctx, d.data.client, name)
+		vm, err = findVMByName(ctx, d.data.client, d.data.project, name)
 	}
 	if errors.Is(err, client.ErrNotFound) {
 		resp.Diagnostics.AddAttributeError(attr, summaryReadVM, fmt.Sprintf(

@@ -352,7 +352,7 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 		// keeps going after an attempt or this apply's timeout). If it did,
 		// keep it in state as tainted, so that nothing runs outside
 		// Terraform and the next apply replaces it.
-		if found, ok := vmMadeAnyway(ctx, r.data.client, in.Name); ok {
+		if found, ok := vmMadeAnyway(ctx, r.data.client, in.Project, in.Name); ok {
 			plan.fromAPI(found, desiredPowerState(found))
 			resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
 			resp.Diagnostics.AddError(summaryVMFailed, fmt.Sprintf(
@@ -428,7 +428,7 @@ func (r *vmResource) create(ctx context.Context, in api.VMCreate) (api.VM, error
 	if err == nil || !errors.Is(err, client.ErrConflict) {
 		return vm, err
 	}
-	holder, lookErr := findVMByName(ctx, r.data.client, in.Name)
+	holder, lookErr := findVMByName(ctx, r.data.client, in.Project, in.Name)
 	if lookErr != nil || !api.Gone(holder.ObservedState) {
 		return vm, err
 	}
@@ -606,27 +606,38 @@ func (r *vmResource) ImportState(ctx context.Context, req resource.ImportStateRe
 	resource.ImportStatePassthroughID(ctx, path.Root("id"), req, resp)
 }
 
-// findVMByName returns the VM holding name, or ErrNotFound.
-func findVMByName(ctx context.Context, c *client.Client, name string) (api.VM, error) {
+// findVMByName returns the VM named name in project, or ErrNotFound.
+// Names are unique per project; project "" is where the token's creates go
+// (its own project, default for a fleet-wide token: GET /v1/whoami), so a
+// fleet-wide token never takes another project's VM of the same name for
+// one of its own (a create's cleanup deletes what this returns).
+func findVMByName(ctx context.Context, c *client.Client, project, name string) (api.VM, error) {
+	if project == "" {
+		who, err := c.WhoAmI(ctx)
+		if err != nil {
+			return api.VM{}, err
+		}
+		project = who.CreateProject
+	}
 	vms, err := c.AllVMs(ctx, client.ListOptions{Name: name})
 	if err != nil {
 		return api.VM{}, err
 	}
 	for _, vm := range vms {
-		if vm.Name == name {
+		if vm.Name == name && vm.Project == project {
 			return vm, nil
 		}
 	}
-	return api.VM{}, fmt.Errorf("no VM named %q: %w", name, client.ErrNotFound)
+	return api.VM{}, fmt.Errorf("no VM named %q in project %s: %w", name, project, client.ErrNotFound)
 }
 
 // vmMadeAnyway looks up, after a create that got no definitive answer, the
 // VM the control API may have made under this name (with a fresh deadline:
 // the create's may be spent).
-func vmMadeAnyway(ctx context.Context, c *client.Client, name string) (api.VM, bool) {
+func vmMadeAnyway(ctx context.Context, c *client.Client, project, name string) (api.VM, bool) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
-	vm, err := findVMByName(ctx, c, name)
+	vm, err := findVMByName(ctx, c, project, name)
 	if err != nil {
 		tflog.Warn(ctx, "looking up a VM whose create got no answer", map[string]any{"name": name, "error": err.Error()})
 		return api.VM{}, false
