@@ -21,12 +21,16 @@ import (
 
 // Errors a caller can test with errors.Is.
 var (
-	ErrNotFound     = httpclient.ErrNotFound
-	ErrConflict     = httpclient.ErrConflict
-	ErrNoCapacity   = errors.New("no capacity")
-	ErrNoAddress    = errors.New("no free address on the network")
-	ErrInvalid      = httpclient.ErrInvalid
-	ErrUnauthorized = errors.New("unauthorized")
+	ErrNotFound   = httpclient.ErrNotFound
+	ErrConflict   = httpclient.ErrConflict
+	ErrNoCapacity = errors.New("no capacity")
+	ErrNoAddress  = errors.New("no free address on the network")
+	// ErrQuotaExceeded: the request would take a project past one of its
+	// quotas (409 quota_exceeded); QuotaExceededOf reads which. It is not
+	// ErrConflict: nothing holds a name, the project needs a larger quota.
+	ErrQuotaExceeded = errors.New("project quota exceeded")
+	ErrInvalid       = httpclient.ErrInvalid
+	ErrUnauthorized  = errors.New("unauthorized")
 	// ErrForbidden: the token is valid but its scopes do not allow the call.
 	ErrForbidden           = errors.New("forbidden: the token's scopes do not allow this")
 	ErrIdempotencyMismatch = errors.New("idempotency key reused with a different body")
@@ -60,6 +64,8 @@ func (e *Error) Unwrap() error {
 		return ErrNoCapacity
 	case api.CodeNoAddress:
 		return ErrNoAddress
+	case api.CodeQuotaExceeded:
+		return ErrQuotaExceeded
 	case api.CodeIdempotencyMismatch:
 		return ErrIdempotencyMismatch
 	case api.CodeInFlight:

@@ -54,6 +54,11 @@ const (
 	summaryInvalidWait        = "Invalid Wait"
 	summaryGuestNotReady      = "VM Guest Not Ready"
 	summaryReadConsole        = "Unable to Read VM Console"
+	summaryCreateProject      = "Unable to Create Project"
+	summaryReadProject        = "Unable to Read Project"
+	summaryUpdateProject      = "Unable to Update Project"
+	summaryDeleteProject      = "Unable to Delete Project"
+	summaryProjectExists      = "Project Already Exists"
 )
 
 // addAPIError adds an error diagnostic for a failed control API call:
@@ -86,10 +91,12 @@ func nextStep(err error) string {
 		return "It rejected the token: check the provider's \"token\" (or KVM_TOKEN): it may be mistyped, revoked or expired."
 	case errors.Is(err, client.ErrForbidden):
 		return "The token is valid but its scopes do not allow this: VMs, forks and placements need scope \"user\"; " +
-			"hosts, networks, images and tokens need scope \"admin\" (kvmd token create --scopes ...)."
+			"hosts, networks, images, projects and tokens need scope \"admin\", which a project token never holds (kvmd token create --scopes ...)."
 	case errors.Is(err, client.ErrNoCapacity):
 		return "No host can take it: free capacity, register another host (kvm_host), or choose a smaller shape." +
 			rejectionLines(err)
+	case errors.Is(err, client.ErrQuotaExceeded):
+		return quotaStep(err)
 	case errors.Is(err, client.ErrNoAddress):
 		return "The network has no free address left: delete VMs on it, or put the VM on a larger network."
 	case errors.Is(err, client.ErrIdempotencyMismatch):
@@ -111,6 +118,31 @@ func nextStep(err error) string {
 	default:
 		return "Check the error below, then run terraform apply again."
 	}
+}
+
+// quotaStep explains a quota_exceeded answer: which project and quota, the
+// numbers, and the ways out.
+func quotaStep(err error) string {
+	q, _ := client.QuotaExceededOf(err)
+	return fmt.Sprintf("It would exceed the %s quota of project %q: the limit is %d, the project holds %d and this "+
+		"asks for %d more. Raise quotas.%s of the project (its kvm_project, with an admin token), delete VMs of the "+
+		"project, or ask for less, then run terraform apply again.", q.Resource, q.Project, q.Limit, q.Used, q.Requested, q.Resource)
+}
+
+// addCreateInProjectError reports a failed create of a VM or network. A
+// not_found answer to a create that named a project means the token may
+// not use that project (or it does not exist): the provider's project
+// setting is what to fix (the provider block's, so the diagnostic points at
+// no attribute of the resource).
+func addCreateInProjectError(diags *diag.Diagnostics, summary, subject, project string, err error) {
+	if project != "" && errors.Is(err, client.ErrNotFound) {
+		diags.AddError(summary, fmt.Sprintf("The control API failed %s: it knows no "+
+			"project %q that this token may use. Check the provider's \"project\" (or %s): a project token creates only "+
+			"in its own project (leave project out to use it), and the project must exist (kvm_project, an admin "+
+			"token).\n\nError: %s", subject, project, EnvProject, err))
+		return
+	}
+	addAPIError(diags, summary, subject, err)
 }
 
 // rejectionLines lists the per-host reasons a no_capacity answer carries in

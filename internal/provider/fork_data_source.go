@@ -61,6 +61,7 @@ func (d *forkDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, r
 				NestedObject: schema.NestedAttributeObject{Attributes: map[string]schema.Attribute{
 					"id":             computed("ID of the child VM."),
 					"name":           computed("Name of the child VM, `<fork id>-<slot>`."),
+					"project":        computed("Project of the child: its source VM's."),
 					"host":           computed("Host the child runs on."),
 					"ipv4_address":   computed("Address of the child's first NIC."),
 					"observed_state": computed("State the control API last observed on the child's host (see `kvm_vm`)."),

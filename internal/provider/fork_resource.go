@@ -74,6 +74,7 @@ type forkModel struct {
 var forkChildAttrTypes = map[string]attr.Type{
 	"id":             types.StringType,
 	"name":           types.StringType,
+	"project":        types.StringType,
 	"host":           types.StringType,
 	"observed_state": types.StringType,
 	"ipv4_address":   types.StringType,
@@ -112,6 +113,7 @@ func forkChildren(children []api.VM) types.List {
 		elems[i] = types.ObjectValueMust(forkChildAttrTypes, map[string]attr.Value{
 			"id":             types.StringValue(vm.ID),
 			"name":           types.StringValue(vm.Name),
+			"project":        optionalString(vm.Project),
 			"host":           optionalString(vm.Host),
 			"observed_state": optionalString(vm.ObservedState),
 			"ipv4_address":   optionalString(vm.IPv4Address),
@@ -202,6 +204,10 @@ func (r *forkResource) Schema(ctx context.Context, _ resource.SchemaRequest, res
 				NestedObject: schema.NestedAttributeObject{Attributes: map[string]schema.Attribute{
 					"id":   schema.StringAttribute{MarkdownDescription: "ID of the child VM.", Computed: true},
 					"name": schema.StringAttribute{MarkdownDescription: "Name of the child VM, `<fork id>-<slot>`.", Computed: true},
+					"project": schema.StringAttribute{
+						MarkdownDescription: "Project of the child: its source VM's. Children count against its quotas.",
+						Computed:            true,
+					},
 					"host": schema.StringAttribute{MarkdownDescription: "Host the child runs on.", Computed: true},
 					"ipv4_address": schema.StringAttribute{
 						MarkdownDescription: "Address of the child's first NIC: its own, allocated with its reservation " +

@@ -53,10 +53,12 @@ resource "kvm_fork" "test" {
 `, srcVCPUs, count, extra)
 }
 
-// child is the check of one element of children.
+// child is the check of one element of children (of a source VM made
+// without a project: its children are in "default" too).
 func child(host string) knownvalue.Check {
 	return knownvalue.ObjectPartial(map[string]knownvalue.Check{
 		"id":             knownvalue.NotNull(),
+		"project":        knownvalue.StringExact(api.DefaultProject),
 		"host":           knownvalue.StringExact(host),
 		"observed_state": knownvalue.StringExact(api.StateRunning),
 	})

@@ -76,6 +76,7 @@ func (m *hostDataModel) fromAPI(h api.Host) {
 type vmAttributes struct {
 	ID               types.String  `tfsdk:"id"`
 	Name             types.String  `tfsdk:"name"`
+	Project          types.String  `tfsdk:"project"`
 	Image            types.String  `tfsdk:"image"`
 	VCPUs            types.Int64   `tfsdk:"vcpus"`
 	MemoryMiB        types.Int64   `tfsdk:"memory_mib"`
@@ -110,6 +111,7 @@ func (m *vmAttributes) fromAPI(vm api.VM, powerState string) {
 	m.ConstraintsViolated = types.StringValue(vm.ConstraintsViolated)
 	m.ID = types.StringValue(vm.ID)
 	m.Name = types.StringValue(vm.Name)
+	m.Project = optionalString(vm.Project)
 	m.Image = types.StringValue(vm.Image)
 	m.VCPUs = types.Int64Value(vm.VCPUs)
 	m.MemoryMiB = types.Int64Value(vm.MemoryMiB)

@@ -40,6 +40,7 @@ func (d *networkDataSource) Schema(_ context.Context, _ datasource.SchemaRequest
 				Required:            true,
 				Validators:          []validator.String{stringvalidator.LengthAtLeast(1)},
 			},
+			"project": computed("Project whose VMs may attach to the network."),
 			"mode":    computed("`user`, `nat` or `bridge`."),
 			"cidr":    computed("IPv4 range the control plane assigns addresses from; null without one."),
 			"gateway": computed("Gateway address inside `cidr`; null without a `cidr`."),

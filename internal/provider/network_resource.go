@@ -39,6 +39,7 @@ type networkResource struct {
 // networkModel is a network as kvm_network (resource and data source) stores it.
 type networkModel struct {
 	Name           types.String `tfsdk:"name"`
+	Project        types.String `tfsdk:"project"`
 	Mode           types.String `tfsdk:"mode"`
 	CIDR           types.String `tfsdk:"cidr"`
 	Gateway        types.String `tfsdk:"gateway"`
@@ -52,6 +53,7 @@ type networkModel struct {
 
 func (m *networkModel) fromAPI(n api.Network) {
 	m.Name = types.StringValue(n.Name)
+	m.Project = optionalString(n.Project)
 	m.Mode = types.StringValue(n.Mode)
 	m.CIDR = optionalString(n.CIDR)
 	m.Gateway = optionalString(n.Gateway)
@@ -89,6 +91,13 @@ func (r *networkResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 				Required:            true,
 				Validators:          []validator.String{stringvalidator.LengthBetween(1, 63)},
 				PlanModifiers:       replaceString,
+			},
+			"project": schema.StringAttribute{
+				MarkdownDescription: "Project whose VMs may attach to the network, fixed at create: the provider's " +
+					"`project`, or when it is left out the token's project (`default` for a fleet-wide token). The name " +
+					"is still unique in the whole fleet.",
+				Computed:      true,
+				PlanModifiers: []planmodifier.String{stringplanmodifier.UseStateForUnknown()},
 			},
 			"mode": schema.StringAttribute{
 				MarkdownDescription: "`user`, `nat` or `bridge` (see above).",
@@ -179,7 +188,7 @@ func (r *networkResource) Create(ctx context.Context, req resource.CreateRequest
 		resp.Diagnostics.AddAttributeError(path.Root("allow"), summaryCreateNetwork, err.Error())
 		return
 	}
-	in := api.NetworkCreate{Name: plan.Name.ValueString(), Mode: plan.Mode.ValueString(), CIDR: plan.CIDR.ValueString(),
+	in := api.NetworkCreate{Name: plan.Name.ValueString(), Project: r.data.project, Mode: plan.Mode.ValueString(), CIDR: plan.CIDR.ValueString(),
 		Gateway: plan.Gateway.ValueString(), Bridge: plan.Bridge.ValueString(), Hosts: hosts, Allow: allow}
 	if !plan.DHCP.IsNull() && !plan.DHCP.IsUnknown() {
 		dhcp := plan.DHCP.ValueBool()
@@ -195,10 +204,10 @@ func (r *networkResource) Create(ctx context.Context, req resource.CreateRequest
 				"otherwise choose another name or a cidr that does not overlap.\n\nError: %s", in.Name, in.Name, err))
 			return
 		}
-		addAPIError(&resp.Diagnostics, summaryCreateNetwork, subject, err)
+		addCreateInProjectError(&resp.Diagnostics, summaryCreateNetwork, subject, in.Project, err)
 		return
 	}
-	tflog.Info(ctx, "created network", map[string]any{"name": n.Name, "mode": n.Mode, "cidr": n.CIDR})
+	tflog.Info(ctx, "created network", map[string]any{"name": n.Name, "project": n.Project, "mode": n.Mode, "cidr": n.CIDR})
 	plan.fromAPI(n)
 	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
 }

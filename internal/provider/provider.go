@@ -33,6 +33,7 @@ const (
 	EnvEndpoint = "KVM_ENDPOINT"
 	EnvToken    = "KVM_TOKEN"
 	EnvCAFile   = "KVM_CA_FILE"
+	EnvProject  = "KVM_PROJECT"
 )
 
 // Defaults of the provider settings.
@@ -53,7 +54,7 @@ func WithHTTPClient(h *http.Client) Option {
 	return func(p *kvmProvider) { p.httpClient = h }
 }
 
-// WithGetenv replaces os.Getenv for the KVM_ENDPOINT and KVM_TOKEN fallbacks.
+// WithGetenv replaces os.Getenv for the KVM_* environment fallbacks.
 func WithGetenv(getenv func(string) string) Option {
 	return func(p *kvmProvider) { p.getenv = getenv }
 }
@@ -83,6 +84,7 @@ type providerModel struct {
 	MaxRetries     types.Int64  `tfsdk:"max_retries"`
 	CAFile         types.String `tfsdk:"ca_file"`
 	CAPEM          types.String `tfsdk:"ca_pem"`
+	Project        types.String `tfsdk:"project"`
 }
 
 func (p *kvmProvider) Metadata(_ context.Context, _ provider.MetadataRequest, resp *provider.MetadataResponse) {
@@ -124,6 +126,15 @@ func (p *kvmProvider) Schema(_ context.Context, _ provider.SchemaRequest, resp *
 					"Conflicts with `ca_file`.",
 				Optional: true,
 			},
+			"project": schema.StringAttribute{
+				MarkdownDescription: "Project that the `kvm_vm`s and `kvm_network`s of this configuration are created in " +
+					"(`kvm_fork` children belong to their source VM's project). Left out, the control API uses the token's " +
+					"project: a project token's own, `default` for a fleet-wide token. A project token may name only its own " +
+					"project; an admin token may name any. It is read at create only: changing it later moves nothing. " +
+					"Falls back to the `" + EnvProject + "` environment variable.",
+				Optional:   true,
+				Validators: []validator.String{projectNameValidator()},
+			},
 			"max_retries": schema.Int64Attribute{
 				MarkdownDescription: fmt.Sprintf("How often a request is retried after a connection error, a 5xx answer or "+
 					"`409 in_flight`, with exponential backoff from %s. A create sends the same `Idempotency-Key` on every "+
@@ -143,7 +154,7 @@ func (p *kvmProvider) Configure(ctx context.Context, req provider.ConfigureReque
 	}
 
 	for attr, v := range map[string]types.String{"endpoint": cfg.Endpoint, "token": cfg.Token, "request_timeout": cfg.RequestTimeout,
-		"ca_file": cfg.CAFile, "ca_pem": cfg.CAPEM} {
+		"ca_file": cfg.CAFile, "ca_pem": cfg.CAPEM, "project": cfg.Project} {
 		if v.IsUnknown() {
 			resp.Diagnostics.AddAttributeError(path.Root(attr), summaryUnknownSetting,
 				fmt.Sprintf("The provider cannot reach the control API while %q is unknown. Set it to a value known at plan time, "+
@@ -160,6 +171,7 @@ func (p *kvmProvider) Configure(ctx context.Context, req provider.ConfigureReque
 
 	endpoint := firstNonEmpty(cfg.Endpoint.ValueString(), p.getenv(EnvEndpoint))
 	token := firstNonEmpty(cfg.Token.ValueString(), p.getenv(EnvToken))
+	project := firstNonEmpty(cfg.Project.ValueString(), p.getenv(EnvProject))
 	if token != "" {
 		ctx = tflog.MaskMessageStrings(ctx, token)
 	}
@@ -176,6 +188,10 @@ func (p *kvmProvider) Configure(ctx context.Context, req provider.ConfigureReque
 		resp.Diagnostics.AddAttributeError(path.Root("token"), "Missing KVM Control API Token",
 			"Set \"token\" in the provider block or the "+EnvToken+" environment variable to the bearer token of the control "+
 				"API (kvmd control --token, or the token that kvmd dev prints).")
+	}
+	if project != "" && !projectNamePattern.MatchString(project) {
+		resp.Diagnostics.AddAttributeError(path.Root("project"), "Invalid KVM Project",
+			fmt.Sprintf("The project %q (project or %s) is no project name, which must be %s.", project, EnvProject, projectNameRule))
 	}
 	timeout := defaultRequestTimeout
 	if s := cfg.RequestTimeout.ValueString(); s != "" {
@@ -232,9 +248,10 @@ func (p *kvmProvider) Configure(ctx context.Context, req provider.ConfigureReque
 		opts = append(opts, client.WithHTTPClient(httpClient))
 	}
 	data := newProviderData(client.New(endpoint, token, opts...))
+	data.project = project
 	tflog.Debug(ctx, "configured the KVM control API client", map[string]any{
 		"endpoint": data.client.Endpoint(), "request_timeout": timeout.String(), "max_retries": retries,
-		"private_ca": caPEM != "",
+		"private_ca": caPEM != "", "project": project,
 	})
 	resp.DataSourceData = data
 	resp.ResourceData = data
@@ -247,6 +264,7 @@ func (p *kvmProvider) Resources(_ context.Context) []func() resource.Resource {
 		NewForkResource,
 		NewImageResource,
 		NewNetworkResource,
+		NewProjectResource,
 	}
 }
 
@@ -260,6 +278,7 @@ func (p *kvmProvider) DataSources(_ context.Context) []func() datasource.DataSou
 		NewImageDataSource,
 		NewNetworkDataSource,
 		NewVMConsoleDataSource,
+		NewProjectDataSource,
 	}
 }
 

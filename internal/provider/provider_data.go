@@ -23,8 +23,11 @@ const listCacheTTL = 30 * time.Second
 // one list call per page instead of N GETs.
 type providerData struct {
 	client *client.Client
-	vms    *listCache[api.VM]
-	hosts  *listCache[api.Host]
+	// project is the provider's project setting: sent with the creates of
+	// VMs and networks; "" lets the control API use the token's project.
+	project string
+	vms     *listCache[api.VM]
+	hosts   *listCache[api.Host]
 }
 
 func newProviderData(c *client.Client) *providerData {

@@ -57,6 +57,7 @@ func (d *vmDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, res
 				Computed:            true,
 				Validators:          []validator.String{stringvalidator.LengthAtLeast(1)},
 			},
+			"project":    computed("Project the VM belongs to."),
 			"image":      computed("Guest image the VM booted."),
 			"vcpus":      computedInt("Number of virtual CPUs."),
 			"memory_mib": computedInt("Memory in MiB."),

@@ -96,11 +96,18 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 				PlanModifiers:       fixedAtCreate,
 			},
 			"name": schema.StringAttribute{
-				MarkdownDescription: "Name of the VM, unique in the fleet. Changed in place: it is the control plane's " +
+				MarkdownDescription: "Name of the VM, unique in its project. Changed in place: it is the control plane's " +
 					"name for the VM, the guest does not see it and keeps running. A name another VM holds fails the apply " +
 					"and names that VM. Children of a `kvm_fork` keep their fixed names.",
 				Required:   true,
 				Validators: []validator.String{stringvalidator.LengthAtLeast(1)},
+			},
+			"project": schema.StringAttribute{
+				MarkdownDescription: "Project the VM belongs to, fixed at create: the provider's `project`, or when it " +
+					"is left out the token's project (`default` for a fleet-wide token). The VM counts against the " +
+					"project's quotas and runs only on hosts with the project's `host_labels`.",
+				Computed:      true,
+				PlanModifiers: fixedAtCreate,
 			},
 			"image": schema.StringAttribute{
 				MarkdownDescription: "Guest image to boot: a registered image (`kvm_image`, which a host fetches when " +
@@ -324,6 +331,7 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 		NetworkInterfaces: nicsToAPI(nics),
 		Constraints:       constraints,
 		Name:              plan.Name.ValueString(),
+		Project:           r.data.project, // "": the token's project
 		Image:             plan.Image.ValueString(),
 		VCPUs:             plan.VCPUs.ValueInt64(),
 		MemoryMiB:         plan.MemoryMiB.ValueInt64(),
@@ -365,10 +373,10 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 			resp.Diagnostics.AddAttributeError(path.Root("name"), summaryVMNameAlreadyTaken, nameTakenDetail(in.Name, err))
 			return
 		}
-		addAPIError(&resp.Diagnostics, summaryCreateVM, subject, err)
+		addCreateInProjectError(&resp.Diagnostics, summaryCreateVM, subject, in.Project, err)
 		return
 	}
-	tflog.Info(ctx, "created VM", map[string]any{"id": vm.ID, "name": vm.Name, "host": vm.Host})
+	tflog.Info(ctx, "created VM", map[string]any{"id": vm.ID, "name": vm.Name, "host": vm.Host, "project": vm.Project})
 
 	vm, waitErr := waitForPower(ctx, r.data.client, vm, in.PowerState)
 	plan.fromAPI(vm, desiredPowerState(vm))
