@@ -3,8 +3,9 @@
 #   - scripts/monitoring/kvmd-alerts.yml passes `promtool check rules` and
 #     its unit tests (`promtool test rules kvmd-alerts.test.yml`);
 #   - scripts/monitoring/grafana-dashboard.json is JSON;
-#   - every kvmd_* metric the rules and the dashboard use is exported by a
-#     running kvmd (control API and agent of `kvmd dev --driver sim`);
+#   - every kvmd_* and kvm_* metric the rules' and the dashboard's
+#     expressions use is exported by a running kvmd (control API and agent
+#     of `kvmd dev --driver sim`, with a project that has a quota);
 #   - scripts/systemd/*.service pass `systemd-analyze verify` (in a scratch
 #     root holding the system's units and a stand-in /usr/local/bin/kvmd)
 #     with no warning at all.
@@ -52,12 +53,22 @@ for _ in $(seq 20); do
 	sleep 0.5
 done
 [ -n "$agent" ] || { cat "$work/kvmd.log" >&2; fail "kvmd dev did not say where its agent listens"; }
+# The project series exist once a project has a quota: make one.
+curl -fsS -o /dev/null -H "Authorization: Bearer check-ops" -H "Content-Type: application/json" \
+	-d '{"name":"check-ops","quotas":{"vcpus":4}}' "http://$listen/v1/projects" ||
+	fail "POST /v1/projects to kvmd dev failed (see $work/kvmd.log)"
 {
 	curl -fsS "http://$listen/metrics"
 	curl -fsS "http://$agent/metrics"
-} | grep -o '^kvmd_[a-z_]*' | sort -u >"$work/exported"
-grep -oh 'kvmd_[a-z_]*' "$mon/kvmd-alerts.yml" "$mon/grafana-dashboard.json" |
-	sed -E 's/_(bucket|count|sum)$//' | grep -v '^kvmd_fleet$' | sort -u >"$work/used"
+} | grep -oE '^kvmd?_[a-z_]*' | sort -u >"$work/exported"
+# The metric names of the expressions: the rules' expr blocks and the
+# dashboard's "expr" fields (their prose names Terraform's kvm_* resources).
+{
+	awk '/^[[:space:]]*expr:/ { e = 1; print; next }
+		e && /^[[:space:]]*(for|keep_firing_for|labels|annotations):/ { e = 0 }
+		e' "$mon/kvmd-alerts.yml"
+	grep '"expr"' "$mon/grafana-dashboard.json"
+} | grep -oE '\bkvmd?_[a-z_]*' | sed -E 's/_(bucket|count|sum)$//' | sort -u >"$work/used"
 missing=$(comm -23 "$work/used" <(sed -E 's/_(bucket|count|sum)$//' "$work/exported" | sort -u))
 [ -z "$missing" ] || fail "used by the rules or the dashboard but not exported: $missing"
 echo "check-ops: $(wc -l <"$work/used") metrics used, all exported"

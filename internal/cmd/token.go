@@ -1,6 +1,7 @@
 package cmd
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -37,14 +38,15 @@ func runToken(ctx context.Context, args []string, getenv Env, stdout, stderr io.
 	fs.StringVar(&cfg.DataDir, "data-dir", "", "directory of the control API's SQLite database (as kvmd control --data-dir)")
 	fs.StringVar(&cfg.DatabaseURL, "database-url", "", "PostgreSQL URL of the control API (as kvmd control --database-url)")
 	var (
-		name, scopes, expiresAt string
-		expiresIn               time.Duration
-		id                      string
+		name, scopes, expiresAt, project string
+		expiresIn                        time.Duration
+		id                               string
 	)
 	switch sub {
 	case "create":
 		fs.StringVar(&name, "name", "", "name of the token (who or what uses it), e.g. ci")
 		fs.StringVar(&scopes, "scopes", api.ScopeUser, "comma-separated scopes: admin (hosts, networks, images, tokens), user (VMs, forks, placements, reads)")
+		fs.StringVar(&project, "project", "", "make a project token: it sees and acts on this project's VMs, forks and networks only (user scope; the project must exist) (default: a fleet-wide token)")
 		fs.DurationVar(&expiresIn, "expires-in", 0, "lifetime of the token, e.g. 720h (default: no expiry)")
 		fs.StringVar(&expiresAt, "expires-at", "", "expiry as an RFC 3339 time, e.g. 2027-01-01T00:00:00Z (instead of --expires-in)")
 	case "list":
@@ -84,7 +86,7 @@ func runToken(ctx context.Context, args []string, getenv Env, stdout, stderr io.
 	}
 	switch sub {
 	case "create":
-		in := api.TokenCreate{Name: name, Scopes: splitScopes(scopes)}
+		in := api.TokenCreate{Name: name, Scopes: splitScopes(scopes), Project: project}
 		switch {
 		case expiresIn != 0 && expiresAt != "":
 			return errors.New("give --expires-in or --expires-at, not both")
@@ -104,13 +106,13 @@ func runToken(ctx context.Context, args []string, getenv Env, stdout, stderr io.
 		if err != nil {
 			return err
 		}
-		fmt.Fprintf(stderr, "created token %s (name %s, scopes %s, expires %s); its secret is shown once, below:\n",
-			tok.ID, tok.Name, strings.Join(tok.Scopes, ","), timeOrNever(tok.ExpiresAt))
+		fmt.Fprintf(stderr, "created token %s (name %s, %s, scopes %s, expires %s); its secret is shown once, below:\n",
+			tok.ID, tok.Name, projectOrFleet(tok.Project), strings.Join(tok.Scopes, ","), timeOrNever(tok.ExpiresAt))
 		fmt.Fprintln(stdout, tok.Secret)
 		return nil
 	case "list":
 		w := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-		fmt.Fprintln(w, "ID\tNAME\tSCOPES\tEXPIRES\tLAST USED\tCREATED")
+		fmt.Fprintln(w, "ID\tNAME\tPROJECT\tSCOPES\tEXPIRES\tLAST USED\tCREATED")
 		page := control.Page{Size: api.MaxPageSize}
 		for {
 			list, err := svc.ListTokens(ctx, page)
@@ -118,7 +120,7 @@ func runToken(ctx context.Context, args []string, getenv Env, stdout, stderr io.
 				return err
 			}
 			for _, t := range list.Items {
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\n", t.ID, t.Name, strings.Join(t.Scopes, ","),
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", t.ID, t.Name, cmp.Or(t.Project, "-"), strings.Join(t.Scopes, ","),
 					timeOrNever(t.ExpiresAt), timeOrNever(t.LastUsedAt), t.CreatedAt.UTC().Format(time.RFC3339))
 			}
 			if list.NextPageToken == "" {
@@ -145,6 +147,13 @@ func splitScopes(s string) []string {
 	return out
 }
 
+func projectOrFleet(project string) string {
+	if project == "" {
+		return "fleet-wide"
+	}
+	return "project " + project
+}
+
 func timeOrNever(t *time.Time) string {
 	if t == nil {
 		return "never"
@@ -154,15 +163,21 @@ func timeOrNever(t *time.Time) string {
 
 const tokenUsage = `usage: kvmd token <create|list|revoke> [flags]
 
-  kvmd token create --name ci --scopes user [--expires-in 720h] --data-dir DIR
+  kvmd token create --name ci --scopes user [--project NAME] [--expires-in 720h] --data-dir DIR
       prints the new token's secret on stdout (shown only this once)
   kvmd token list --data-dir DIR
+      one line per token; PROJECT is "-" for a fleet-wide token
   kvmd token revoke --data-dir DIR ID
 
 Scopes: admin (hosts, networks, images, tokens), user (VMs, forks,
 placements, and reads of hosts, networks and images); a token may hold both.
 admin does not imply user: an admin-only token cannot write VMs, and over
 the API it may create only tokens whose scopes it holds itself (admin).
+--project NAME makes a project token: it sees and acts on that project's
+VMs, forks and networks only (another project's objects answer as unknown
+ids), its VMs count against the project's quotas, and it cannot hold
+admin. The project must exist (an admin creates it: POST /v1/projects).
+Without --project the token is fleet-wide.
 Use --database-url instead of --data-dir for PostgreSQL. The commands work
 on the database directly (any scopes: whoever opens the database holds
 them all); the API offers the same as POST, GET and DELETE /v1/tokens to

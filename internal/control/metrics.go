@@ -19,6 +19,7 @@ type metrics struct {
 	agentErrors      *prometheus.CounterVec
 	rejections       *prometheus.CounterVec
 	vmStates         *vmStateCounts
+	projects         *projectCounts
 	// unaccounted counts, per host, the VMs an agent runs that have no
 	// row and that the database never deleted (orphans.go).
 	unaccounted *prometheus.GaugeVec
@@ -55,6 +56,7 @@ func newMetrics(reg *prometheus.Registry) *metrics {
 			Help: "Hosts rejected by placements with reservation, by reason (the first filter the host failed), as listed in each placement's explanation.",
 		}, []string{"reason"}),
 		vmStates: &vmStateCounts{},
+		projects: &projectCounts{},
 		unaccounted: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "kvmd_vms_without_row",
 			Help: "VMs an agent runs without a database row that the control plane never deleted (kept for an operator), by host.",
@@ -71,7 +73,7 @@ func newMetrics(reg *prometheus.Registry) *metrics {
 	for _, op := range []string{"info", "list_vms", "create_vm", "delete_vm", "start", "stop"} {
 		m.agentErrors.WithLabelValues(op)
 	}
-	reg.MustRegister(m.placements, m.placementSeconds, m.conflicts, m.agentSeconds, m.agentErrors, m.rejections, m.vmStates, m.unaccounted)
+	reg.MustRegister(m.placements, m.placementSeconds, m.conflicts, m.agentSeconds, m.agentErrors, m.rejections, m.vmStates, m.projects, m.unaccounted)
 	return m
 }
 
@@ -163,5 +165,66 @@ func (c *vmStateCounts) Collect(ch chan<- prometheus.Metric) {
 	counts := c.totals()
 	for _, state := range vmStates {
 		ch <- prometheus.MustNewConstMetric(vmStatesDesc, prometheus.GaugeValue, float64(counts[state]), state)
+	}
+}
+
+// projectCounts holds every project's usage and quotas as the host
+// monitor last read them: one read of the projects table per round (and
+// after each project write on this replica), never at scrape time, so a
+// scrape stays SQL-free like kvmd_vms. A project's usage is a row that
+// the reservation statement keeps (store/projects.go), so the read is one
+// small row per project. The numbers lag the database by at most one sync
+// interval; every replica reads the same rows.
+type projectCounts struct {
+	mu       sync.Mutex
+	readAt   time.Time
+	projects []api.Project
+}
+
+// set records the projects read at readAt; an older read never
+// overwrites a newer one.
+func (c *projectCounts) set(readAt time.Time, projects []api.Project) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if readAt.Before(c.readAt) {
+		return
+	}
+	c.readAt, c.projects = readAt, projects
+}
+
+var (
+	projectUsageDesc = prometheus.NewDesc("kvm_project_usage",
+		"What a project's VMs hold, by resource (vcpus, memory_mib, disk_mib, vms), as the host monitor last read it (every sync interval).",
+		[]string{"project", "resource"}, nil)
+	projectQuotaDesc = prometheus.NewDesc("kvm_project_quota",
+		"A project's quota, by resource; a resource without a quota (unlimited) has no series.",
+		[]string{"project", "resource"}, nil)
+)
+
+func (c *projectCounts) Describe(ch chan<- *prometheus.Desc) {
+	ch <- projectUsageDesc
+	ch <- projectQuotaDesc
+}
+
+func (c *projectCounts) Collect(ch chan<- prometheus.Metric) {
+	c.mu.Lock()
+	projects := c.projects
+	c.mu.Unlock()
+	for _, p := range projects {
+		for _, r := range []struct {
+			name  string
+			used  int64
+			quota *int64
+		}{
+			{api.ResourceVCPUs, p.Usage.VCPUs, p.Quotas.VCPUs},
+			{api.ResourceMemoryMiB, p.Usage.MemoryMiB, p.Quotas.MemoryMiB},
+			{api.ResourceDiskMiB, p.Usage.DiskMiB, p.Quotas.DiskMiB},
+			{api.ResourceVMs, p.Usage.VMs, p.Quotas.VMs},
+		} {
+			ch <- prometheus.MustNewConstMetric(projectUsageDesc, prometheus.GaugeValue, float64(r.used), p.Name, r.name)
+			if r.quota != nil {
+				ch <- prometheus.MustNewConstMetric(projectQuotaDesc, prometheus.GaugeValue, float64(*r.quota), p.Name, r.name)
+			}
+		}
 	}
 }

@@ -97,6 +97,7 @@ func (s *Service) syncHosts(ctx context.Context, first bool) leases {
 	}
 	wg.Wait()
 	s.metrics.vmStates.keepHosts(hosts)
+	s.refreshProjectMetrics(ctx)
 	if err := s.reloadView(ctx); err != nil && ctx.Err() == nil {
 		s.log.Error("host monitor: reload hosts", "err", err)
 	}

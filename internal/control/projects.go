@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"regexp"
+	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
@@ -192,6 +193,7 @@ func (s *Service) CreateProject(ctx context.Context, in api.ProjectCreate) (api.
 		return api.Project{}, fromStore(err, "create project "+in.Name)
 	}
 	s.log.Info("project created", "project", row.Name)
+	s.refreshProjectMetrics(ctx)
 	return apiProject(row), nil
 }
 
@@ -259,6 +261,20 @@ func (s *Service) AllProjects(ctx context.Context) ([]api.Project, error) {
 	}
 }
 
+// refreshProjectMetrics reads every project for kvm_project_usage and
+// kvm_project_quota (metrics.go); on an error the last read stays.
+func (s *Service) refreshProjectMetrics(ctx context.Context) {
+	readAt := time.Now()
+	projects, err := s.AllProjects(ctx)
+	if err != nil {
+		if ctx.Err() == nil {
+			s.log.Error("read the projects for kvm_project_usage and kvm_project_quota; the metrics keep the last read", "err", err)
+		}
+		return
+	}
+	s.metrics.projects.set(readAt, projects)
+}
+
 // UpdateProject changes a project's description, quotas or host labels
 // (admin). A quota below the usage is accepted: it refuses growth from
 // then on and stops nothing; new host labels steer future placements only.
@@ -284,6 +300,7 @@ func (s *Service) UpdateProject(ctx context.Context, name string, in api.Project
 		return api.Project{}, fromStore(err, "update project "+name)
 	}
 	s.log.Info("project updated", "project", name)
+	s.refreshProjectMetrics(ctx)
 	return apiProject(row), nil
 }
 
@@ -306,6 +323,7 @@ func (s *Service) DeleteProject(ctx context.Context, name string) error {
 	// once, the others within TokenCacheTTL.
 	s.tokens.forgetProject(name)
 	s.log.Info("project deleted", "project", name)
+	s.refreshProjectMetrics(ctx)
 	return nil
 }
 

@@ -52,6 +52,8 @@ const (
 	uiMaxHosts = 1000
 	uiMaxVMs   = 5000
 	uiMaxForks = 200
+	// uiMaxProjects bounds the projects a page view lists.
+	uiMaxProjects = 1000
 )
 
 var uiTemplates = template.Must(template.New("ui").Funcs(template.FuncMap{
@@ -326,6 +328,40 @@ type uiHost struct {
 	VMs               int
 }
 
+// quotaBar is one resource of a project: its usage against its quota, or
+// its usage alone where the resource is unlimited.
+type quotaBar struct {
+	Used, Limit int64
+	Limited     bool
+	// High is 90% of the quota, where the meter turns (and
+	// KvmdProjectNearQuota fires); Pct may pass 100 when a quota was
+	// lowered below the usage. Both are 0 for a quota of 0.
+	High, Pct int64
+	Text      string // "2 / 4" or "1.0 / 4.0 GiB"; the usage alone when unlimited
+}
+
+func quotaOf(used int64, limit *int64, mib bool) quotaBar {
+	format := func(n int64) string { return strconv.FormatInt(n, 10) }
+	unit := ""
+	if mib {
+		format = func(n int64) string { return strconv.FormatFloat(float64(n)/1024, 'f', 1, 64) }
+		unit = " GiB"
+	}
+	if limit == nil {
+		return quotaBar{Used: used, Text: format(used) + unit}
+	}
+	q := quotaBar{Used: used, Limit: *limit, Limited: true, Text: format(used) + " / " + format(*limit) + unit}
+	if *limit > 0 {
+		q.High, q.Pct = *limit*9/10, used*100 / *limit
+	}
+	return q
+}
+
+type uiProject struct {
+	api.Project
+	VCPUs, Memory, Disk, VMs quotaBar
+}
+
 type uiWarmPool struct {
 	Host string
 	api.WarmPoolTarget
@@ -337,16 +373,19 @@ type uiFork struct {
 }
 
 type fleetView struct {
-	Generated  time.Time
-	Hosts      []uiHost
-	VMs        []api.VM
-	Forks      []uiFork
-	WarmPools  []uiWarmPool
-	States     []stateCount
-	HostsCut   bool
-	VMsCut     bool
-	ForksCut   bool
-	AliveHosts int
+	Generated time.Time
+	Hosts     []uiHost
+	Projects  []uiProject
+	VMs       []api.VM
+	Forks     []uiFork
+	WarmPools []uiWarmPool
+	States    []stateCount
+	HostsCut  bool
+	VMsCut    bool
+	ForksCut  bool
+	// ProjectsCut says the list stops at uiMaxProjects.
+	ProjectsCut bool
+	AliveHosts  int
 }
 
 type stateCount struct {
@@ -388,6 +427,31 @@ func (u *uiHandlers) view(c echo.Context) (fleetView, error) {
 			break
 		}
 		q.Token = l.NextPageToken
+	}
+
+	// The caller's projects: all for a fleet-wide token, its own for a
+	// project token (the request carries its principal).
+	for page := (control.Page{Size: api.MaxPageSize}); ; {
+		l, err := u.svc.ListProjects(ctx, page)
+		if err != nil {
+			return v, err
+		}
+		for _, p := range l.Items {
+			v.Projects = append(v.Projects, uiProject{Project: p,
+				VCPUs:  quotaOf(p.Usage.VCPUs, p.Quotas.VCPUs, false),
+				Memory: quotaOf(p.Usage.MemoryMiB, p.Quotas.MemoryMiB, true),
+				Disk:   quotaOf(p.Usage.DiskMiB, p.Quotas.DiskMiB, true),
+				VMs:    quotaOf(p.Usage.VMs, p.Quotas.VMs, false),
+			})
+		}
+		if l.NextPageToken == "" {
+			break
+		}
+		if len(v.Projects) >= uiMaxProjects {
+			v.ProjectsCut = true
+			break
+		}
+		page.Token = l.NextPageToken
 	}
 
 	perHost := map[string]int{}

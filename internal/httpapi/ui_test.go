@@ -2,6 +2,7 @@ package httpapi_test
 
 import (
 	"context"
+	"encoding/json"
 	"io"
 	"net/http"
 	"net/url"
@@ -186,10 +187,12 @@ func chromium(t *testing.T) string {
 // TestFleetPageInHeadlessChromium signs in through the login form in a real
 // headless Chromium and reads what a person would see: the hosts with their
 // allocation bars, the VMs with their states and placement, the fork and
-// the warm pool. The session cookie is HttpOnly (scripts cannot read it).
+// the warm pool, the projects against their quotas. The session cookie is
+// HttpOnly (scripts cannot read it).
 func TestFleetPageInHeadlessChromium(t *testing.T) {
 	exe := chromium(t)
 	e := startFleet(t)
+	createProjectHTTP(t, e.c, `{"name":"team-a","quotas":{"vcpus":8}}`)
 
 	opts := append(chromedp.DefaultExecAllocatorOptions[:],
 		chromedp.ExecPath(exe), chromedp.NoSandbox, chromedp.DisableGPU, chromedp.NoFirstRun,
@@ -250,6 +253,9 @@ func TestFleetPageInHeadlessChromium(t *testing.T) {
 	web1, web2, gone := text(`#vm-web-1`), text(`#vm-web-2`), text(`#vm-gone`)
 	fork := text(`#fork-` + e.forkID)
 	warm := text(`#warm-pools tbody tr`)
+	teamA, teamAMemory := text(`#project-team-a`), text(`#project-team-a td.memory_mib`)
+	teamAMax, teamAValue := attr(`#project-team-a td.vcpus meter`, "max"), attr(`#project-team-a td.vcpus meter`, "value")
+	defaultVMs := text(`#project-default td.vms`)
 	cookie, err := chromedp.Run(ctx, chromedp.Evaluate[string](`document.cookie`))
 	if err != nil {
 		t.Fatal(err)
@@ -262,6 +268,11 @@ func TestFleetPageInHeadlessChromium(t *testing.T) {
 		t.Fatal(err)
 	}
 	wantCPU := hostH1.Allocated.VCPUs
+	var def api.Project
+	if r := send(t, e.c, http.MethodGet, "/v1/projects/default", "Bearer "+e.c.Token, nil, nil); r.status != http.StatusOK ||
+		json.Unmarshal(r.body, &def) != nil {
+		t.Fatalf("GET /v1/projects/default: %d %s", r.status, r.body)
+	}
 	checks := []struct {
 		what, got string
 		want      []string
@@ -274,6 +285,9 @@ func TestFleetPageInHeadlessChromium(t *testing.T) {
 		{"VM gone", gone, []string{"gone", "missing", "h1"}},
 		{"fork", fork, []string{e.forkID, "ready", "2 of 2", "2 running", "colocate"}},
 		{"warm pool", warm, []string{"h2", "sim", "1 vCPU, 256 MiB", "2 of 2 ready"}},
+		{"project team-a", teamA, []string{"team-a", "0 / 8 (0%)"}},
+		{"team-a's memory", teamAMemory, []string{"unlimited"}},
+		{"default's VMs", defaultVMs, []string{itoa(def.Usage.VMs), "unlimited"}},
 	}
 	for _, ch := range checks {
 		for _, w := range ch.want {
@@ -287,6 +301,9 @@ func TestFleetPageInHeadlessChromium(t *testing.T) {
 	}
 	if !strings.Contains(h1, itoa(wantCPU)+" / "+h1Max) {
 		t.Errorf("h1 shows %q, want its vCPU allocation %d / %s", h1, wantCPU, h1Max)
+	}
+	if teamAMax != "8" || teamAValue != "0" {
+		t.Errorf("team-a's vCPU bar: value %q max %q, want 0 of 8", teamAValue, teamAMax)
 	}
 	if strings.Contains(cookie, "kvmd_ui") {
 		t.Errorf("document.cookie = %q: the session cookie must be HttpOnly", cookie)
@@ -343,6 +360,97 @@ func TestFleetPageTakesAnyValidToken(t *testing.T) {
 		}
 		if r := get(t, hc, c.URL+"/ui", map[string]string{"Authorization": "Bearer " + tok.Secret}); r.StatusCode != http.StatusUnauthorized {
 			t.Errorf("%s token revoked: GET /ui as bearer = %d, want 401", name, r.StatusCode)
+		}
+	}
+}
+
+// createProjectHTTP makes a project through POST /v1/projects as the
+// bootstrap token.
+func createProjectHTTP(t *testing.T, c *testenv.Control, body string) {
+	t.Helper()
+	if r := send(t, c, http.MethodPost, "/v1/projects", "Bearer "+c.Token, strings.NewReader(body), nil); r.status != http.StatusCreated {
+		t.Fatalf("POST /v1/projects %s: %d %s", body, r.status, r.body)
+	}
+}
+
+// projectCell is the HTML of one resource's cell (vcpus, memory_mib,
+// disk_mib, vms) in a project's row of the fleet page, "" without one.
+func projectCell(page, project, resource string) string {
+	_, row, ok := strings.Cut(page, `<tr id="project-`+project+`">`)
+	if !ok {
+		return ""
+	}
+	row, _, _ = strings.Cut(row, "</tr>")
+	_, cell, ok := strings.Cut(row, `<td class="`+resource+`">`)
+	if !ok {
+		return ""
+	}
+	cell, _, _ = strings.Cut(cell, "</td>")
+	return cell
+}
+
+// The Projects section shows each project's usage against its quota per
+// resource, "unlimited" where it has none; a project token's page shows
+// its own project alone.
+func TestFleetPageShowsProjectsAgainstTheirQuotas(t *testing.T) {
+	c := testenv.StartControl(t, testenv.ControlOptions{})
+	c.RegisterHost(t, "h1", testenv.StartAgent(t, testenv.AgentOptions{}).Address)
+	ctx := context.Background()
+	createProjectHTTP(t, c, `{"name":"team-a","quotas":{"vcpus":4,"memory_mib":4096}}`)
+	createProjectHTTP(t, c, `{"name":"team-b","description":"the other team","quotas":{"vms":2}}`)
+	if _, err := c.Client.CreateVM(ctx, api.VMCreate{Name: "web", Project: "team-a", Image: "sim",
+		VCPUs: 2, MemoryMiB: 1024, DiskMiB: 2048}, ""); err != nil {
+		t.Fatal(err)
+	}
+
+	r := send(t, c, http.MethodGet, "/ui", "Bearer "+c.Token, nil, nil)
+	if r.status != http.StatusOK {
+		t.Fatalf("GET /ui = %d", r.status)
+	}
+	page := string(r.body)
+	for _, ch := range []struct {
+		project, resource string
+		want              []string
+	}{
+		{"team-a", "vcpus", []string{`max="4"`, `value="2"`, `high="3"`, "2 / 4 (50%)"}},
+		{"team-a", "memory_mib", []string{`max="4096"`, `value="1024"`, "1.0 / 4.0 GiB (25%)"}},
+		{"team-a", "disk_mib", []string{"2.0 GiB", "unlimited"}},
+		{"team-a", "vms", []string{"1", "unlimited"}},
+		{"team-b", "vms", []string{`max="2"`, `value="0"`, "0 / 2 (0%)"}},
+		{"team-b", "vcpus", []string{"0", "unlimited"}},
+		{api.DefaultProject, "vms", []string{"0", "unlimited"}},
+	} {
+		cell := projectCell(page, ch.project, ch.resource)
+		for _, w := range ch.want {
+			if !strings.Contains(cell, w) {
+				t.Errorf("fleet-wide token: %s's %s cell is %q, want it to contain %q", ch.project, ch.resource, cell, w)
+			}
+		}
+	}
+	for _, unlimited := range []string{projectCell(page, "team-a", "disk_mib"), projectCell(page, "team-b", "vcpus")} {
+		if strings.Contains(unlimited, "<meter") {
+			t.Errorf("an unlimited resource shows a bar: %q", unlimited)
+		}
+	}
+	if !strings.Contains(page, "the other team") {
+		t.Error("the page does not show team-b's description")
+	}
+
+	tok, err := c.Client.CreateToken(ctx, api.TokenCreate{Name: "b-ui", Scopes: []string{api.ScopeUser}, Project: "team-b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r = send(t, c, http.MethodGet, "/ui", "Bearer "+tok.Secret, nil, nil)
+	if r.status != http.StatusOK {
+		t.Fatalf("GET /ui as team-b's token = %d", r.status)
+	}
+	page = string(r.body)
+	if projectCell(page, "team-b", "vms") == "" {
+		t.Error("team-b's token: its own project is not on the page")
+	}
+	for _, other := range []string{"team-a", api.DefaultProject} {
+		if strings.Contains(page, `id="project-`+other+`"`) {
+			t.Errorf("team-b's token sees project %s on the fleet page", other)
 		}
 	}
 }
