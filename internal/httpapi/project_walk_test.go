@@ -105,7 +105,7 @@ var projectDecisions = map[string]projectDecision{
 	"POST /ui/logout": {how: noObject, why: "ends the caller's own session"},
 	"GET /healthz":    {how: noObject, why: "an open probe"},
 	"GET /readyz":     {how: noObject, why: "an open probe"},
-	"GET /metrics":    {how: noObject, why: "the operator's counters, labelled by route pattern, host and state, never by object"},
+	"GET /metrics":    {how: noObject, why: "the operator's counters, labelled by route pattern, host, state and project name (usage per project), never by object id; --metrics-token keeps it to the operator"},
 }
 
 // walkAnswer is one answer to a project token.
