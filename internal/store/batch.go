@@ -130,8 +130,9 @@ func (b *reservationBatcher) commitSQLite(batch []pendingReservation) {
 			}
 		}()
 		for i, p := range batch {
-			// A group slot is taken first (the order of the PostgreSQL
-			// path) and given back if the host refuses.
+			// The transaction is SQLite's only writer, so the order of
+			// the rows is free: the group slot and the project's usage go
+			// before the host, and are given back if the host refuses.
 			if err := takeGroupSlot(tx, p.vm); err != nil {
 				if !errors.Is(err, ErrGroupCap) {
 					return err
@@ -139,11 +140,10 @@ func (b *reservationBatcher) commitSQLite(batch []pendingReservation) {
 				results[i] = err
 				continue
 			}
-			// The project's usage next, in the order of the PostgreSQL
-			// statement: past a quota its CHECK refuses the UPDATE alone.
-			if err := chargeProject(tx, p.vm.Project, vmShare(p.vm), tx); err != nil {
+			// Past a quota the project's CHECK refuses the UPDATE alone.
+			if err := chargeProject(tx, p.vm.Project, p.vm.ProjectGeneration, vmShare(p.vm), tx); err != nil {
 				var qe *QuotaError
-				if !errors.As(err, &qe) {
+				if !errors.As(err, &qe) && !errors.Is(err, ErrProjectChanged) {
 					return err
 				}
 				results[i] = err

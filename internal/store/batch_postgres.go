@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -52,14 +53,10 @@ func (s *Store) commitPostgres(batch []pendingReservation) {
 	// batches in flight at once wait for each other, never deadlock.
 	slices.SortStableFunc(batch, func(a, b pendingReservation) int { return strings.Compare(a.vm.HostName, b.vm.HostName) })
 	if len(batch) > 1 {
-		placed, err := s.reservePipelined(ctx, batch)
+		outcomes, err := s.reservePipelined(ctx, batch)
 		if err == nil {
 			for i, p := range batch {
-				if placed[i] == 1 {
-					p.result <- nil
-				} else {
-					p.result <- fmt.Errorf("host %s: %w", p.vm.HostName, ErrNoRoom)
-				}
+				p.result <- reservationOutcome(p.vm, outcomes[i].placed, outcomes[i].project)
 			}
 			return
 		}
@@ -70,27 +67,43 @@ func (s *Store) commitPostgres(batch []pendingReservation) {
 	}
 }
 
+// statementOutcome is what one reservation statement of a batch did: VMs
+// placed (1 or 0) and whether it found its project (1 or 0).
+type statementOutcome struct{ placed, project int }
+
+// chargeBatchSQL adds to project $1 the usage of the batch's VMs (ids $2)
+// that its statements placed: their rows are visible to it, inserted
+// earlier in the same transaction. Past a quota the CHECK fails it, and
+// with it the whole batch, whose reservations then run alone.
+const chargeBatchSQL = `UPDATE projects SET used_vcpus = used_vcpus + placed.vcpus,
+		used_memory_mib = used_memory_mib + placed.memory_mib, used_disk_mib = used_disk_mib + placed.disk_mib,
+		used_vms = used_vms + placed.vms
+	FROM (SELECT COALESCE(SUM(vcpus), 0) AS vcpus, COALESCE(SUM(memory_mib), 0) AS memory_mib,
+			COALESCE(SUM(disk_mib), 0) AS disk_mib, COUNT(*) AS vms
+		FROM vms WHERE id = ANY($2::text[]) AND project = $1::text) AS placed
+	WHERE projects.name = $1::text AND placed.vms > 0`
+
 // reservePipelined sends the batch's statements in one pipeline and
-// returns how many VMs each placed (1 or 0).
-func (s *Store) reservePipelined(ctx context.Context, batch []pendingReservation) ([]int, error) {
+// returns what each did. The statements reserve hosts and insert VM rows
+// (hosts in name order); then one UPDATE per project, in name order, adds
+// what its VMs placed to its usage. Every writer locks a host before a
+// project's usage row, so batches and lone statements never deadlock over
+// the two, and the project's row, which every reservation of the project
+// updates, is held from the batch's last statements to its commit only.
+func (s *Store) reservePipelined(ctx context.Context, batch []pendingReservation) ([]statementOutcome, error) {
 	var pb pgx.Batch
-	// The batch's projects are locked first, in name order, and only then
-	// its hosts (each statement locks its project before its host): every
-	// batch and every lone reservation takes the rows in that one order.
-	projects := make([]string, 0, 1)
+	ids := map[string][]string{}
 	for _, p := range batch {
-		if !slices.Contains(projects, p.vm.Project) {
-			projects = append(projects, p.vm.Project)
-		}
-	}
-	slices.Sort(projects)
-	pb.Queue(`SELECT COUNT(*) FROM (SELECT name FROM projects WHERE name = ANY($1::text[]) ORDER BY name FOR UPDATE) AS locked`, projects)
-	for _, p := range batch {
-		query, args, err := reserveStatement(p.vm)
+		query, args, err := reserveStatement(p.vm, false)
 		if err != nil {
 			return nil, err
 		}
 		pb.Queue(query, args...)
+		ids[p.vm.Project] = append(ids[p.vm.Project], p.vm.ID)
+	}
+	projects := slices.Sorted(maps.Keys(ids))
+	for _, project := range projects {
+		pb.Queue(chargeBatchSQL, project, ids[project])
 	}
 	sqlDB, err := s.db.DB()
 	if err != nil {
@@ -101,7 +114,7 @@ func (s *Store) reservePipelined(ctx context.Context, batch []pendingReservation
 		return nil, err
 	}
 	defer func() { _ = conn.Close() }()
-	placed := make([]int, len(batch))
+	outcomes := make([]statementOutcome, len(batch))
 	err = conn.Raw(func(driverConn any) error {
 		c, ok := driverConn.(*stdlib.Conn)
 		if !ok {
@@ -109,10 +122,14 @@ func (s *Store) reservePipelined(ctx context.Context, batch []pendingReservation
 		}
 		s.statements.Add(int64(len(batch)))
 		results := c.Conn().SendBatch(ctx, &pb)
-		var locked int
-		firstErr := results.QueryRow().Scan(&locked)
+		var firstErr error
 		for i := range batch {
-			if err := results.QueryRow().Scan(&placed[i]); err != nil && firstErr == nil {
+			if err := results.QueryRow().Scan(&outcomes[i].placed, &outcomes[i].project); err != nil && firstErr == nil {
+				firstErr = err
+			}
+		}
+		for range projects {
+			if _, err := results.Exec(); err != nil && firstErr == nil {
 				firstErr = err
 			}
 		}
@@ -121,5 +138,5 @@ func (s *Store) reservePipelined(ctx context.Context, batch []pendingReservation
 		}
 		return firstErr
 	})
-	return placed, err
+	return outcomes, err
 }

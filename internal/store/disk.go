@@ -27,9 +27,6 @@ func (s *Store) GrowVMDisk(ctx context.Context, id, host string, from, to int64)
 		if err := tx.Raw("SELECT project FROM vms WHERE id = ?", id).Scan(&project).Error; err != nil {
 			return fmt.Errorf("read project of vm %s: %w", id, err)
 		}
-		if err := s.chargeProject(tx, project, share{Resources: Resources{DiskMiB: to - from}}); err != nil {
-			return err
-		}
 		res = tx.Exec(`UPDATE hosts SET alloc_disk_mib = alloc_disk_mib + ? WHERE name = ? AND alloc_disk_mib + ? <= cap_disk_mib`,
 			to-from, host, to-from)
 		if res.Error != nil {
@@ -38,7 +35,8 @@ func (s *Store) GrowVMDisk(ctx context.Context, id, host string, from, to int64)
 		if res.RowsAffected == 0 {
 			return fmt.Errorf("host %s: %d MiB more disk: %w", host, to-from, ErrNoRoom)
 		}
-		return nil
+		// The project after the host: the lock order of reservations.
+		return s.chargeProject(tx, project, share{Resources: Resources{DiskMiB: to - from}})
 	})
 }
 
@@ -57,9 +55,9 @@ func (s *Store) UndoGrowVMDisk(ctx context.Context, id, host string, from, to in
 		if err := tx.Raw("SELECT project FROM vms WHERE id = ?", id).Scan(&project).Error; err != nil {
 			return fmt.Errorf("read project of vm %s: %w", id, err)
 		}
-		if err := creditProject(tx, project, share{Resources: Resources{DiskMiB: to - from}}); err != nil {
+		if err := tx.Exec(`UPDATE hosts SET alloc_disk_mib = alloc_disk_mib - ? WHERE name = ?`, to-from, host).Error; err != nil {
 			return err
 		}
-		return tx.Exec(`UPDATE hosts SET alloc_disk_mib = alloc_disk_mib - ? WHERE name = ?`, to-from, host).Error
+		return creditProject(tx, project, share{Resources: Resources{DiskMiB: to - from}})
 	})
 }

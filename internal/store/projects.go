@@ -22,6 +22,10 @@ func isQuota(err error) bool {
 
 // Errors of projects.
 var (
+	// ErrProjectChanged: a reservation named a project generation that is
+	// no longer the project's (it changed or was deleted since the caller
+	// read it); nothing was reserved, and the caller reads it again.
+	ErrProjectChanged = errors.New("project changed or was deleted since it was read")
 	// ErrProjectInUse: the project still holds VMs, forks or networks.
 	ErrProjectInUse = errors.New("project still holds VMs, forks or networks")
 )
@@ -72,8 +76,10 @@ type Project struct {
 	HostLabels  map[string]string `gorm:"column:host_labels;serializer:json"`
 	Quotas      Quotas            `gorm:"embedded"`
 	Used        Usage             `gorm:"embedded"`
-	CreatedAt   time.Time         `gorm:"column:created_at"`
-	UpdatedAt   time.Time         `gorm:"column:updated_at"`
+	// Generation grows by one on every change of the row's settings.
+	Generation int64     `gorm:"column:generation"`
+	CreatedAt  time.Time `gorm:"column:created_at"`
+	UpdatedAt  time.Time `gorm:"column:updated_at"`
 }
 
 // TableName is the table of Project.
@@ -97,7 +103,7 @@ func (p Project) limit(resource string) (*int64, int64) {
 // the name is taken.
 func (s *Store) InsertProject(ctx context.Context, p Project) (Project, error) {
 	t := now()
-	p.CreatedAt, p.UpdatedAt, p.Used = t, t, Usage{}
+	p.CreatedAt, p.UpdatedAt, p.Used, p.Generation = t, t, Usage{}, 1
 	if p.HostLabels == nil {
 		p.HostLabels = map[string]string{}
 	}
@@ -151,7 +157,7 @@ type ProjectUpdate struct {
 func (s *Store) UpdateProject(ctx context.Context, name string, u ProjectUpdate) (Project, error) {
 	var p Project
 	err := s.inTx(ctx, func(tx *gorm.DB) error {
-		cols := map[string]any{"updated_at": now()}
+		cols := map[string]any{"updated_at": now(), "generation": gorm.Expr("generation + 1")}
 		if u.Description != nil {
 			cols["description"] = *u.Description
 		}
@@ -217,10 +223,11 @@ func (s *Store) DeleteProject(ctx context.Context, name string) error {
 }
 
 // chargeProjectSQL adds a VM's share to its project (arguments: vcpus,
-// memory, disk, vm count, project). Past a quota the row's CHECK fails the
-// statement (quotaResource tells which).
+// memory, disk, vm count, project, then the generation the caller read
+// twice: 0 for any). Past a quota the row's CHECK fails the statement
+// (quotaResource tells which).
 const chargeProjectSQL = `UPDATE projects SET used_vcpus = used_vcpus + ?, used_memory_mib = used_memory_mib + ?,
-	used_disk_mib = used_disk_mib + ?, used_vms = used_vms + ? WHERE name = ?`
+	used_disk_mib = used_disk_mib + ?, used_vms = used_vms + ? WHERE name = ? AND (? = 0 OR generation = ?)`
 
 // creditProjectSQL gives a share back (arguments: vcpus, memory, disk, vm
 // count, then the same four again, then the project). A ceiling above the
@@ -245,24 +252,28 @@ type share struct {
 func (s *Store) chargeProject(tx *gorm.DB, project string, sh share) error {
 	if s.dialect == DialectPostgres {
 		// A refusal aborts the transaction: the error's read goes beside it.
-		return chargeProject(tx, project, sh, s.db.WithContext(tx.Statement.Context))
+		return chargeProject(tx, project, 0, sh, s.db.WithContext(tx.Statement.Context))
 	}
-	return chargeProject(tx, project, sh, tx)
+	return chargeProject(tx, project, 0, sh, tx)
 }
 
-// chargeProject is Store.chargeProject with the connection that reads a
-// refusal's figures.
-func chargeProject(tx *gorm.DB, project string, sh share, read *gorm.DB) error {
+// chargeProject is Store.chargeProject with the project's generation the
+// caller read (0: any; another one is ErrProjectChanged) and the
+// connection that reads a refusal's figures.
+func chargeProject(tx *gorm.DB, project string, generation int64, sh share, read *gorm.DB) error {
 	if sh == (share{}) {
 		return nil
 	}
-	res := tx.Exec(chargeProjectSQL, sh.VCPUs, sh.MemoryMiB, sh.DiskMiB, sh.VMs, project)
+	res := tx.Exec(chargeProjectSQL, sh.VCPUs, sh.MemoryMiB, sh.DiskMiB, sh.VMs, project, generation, generation)
 	err := res.Error
 	if err == nil {
-		if res.RowsAffected == 0 {
-			return fmt.Errorf("project %q: %w", project, ErrNotFound)
+		switch {
+		case res.RowsAffected != 0:
+			return nil
+		case generation != 0:
+			return fmt.Errorf("project %q (generation %d): %w", project, generation, ErrProjectChanged)
 		}
-		return nil
+		return fmt.Errorf("project %q: %w", project, ErrNotFound)
 	}
 	if resource := quotaResource(err); resource != "" {
 		return quotaError(read, project, resource, sh)

@@ -34,16 +34,9 @@ func (s *Store) ReclaimVM(ctx context.Context, id, observedState, reason, starte
 		if res.RowsAffected == 0 {
 			return nil
 		}
-		// Its project's usage first, under the quota like a create (the
-		// lock order of reservations).
-		if err := s.chargeProject(tx, vm.Project, vmShare(vm)); err != nil {
-			return fmt.Errorf("reclaim vm %s: %w", id, err)
-		}
-		// Its group slot next; under the
-		// cap only, like the capacity below.
-		if err := takeGroupSlot(tx, vm); err != nil {
-			return fmt.Errorf("reclaim vm %s: %w", id, err)
-		}
+		// The host, then the project's usage, then the group slot: the
+		// lock order of reservations. Each only under its cap or quota,
+		// like a create.
 		r := vm.Resources
 		// No alive/schedulable condition: the VM already runs there.
 		res = tx.Exec(`UPDATE hosts SET alloc_vcpus = alloc_vcpus + ?, alloc_memory_mib = alloc_memory_mib + ?,
@@ -56,6 +49,12 @@ func (s *Store) ReclaimVM(ctx context.Context, id, observedState, reason, starte
 		}
 		if res.RowsAffected == 0 {
 			return fmt.Errorf("reclaim vm %s on host %s: %w", id, vm.HostName, ErrNoRoom)
+		}
+		if err := s.chargeProject(tx, vm.Project, vmShare(vm)); err != nil {
+			return fmt.Errorf("reclaim vm %s: %w", id, err)
+		}
+		if err := takeGroupSlot(tx, vm); err != nil {
+			return fmt.Errorf("reclaim vm %s: %w", id, err)
 		}
 		// Its addresses and MACs come back too, unless another VM took one
 		// meanwhile (ErrAddressTaken, ErrMACTaken: nothing changes).

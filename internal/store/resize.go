@@ -78,10 +78,6 @@ func (s *Store) BeginResizeOwned(ctx context.Context, id string, shape Shape, ow
 		if growV == 0 && growM == 0 {
 			return nil
 		}
-		// The project's quota first (the lock order of reservations).
-		if err := s.chargeProject(tx, vm.Project, share{Resources: Resources{VCPUs: growV, MemoryMiB: growM}}); err != nil {
-			return err
-		}
 		// Placement's conditional UPDATE for the growth alone. Not
 		// schedulable is no bar: the VM already lives on this host.
 		res = tx.Exec(`UPDATE hosts SET alloc_vcpus = alloc_vcpus + ?, alloc_memory_mib = alloc_memory_mib + ?
@@ -93,7 +89,10 @@ func (s *Store) BeginResizeOwned(ctx context.Context, id string, shape Shape, ow
 		if res.RowsAffected == 0 {
 			return fmt.Errorf("host %s: %w", vm.HostName, ErrNoRoom)
 		}
-		return nil
+		// The project's quota after the host (the lock order of
+		// reservations); a refusal undoes the host's share with the
+		// transaction.
+		return s.chargeProject(tx, vm.Project, share{Resources: Resources{VCPUs: growV, MemoryMiB: growM}})
 	})
 	return vm, err
 }
@@ -143,15 +142,12 @@ func (s *Store) FinishResize(ctx context.Context, id string, applied bool) (VM, 
 		if !vm.HoldsCapacity || (relV == 0 && relM == 0) {
 			return nil
 		}
-		if err := creditProject(tx, vm.Project, share{Resources: Resources{VCPUs: relV, MemoryMiB: relM}}); err != nil {
-			return err
-		}
 		res = tx.Exec(`UPDATE hosts SET alloc_vcpus = alloc_vcpus - ?, alloc_memory_mib = alloc_memory_mib - ? WHERE name = ?`,
 			relV, relM, vm.HostName)
 		if res.Error != nil {
 			return fmt.Errorf("settle resize of vm %s on host %s: %w", id, vm.HostName, res.Error)
 		}
-		return nil
+		return creditProject(tx, vm.Project, share{Resources: Resources{VCPUs: relV, MemoryMiB: relM}})
 	})
 	return vm, settled, err
 }

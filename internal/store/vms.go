@@ -55,6 +55,11 @@ type VM struct {
 	Guest     *Guest    `gorm:"column:guest;serializer:json"`
 	CreatedAt time.Time `gorm:"column:created_at"`
 	UpdatedAt time.Time `gorm:"column:updated_at"`
+	// ProjectGeneration is the generation of the project that the caller
+	// placed the VM by (its host labels); a reservation finds the project
+	// at that generation or places nothing (ErrProjectChanged). Zero:
+	// any generation. Not a column.
+	ProjectGeneration int64 `gorm:"-"`
 }
 
 // Guest is a VM's guest configuration as the control plane keeps it (JSON
@@ -129,7 +134,7 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 	case quotaResource(err) != "":
 		// The PostgreSQL statement's CHECK: read the figures for the error.
 		return quotaError(s.db.WithContext(ctx), vm.Project, quotaResource(err), vmShare(vm))
-	case err == nil || errors.Is(err, ErrNoRoom) || isQuota(err) || errors.Is(err, ErrGroupCap) || errors.Is(err, ErrAddressTaken) || errors.Is(err, ErrMACTaken):
+	case err == nil || errors.Is(err, ErrNoRoom) || isQuota(err) || errors.Is(err, ErrProjectChanged) || errors.Is(err, ErrGroupCap) || errors.Is(err, ErrAddressTaken) || errors.Is(err, ErrMACTaken):
 		return err
 	case pgCode(err) == "23514": // group_domains_cap: the slot's CHECK
 		return fmt.Errorf("group %q already has %d VMs in %s %s: %w", vm.Group.Name, vm.Group.Cap, vm.Group.SpreadBy, vm.Group.Domain, ErrGroupCap)
@@ -157,7 +162,7 @@ const reserveOnHostSQL = `UPDATE hosts SET
 // row of that domain, so a racing create of the same group on any replica
 // waits and then sees the new count; two never take the last slot.
 func (s *Store) reserveInOneStatement(ctx context.Context, vm VM) error {
-	query, args, err := reserveStatement(vm)
+	query, args, err := reserveStatement(vm, true)
 	if err != nil {
 		return err
 	}
@@ -169,10 +174,10 @@ func (s *Store) reserveInOneStatement(ctx context.Context, vm VM) error {
 	if err != nil {
 		return err
 	}
-	var placed int
+	var placed, project int
 	for attempt := 0; ; attempt++ {
 		s.statements.Add(1)
-		err = sqlDB.QueryRowContext(ctx, query, args...).Scan(&placed)
+		err = sqlDB.QueryRowContext(ctx, query, args...).Scan(&placed, &project)
 		if !retryable(err) || attempt == 4 || ctx.Err() != nil {
 			break
 		}
@@ -187,10 +192,19 @@ func (s *Store) reserveInOneStatement(ctx context.Context, vm VM) error {
 		}
 		return err
 	}
-	if placed != 1 {
-		return fmt.Errorf("host %s: %w", vm.HostName, ErrNoRoom)
+	return reservationOutcome(vm, placed, project)
+}
+
+// reservationOutcome is the error of a reservation statement that placed
+// placed VMs and found the project (at the generation asked) project times.
+func reservationOutcome(vm VM, placed, project int) error {
+	switch {
+	case placed == 1:
+		return nil
+	case project == 0:
+		return fmt.Errorf("project %q (generation %d): %w", vm.Project, vm.ProjectGeneration, ErrProjectChanged)
 	}
-	return nil
+	return fmt.Errorf("host %s: %w", vm.HostName, ErrNoRoom)
 }
 
 // takeGroupSlotSQL counts one more VM of a group in a domain, only while
@@ -278,8 +292,12 @@ func (a *pgArgs) add(sql *strings.Builder, casts []string, vals ...any) {
 }
 
 // reserveStatement builds the reservation statement of reserveInOneStatement
-// with PostgreSQL's $n placeholders.
-func reserveStatement(vm VM) (string, []any, error) {
+// with PostgreSQL's $n placeholders. It returns two columns: how many VMs
+// it placed (1 or 0) and whether it found the project at the generation
+// asked (1 or 0). chargeUsage adds the VM's share to its project's usage
+// in the statement (a lone reservation); a batch's statements leave it to
+// the batch's closing UPDATE.
+func reserveStatement(vm VM, chargeUsage bool) (string, []any, error) {
 	labels, err := jsonText(vm.Labels)
 	if err != nil {
 		return "", nil, err
@@ -294,20 +312,25 @@ func reserveStatement(vm VM) (string, []any, error) {
 	}
 	g := vm.Group
 	r := vm.Resources
-	// The resources are $1-$3, the host $4 and the project $5; the WHERE,
-	// the project's usage and the VM row reuse them.
+	// The resources are $1-$3, the host $4, the project $5 and the
+	// project's generation $6 (0: any); the WHERE, the project's usage and
+	// the VM row reuse them.
 	args := make(pgArgs, 0, 32+4*len(vm.NICs)+2*len(vm.Labels))
-	args = append(args, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName, vm.Project)
+	args = append(args, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName, vm.Project, vm.ProjectGeneration)
 	var sql strings.Builder
 	sql.Grow(2048)
-	// The project's row is locked before the host's (project_lock is
-	// evaluated in the host UPDATE's WHERE, before its row is locked), the
-	// order of every other writer of both, so that reservations never
-	// deadlock over the two. Its usage grows only if the host took the VM;
-	// past a quota the CHECK projects_<resource>_quota fails the whole
-	// statement, the host's share with it.
+	// project_lock holds the project's row with FOR KEY SHARE: no delete
+	// can pass it until the transaction ends, yet it waits for no usage
+	// update and blocks none (a FOR NO KEY UPDATE lock). A project changed
+	// since the caller read it (another generation) or deleted places
+	// nothing: the statement's second column is then 0. The usage row is
+	// locked for update only after the host (the order of every writer of
+	// both: host, then project, then group slot), and only in the lone
+	// statement: a batch counts its VMs' usage in one UPDATE per project at
+	// its end (reservePipelined), so the hot row is held from there to the
+	// commit, not for the whole batch.
 	sql.WriteString(`WITH project_lock AS (
-		SELECT name FROM projects WHERE name = $5::text FOR UPDATE
+		SELECT name FROM projects WHERE name = $5::text AND ($6::bigint = 0 OR generation = $6::bigint) FOR KEY SHARE
 	), reserved AS (
 		UPDATE hosts SET
 			alloc_vcpus = alloc_vcpus + $1, alloc_memory_mib = alloc_memory_mib + $2, alloc_disk_mib = alloc_disk_mib + $3
@@ -315,12 +338,18 @@ func reserveStatement(vm VM) (string, []any, error) {
 			AND alloc_vcpus + $1 <= cap_vcpus AND alloc_memory_mib + $2 <= cap_memory_mib AND alloc_disk_mib + $3 <= cap_disk_mib
 			AND EXISTS (SELECT 1 FROM project_lock)
 		RETURNING name
-	), quota AS (
+	)`)
+	if chargeUsage {
+		// Its usage grows only if the host took the VM; past a quota the
+		// CHECK projects_<resource>_quota fails the whole statement, the
+		// host's share with it.
+		sql.WriteString(`, quota AS (
 		UPDATE projects SET used_vcpus = used_vcpus + $1, used_memory_mib = used_memory_mib + $2,
 			used_disk_mib = used_disk_mib + $3, used_vms = used_vms + 1
 		FROM reserved WHERE projects.name = $5::text
 		RETURNING 1
 	)`)
+	}
 	if g.Name != "" {
 		// The group slot, only if the host took the VM. Past the cap the
 		// CHECK group_domains_cap fails the whole statement, so the host's
@@ -352,10 +381,17 @@ func reserveStatement(vm VM) (string, []any, error) {
 		vm.ForkID, vm.ForkSlot, labels, nics, vm.Placement,
 		vm.Constraints, g.Name, g.SpreadBy, g.Domain, g.Cap, vm.Owner, guest, vm.CreatedAt, vm.UpdatedAt)
 	// FROM quota too: PostgreSQL runs a data-modifying CTE whether or
-	// not it is read, but reading it keeps its place in the plan plain.
-	sql.WriteString(` FROM reserved, quota
+	// not it is read, but reading it keeps its place in the plan plain
+	// (after the host's UPDATE, before the VM's row).
+	if chargeUsage {
+		sql.WriteString(` FROM reserved, quota
 		RETURNING id
 	)`)
+	} else {
+		sql.WriteString(` FROM reserved
+		RETURNING id
+	)`)
+	}
 	if len(vm.NICs) > 0 {
 		// The unique indexes of vm_nics arbitrate addresses and MACs: a
 		// taken one fails the whole statement, reservation included.
@@ -388,7 +424,7 @@ func reserveStatement(vm VM) (string, []any, error) {
 		}
 		sql.WriteString(`) AS l(k, v) RETURNING 1)`)
 	}
-	sql.WriteString(` SELECT COUNT(*) FROM vm`)
+	sql.WriteString(` SELECT (SELECT COUNT(*) FROM vm), (SELECT COUNT(*) FROM project_lock)`)
 	return sql.String(), args, nil
 }
 
@@ -439,20 +475,20 @@ func releaseInTx(tx *gorm.DB, vm VM) (bool, error) {
 	if res.RowsAffected == 0 {
 		return false, nil
 	}
-	// The project's usage goes first, then the group slot, then the
-	// host's capacity: the order in which reservations lock those rows, so
-	// the two never deadlock.
-	if err := creditProject(tx, vm.Project, vmShare(vm)); err != nil {
-		return false, fmt.Errorf("release vm %s: %w", vm.ID, err)
-	}
-	if err := giveGroupSlot(tx, vm.Group); err != nil {
-		return false, fmt.Errorf("release group slot of vm %s: %w", vm.ID, err)
-	}
+	// The host's capacity goes first, then the project's usage, then the
+	// group slot: the order in which reservations lock those rows, so the
+	// two never deadlock.
 	r := vm.held()
 	res = tx.Exec(`UPDATE hosts SET alloc_vcpus = alloc_vcpus - ?, alloc_memory_mib = alloc_memory_mib - ?,
 		alloc_disk_mib = alloc_disk_mib - ? WHERE name = ?`, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName)
 	if res.Error != nil {
 		return false, fmt.Errorf("release vm %s on host %s: %w", vm.ID, vm.HostName, res.Error)
+	}
+	if err := creditProject(tx, vm.Project, vmShare(vm)); err != nil {
+		return false, fmt.Errorf("release vm %s: %w", vm.ID, err)
+	}
+	if err := giveGroupSlot(tx, vm.Group); err != nil {
+		return false, fmt.Errorf("release group slot of vm %s: %w", vm.ID, err)
 	}
 	// Its addresses and MACs go with its capacity.
 	if err := tx.Exec("DELETE FROM vm_nics WHERE vm_id = ?", vm.ID).Error; err != nil {
