@@ -100,6 +100,8 @@ type Service struct {
 	// networks caches networks for creates; ipam holds the address hints.
 	networks networkCache
 	ipam     ipamHints
+	// projects caches the projects VMs are placed in (projects.go).
+	projects projectCache
 	// replicaID names this replica's lease; startedAt is when it began.
 	replicaID string
 	startedAt time.Time

@@ -148,6 +148,9 @@ func (s *Service) tryReserve(ctx context.Context, vm *store.VM, p vmNICs, req *s
 	case isQuota(err):
 		// No other host helps: the project is full, not the host.
 		return false, fromStore(err, "reserve capacity")
+	case errors.Is(err, store.ErrProjectChanged):
+		// placeInProject reads the project again and places again.
+		return false, err
 	case errors.Is(err, store.ErrNotFound):
 		return false, notFoundf("host %s was deregistered during placement; retry", best.Host)
 	}
@@ -295,8 +298,11 @@ func (s *Service) Reserve(ctx context.Context, r ReserveRequest) (string, error)
 	if r.ID == "" {
 		r.ID = newID()
 	}
-	project, err := s.projectFor(ctx, r.Project)
+	project, err := s.placementProject(ctx, r.Project)
 	if err != nil {
+		return "", err
+	}
+	if err := checkProjectLabels(r.Constraints, project); err != nil {
 		return "", err
 	}
 	vm := store.VM{ID: r.ID, Name: r.Name, Project: project.Name, Image: r.Image, Labels: r.Labels,
@@ -306,9 +312,8 @@ func (s *Service) Reserve(ctx context.Context, r ReserveRequest) (string, error)
 	if err != nil {
 		return "", err
 	}
-	req := scheduler.Request{Image: r.Image, Resources: schedResources(vm.Resources),
-		Constraints: schedConstraints(projectConstraints(r.Constraints, project))}
-	if err := s.placeAndReserve(ctx, &vm, nics, req); err != nil {
+	req := scheduler.Request{Image: r.Image, Resources: schedResources(vm.Resources)}
+	if err := s.placeInProject(ctx, &vm, nics, req, r.Constraints, project); err != nil {
 		return "", err
 	}
 	return vm.HostName, nil

@@ -6,9 +6,11 @@ import (
 	"fmt"
 	"maps"
 	"regexp"
+	"sync"
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/scheduler"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
 )
 
@@ -116,12 +118,100 @@ func (s *Service) projectFor(ctx context.Context, asked string) (store.Project, 
 	}
 	proj, err := s.store.GetProject(ctx, name)
 	if errors.Is(err, store.ErrNotFound) {
+		s.projects.forget(name)
 		return store.Project{}, projectNotFound(name)
 	}
 	if err != nil {
 		return store.Project{}, fromStore(err, "read project "+name)
 	}
+	s.projects.put(proj)
 	return proj, nil
+}
+
+// placementProject is projectFor for a VM's placement: the project from
+// this replica's cache when it has it. The reservation names the
+// generation read (store.VM.ProjectGeneration) and places nothing if the
+// project changed or went since (placeInProject reads it again then), so
+// a stale copy costs a retry, never a VM placed by old host labels.
+func (s *Service) placementProject(ctx context.Context, asked string) (store.Project, error) {
+	p := principalOf(ctx)
+	name := asked
+	if name == "" {
+		name = p.Project
+	}
+	if name == "" {
+		name = api.DefaultProject
+	}
+	if !p.Sees(name) {
+		return store.Project{}, projectNotFound(name)
+	}
+	if proj, ok := s.projects.get(name); ok {
+		return proj, nil
+	}
+	return s.projectFor(ctx, name)
+}
+
+// projectRereads bounds how often one placement reads its project again
+// after finding it changed.
+const projectRereads = 3
+
+// placeInProject places and reserves vm in project (placeAndReserve) under
+// the project's host labels merged into the asked constraints. When the
+// reservation finds the project changed since it was read, it reads the
+// project again, checks the constraints against its new labels and places
+// again.
+func (s *Service) placeInProject(ctx context.Context, vm *store.VM, nics vmNICs, req scheduler.Request,
+	asked *api.Constraints, project store.Project,
+) error {
+	for attempt := 0; ; attempt++ {
+		vm.ProjectGeneration = project.Generation
+		req.Constraints = schedConstraints(projectConstraints(asked, project))
+		err := s.placeAndReserve(ctx, vm, nics, req)
+		if !errors.Is(err, store.ErrProjectChanged) {
+			return err
+		}
+		s.projects.forget(project.Name)
+		if attempt == projectRereads {
+			return unavailable(err, "project %q kept changing while VM %q was placed; retry", project.Name, vm.Name)
+		}
+		s.log.Debug("project changed during placement; reading it again", "project", project.Name, "vm", vm.ID)
+		if project, err = s.projectFor(ctx, project.Name); err != nil {
+			return err
+		}
+		if err := checkProjectLabels(asked, project); err != nil {
+			return err
+		}
+	}
+}
+
+// projectCache keeps the projects this replica placed VMs in, by name. It
+// is only ever a guess: reservations check the generation they were placed
+// by, and a replica that changes or deletes a project forgets it at once.
+type projectCache struct {
+	mu     sync.Mutex
+	byName map[string]store.Project
+}
+
+func (c *projectCache) get(name string) (store.Project, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	p, ok := c.byName[name]
+	return p, ok
+}
+
+func (c *projectCache) put(p store.Project) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.byName == nil {
+		c.byName = map[string]store.Project{}
+	}
+	c.byName[p.Name] = p
+}
+
+func (c *projectCache) forget(name string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.byName, name)
 }
 
 func isQuota(err error) bool {
@@ -293,6 +383,7 @@ func (s *Service) UpdateProject(ctx context.Context, name string, in api.Project
 		}
 	}
 	row, err := s.store.UpdateProject(ctx, name, u)
+	s.projects.forget(name)
 	if errors.Is(err, store.ErrNotFound) {
 		return api.Project{}, projectNotFound(name)
 	}
@@ -311,6 +402,7 @@ func (s *Service) DeleteProject(ctx context.Context, name string) error {
 		return conflictf("project %q holds everything made without a project and cannot be deleted", name)
 	}
 	err := s.store.DeleteProject(ctx, name)
+	s.projects.forget(name)
 	switch {
 	case errors.Is(err, store.ErrNotFound):
 		return projectNotFound(name)

@@ -397,3 +397,71 @@ func TestWhoAmISaysTheTokensProject(t *testing.T) {
 		t.Fatalf("the bootstrap token: %+v, want fleet-wide with creates into default", who)
 	}
 }
+
+// A replica keeps the projects it places VMs in. When another replica
+// changes a project's host labels, the next create through the first
+// replica goes by the new labels (its reservation finds the project at a
+// newer generation, reads it again and places again), and a project
+// deleted on another replica is not_found there at once.
+func TestProjectChangedOnAnotherReplicaPlacesByItsNewLabels(t *testing.T) {
+	for _, dialect := range []string{"sqlite", "postgres"} {
+		t.Run(dialect, func(t *testing.T) {
+			opts := testenv.ControlOptions{DataDir: t.TempDir()}
+			if dialect == "postgres" {
+				opts = testenv.ControlOptions{DatabaseURL: testenv.PostgresURL(t)}
+			}
+			first, second := testenv.StartControl(t, opts), testenv.StartControl(t, opts)
+			for _, h := range []struct{ name, pool string }{{"host-a", "shared"}, {"host-b", "team-a"}} {
+				a := testenv.StartAgent(t, testenv.AgentOptions{VCPUs: 16, MemoryMiB: 16384, DiskMiB: 100000})
+				if _, err := first.Client.PutHost(ctxT(t), h.name, api.HostPut{Address: a.Address, Labels: map[string]string{"pool": h.pool}}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			createProject(t, first, api.ProjectCreate{Name: "team-a", HostLabels: map[string]string{"pool": "team-a"}})
+			ctx := ctxT(t)
+			create := func(name string) api.VM {
+				t.Helper()
+				vm, err := first.Client.CreateVM(ctx, api.VMCreate{Name: name, Project: "team-a", Image: "sim", VCPUs: 1, MemoryMiB: 256, DiskMiB: 1024}, "")
+				if err != nil {
+					t.Fatal(err)
+				}
+				return vm
+			}
+			if vm := create("before"); vm.Host != "host-b" {
+				t.Fatalf("VM of team-a placed on %s before the change, want host-b", vm.Host)
+			}
+			shared := map[string]string{"pool": "shared"}
+			if _, err := second.Client.UpdateProject(ctx, "team-a", api.ProjectPatch{HostLabels: &shared}); err != nil {
+				t.Fatal(err)
+			}
+			for i := range 3 {
+				if vm := create(fmt.Sprintf("after-%d", i)); vm.Host != "host-a" {
+					t.Fatalf("VM of team-a placed on %s after its labels moved to pool=shared on another replica, want host-a", vm.Host)
+				}
+			}
+			createProject(t, first, api.ProjectCreate{Name: "team-b"})
+			if _, err := first.Client.CreateVM(ctx, api.VMCreate{Name: "b", Project: "team-b", Image: "sim", VCPUs: 1, MemoryMiB: 256, DiskMiB: 1024}, ""); err != nil {
+				t.Fatal(err)
+			}
+			vms, err := first.Client.AllVMs(ctx, client.ListOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, vm := range vms {
+				if vm.Project == "team-b" {
+					if err := first.Client.DeleteVM(ctx, vm.ID); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+			if err := second.Client.DeleteProject(ctx, "team-b"); err != nil {
+				t.Fatal(err)
+			}
+			_, err = first.Client.CreateVM(ctx, api.VMCreate{Name: "b2", Project: "team-b", Image: "sim", VCPUs: 1, MemoryMiB: 256, DiskMiB: 1024}, "")
+			if apiCode(err) != api.CodeNotFound {
+				t.Fatalf("a VM in a project deleted on another replica: %v, want not_found", err)
+			}
+			checkLedger(t, first.Store)
+		})
+	}
+}

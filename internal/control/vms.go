@@ -60,7 +60,7 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	if err := s.checkPlaceable(ctx, builtin, in.Host); err != nil {
 		return api.VM{}, err
 	}
-	project, err := s.projectFor(ctx, in.Project)
+	project, err := s.placementProject(ctx, in.Project)
 	if err != nil {
 		return api.VM{}, err
 	}
@@ -82,13 +82,12 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	}
 	// The VM keeps the constraints it was asked with; placement also
 	// holds it to its project's hosts.
-	req := scheduler.Request{Image: in.Image, Host: in.Host, Resources: schedResources(vm.Resources),
-		Constraints: schedConstraints(projectConstraints(in.Constraints, project))}
+	req := scheduler.Request{Image: in.Image, Host: in.Host, Resources: schedResources(vm.Resources)}
 	if img != nil {
 		req.ImageSHA256 = img.SHA256
 	}
 	step = timing.Since(ctx, "checks", step)
-	if err := s.placeAndReserve(ctx, &vm, nics, req); err != nil {
+	if err := s.placeInProject(ctx, &vm, nics, req, in.Constraints, project); err != nil {
 		return api.VM{}, err
 	}
 	step = timing.Since(ctx, "placement", step)
