@@ -169,7 +169,7 @@ func New(ctx context.Context, opts Options) (*Driver, error) {
 			return nil, fmt.Errorf("qemu driver: image directory: %w (build one with make image)", err)
 		}
 	}
-	d.accel, d.accelNote, err = chooseAccel(ctx, d.qemu, opts.Accel)
+	d.accel, d.accelNote, err = chooseAccel(ctx, d.qemu, opts.Accel, probeKernel(d.opts.ImageDir))
 	if err != nil {
 		return nil, fmt.Errorf("qemu driver: %w", err)
 	}
