@@ -28,7 +28,7 @@ var errStoreClosed = errors.New("store is closed")
 // is one pipeline of reservation statements, one round trip and one commit.
 type reservationBatcher struct {
 	db     *gorm.DB
-	commit func(batch []pendingReservation)
+	commit func(committer int, batch []pendingReservation)
 	queue  chan pendingReservation
 	stop   chan struct{}
 	wg     sync.WaitGroup
@@ -41,15 +41,15 @@ type pendingReservation struct {
 }
 
 // newReservationBatcher starts committers goroutines that each take a batch
-// of queued reservations and commit it with commit (nil: the SQLite
-// transaction of commitSQLite).
-func newReservationBatcher(db *gorm.DB, committers int, commit func([]pendingReservation)) *reservationBatcher {
+// of queued reservations and commit it with commit, which is told the
+// committer's index (nil: the SQLite transaction of commitSQLite).
+func newReservationBatcher(db *gorm.DB, committers int, commit func(int, []pendingReservation)) *reservationBatcher {
 	b := &reservationBatcher{db: db, commit: commit, queue: make(chan pendingReservation), stop: make(chan struct{})}
 	if b.commit == nil {
-		b.commit = b.commitSQLite
+		b.commit = func(_ int, batch []pendingReservation) { b.commitSQLite(batch) }
 	}
-	for range committers {
-		b.wg.Go(b.run)
+	for i := range committers {
+		b.wg.Go(func() { b.run(i) })
 	}
 	return b
 }
@@ -74,7 +74,7 @@ func (b *reservationBatcher) close() {
 	b.wg.Wait()
 }
 
-func (b *reservationBatcher) run() {
+func (b *reservationBatcher) run(committer int) {
 	for {
 		var batch []pendingReservation
 		select {
@@ -96,7 +96,7 @@ func (b *reservationBatcher) run() {
 				break collect
 			}
 		}
-		b.commit(batch)
+		b.commit(committer, batch)
 	}
 }
 

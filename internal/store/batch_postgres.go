@@ -3,7 +3,6 @@ package store
 import (
 	"context"
 	"fmt"
-	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -39,71 +38,90 @@ func sharesCommits(vm VM) bool {
 
 // commitPostgres commits a batch of reservations on PostgreSQL as one
 // pipeline of reservation statements (reserveStatement, each the whole
-// reservation of one VM): one round trip and one commit for the batch.
-// The statements run in the pipeline's implicit transaction, so the batch
+// reservation of one VM, its usage spent from the committer's quota lease;
+// quota_leases.go): one round trip and one commit for the batch. The
+// statements run in the pipeline's implicit transaction, so the batch
 // commits whole or not at all; when any statement fails (a name or MAC
-// taken, a deadlock with another replica's batch), nothing of it stays and each reservation runs again alone,
-// where its own error is told apart. A batch of one is the plain
-// statement. Each reservation is as safe as alone: the same statement,
-// the same conditional UPDATE and unique indexes.
-func (s *Store) commitPostgres(batch []pendingReservation) {
+// taken, a deadlock with another replica's batch), nothing of it stays and
+// each reservation runs again alone, where its own error is told apart. A
+// reservation whose lease did not cover it (a reclaim took the lease), or
+// whose project grants no lease (too little left under a quota), runs
+// alone too. Each reservation is as safe as alone: the same conditional
+// UPDATE, unique indexes and quota CHECKs.
+func (s *Store) commitPostgres(committer int, batch []pendingReservation) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	// Every batch locks its hosts' rows in the same order (by name), so two
 	// batches in flight at once wait for each other, never deadlock.
 	slices.SortStableFunc(batch, func(a, b pendingReservation) int { return strings.Compare(a.vm.HostName, b.vm.HostName) })
-	if len(batch) > 1 {
-		outcomes, err := s.reservePipelined(ctx, batch)
+	book := s.leases[committer]
+	leased, alone := s.leaseFor(ctx, book, batch)
+	if len(leased) > 0 {
+		outcomes, err := s.reservePipelined(ctx, book, leased)
 		if err == nil {
-			for i, p := range batch {
-				p.result <- reservationOutcome(p.vm, outcomes[i].placed, outcomes[i].project)
+			short := false
+			for i, p := range leased {
+				o := outcomes[i]
+				if o.lease == 0 {
+					// The lease did not cover it (a reclaim took it): alone.
+					short = true
+					alone = append(alone, p)
+					continue
+				}
+				err := reservationOutcome(p.vm, o.placed, o.project)
+				if err == nil {
+					book.left[p.vm.Project] = book.left[p.vm.Project].minus(vmShare(p.vm))
+				}
+				p.result <- err
 			}
-			return
+			if short {
+				s.readLeases(ctx, book)
+			}
+		} else {
+			s.log.Debug("reservation batch failed as a whole; each reservation runs alone", "reservations", len(leased), "err", err)
+			s.readLeases(ctx, book)
+			alone = append(alone, leased...)
 		}
-		s.log.Debug("reservation batch failed as a whole; each reservation runs alone", "reservations", len(batch), "err", err)
 	}
-	for _, p := range batch {
+	for _, p := range alone {
 		p.result <- s.reserveInOneStatement(ctx, p.vm)
 	}
 }
 
 // statementOutcome is what one reservation statement of a batch did: VMs
-// placed (1 or 0) and whether it found its project (1 or 0).
-type statementOutcome struct{ placed, project int }
-
-// chargeBatchSQL adds to project $1 the usage of the batch's VMs (ids $2)
-// that its statements placed: their rows are visible to it, inserted
-// earlier in the same transaction. Past a quota the CHECK fails it, and
-// with it the whole batch, whose reservations then run alone.
-const chargeBatchSQL = `UPDATE projects SET used_vcpus = used_vcpus + placed.vcpus,
-		used_memory_mib = used_memory_mib + placed.memory_mib, used_disk_mib = used_disk_mib + placed.disk_mib,
-		used_vms = used_vms + placed.vms
-	FROM (SELECT COALESCE(SUM(vcpus), 0) AS vcpus, COALESCE(SUM(memory_mib), 0) AS memory_mib,
-			COALESCE(SUM(disk_mib), 0) AS disk_mib, COUNT(*) AS vms
-		FROM vms WHERE id = ANY($2::text[]) AND project = $1::text) AS placed
-	WHERE projects.name = $1::text AND placed.vms > 0`
+// placed (1 or 0), whether it found its project (1 or 0) and whether its
+// lease covered it (1 or 0).
+type statementOutcome struct{ placed, project, lease int }
 
 // reservePipelined sends the batch's statements in one pipeline and
-// returns what each did. The statements reserve hosts and insert VM rows
-// (hosts in name order); then one UPDATE per project, in name order, adds
-// what its VMs placed to its usage. Every writer locks a host before a
-// project's usage row, so batches and lone statements never deadlock over
-// the two, and the project's row, which every reservation of the project
-// updates, is held from the batch's last statements to its commit only.
-func (s *Store) reservePipelined(ctx context.Context, batch []pendingReservation) ([]statementOutcome, error) {
+// returns what each did. Each reserves its host and inserts its VM's rows
+// (hosts in name order) and spends its usage from book's lease. No
+// statement of a batch writes a project's row.
+func (s *Store) reservePipelined(ctx context.Context, book *leaseBook, batch []pendingReservation) ([]statementOutcome, error) {
 	var pb pgx.Batch
-	ids := map[string][]string{}
+	// Each statement locks its lease before its host. A batch of several
+	// projects locks all its leases first, in project order, so that it
+	// takes every lease before every host, as reclaims do (leases, then a
+	// host), instead of a lease after another project's host.
+	var projects []string
 	for _, p := range batch {
-		query, args, err := reserveStatement(p.vm, false)
+		if !slices.Contains(projects, p.vm.Project) {
+			projects = append(projects, p.vm.Project)
+		}
+	}
+	locks := 0
+	if len(projects) > 1 {
+		slices.Sort(projects)
+		pb.Queue(`SELECT COUNT(*) FROM (SELECT 1 FROM quota_leases WHERE holder = $1::text AND project = ANY($2::text[])
+			ORDER BY project FOR UPDATE) AS locked`, book.holder, projects)
+		locks = 1
+	}
+	for _, p := range batch {
+		query, args, err := reserveStatement(p.vm, reservation{leaseHolder: book.holder})
 		if err != nil {
 			return nil, err
 		}
 		pb.Queue(query, args...)
-		ids[p.vm.Project] = append(ids[p.vm.Project], p.vm.ID)
-	}
-	projects := slices.Sorted(maps.Keys(ids))
-	for _, project := range projects {
-		pb.Queue(chargeBatchSQL, project, ids[project])
 	}
 	sqlDB, err := s.db.DB()
 	if err != nil {
@@ -123,13 +141,13 @@ func (s *Store) reservePipelined(ctx context.Context, batch []pendingReservation
 		s.statements.Add(int64(len(batch)))
 		results := c.Conn().SendBatch(ctx, &pb)
 		var firstErr error
-		for i := range batch {
-			if err := results.QueryRow().Scan(&outcomes[i].placed, &outcomes[i].project); err != nil && firstErr == nil {
-				firstErr = err
-			}
+		for range locks {
+			var locked int
+			firstErr = results.QueryRow().Scan(&locked)
 		}
-		for range projects {
-			if _, err := results.Exec(); err != nil && firstErr == nil {
+		for i := range batch {
+			o := &outcomes[i]
+			if err := results.QueryRow().Scan(&o.placed, &o.project, &o.lease); err != nil && firstErr == nil {
 				firstErr = err
 			}
 		}

@@ -119,15 +119,25 @@ func (s *Store) InsertProject(ctx context.Context, p Project) (Project, error) {
 
 // GetProject returns one project; ErrNotFound when there is none.
 func (s *Store) GetProject(ctx context.Context, name string) (Project, error) {
+	return readProject(s.db.WithContext(ctx), name)
+}
+
+// readProject reads one project through db, its usage without what its
+// quota leases hold.
+func readProject(db *gorm.DB, name string) (Project, error) {
 	var p Project
-	err := s.db.WithContext(ctx).Where("name = ?", name).Take(&p).Error
+	err := db.Where("name = ?", name).Take(&p).Error
 	if errors.Is(err, gorm.ErrRecordNotFound) {
 		return Project{}, fmt.Errorf("project %q: %w", name, ErrNotFound)
 	}
 	if err != nil {
 		return Project{}, fmt.Errorf("read project %q: %w", name, err)
 	}
-	return p, nil
+	ps := []Project{p}
+	if err := withoutLeases(db, ps); err != nil {
+		return Project{}, err
+	}
+	return ps[0], nil
 }
 
 // ListProjects returns up to limit projects with names after `after`, by name.
@@ -139,6 +149,9 @@ func (s *Store) ListProjects(ctx context.Context, after string, limit int) ([]Pr
 	}
 	if err := q.Find(&out).Error; err != nil {
 		return nil, fmt.Errorf("list projects: %w", err)
+	}
+	if err := withoutLeases(s.db.WithContext(ctx), out); err != nil {
+		return nil, err
 	}
 	return out, nil
 }
@@ -168,6 +181,12 @@ func (s *Store) UpdateProject(ctx context.Context, name string, u ProjectUpdate)
 			}
 			cols["host_labels"] = labels
 		}
+		if u.Quotas != nil && s.dialect == DialectPostgres {
+			// The usage of now is the VMs' alone: the leases go back first.
+			if err := reclaimLeases(tx, name, nil); err != nil {
+				return err
+			}
+		}
 		if u.Quotas != nil {
 			cols["quota_vcpus"], cols["quota_memory_mib"] = u.Quotas.VCPUs, u.Quotas.MemoryMiB
 			cols["quota_disk_mib"], cols["quota_vms"] = u.Quotas.DiskMiB, u.Quotas.VMs
@@ -183,7 +202,9 @@ func (s *Store) UpdateProject(ctx context.Context, name string, u ProjectUpdate)
 		if res.RowsAffected == 0 {
 			return fmt.Errorf("project %q: %w", name, ErrNotFound)
 		}
-		return tx.Where("name = ?", name).Take(&p).Error
+		var err error
+		p, err = readProject(tx, name)
+		return err
 	})
 	return p, err
 }
@@ -194,8 +215,13 @@ func (s *Store) UpdateProject(ctx context.Context, name string, u ProjectUpdate)
 // there is none.
 func (s *Store) DeleteProject(ctx context.Context, name string) error {
 	return s.inTx(ctx, func(tx *gorm.DB) error {
-		// The row lock first: a reservation into the project locks it too,
-		// so none can slip in between the count and the delete.
+		// Its quota leases first (the order of every writer: leases, then
+		// the project's row), then the row lock: a reservation into the
+		// project holds it too (FOR KEY SHARE), so none can slip in
+		// between the count and the delete.
+		if err := tx.Exec("DELETE FROM quota_leases WHERE project = ?", name).Error; err != nil {
+			return fmt.Errorf("delete quota leases of project %q: %w", name, err)
+		}
 		var p Project
 		q := tx.Where("name = ?", name)
 		if s.dialect == DialectPostgres {
@@ -250,11 +276,30 @@ type share struct {
 // chargeProject adds a share to project inside tx; a *QuotaError when it
 // would cross a quota (the statement changed nothing then).
 func (s *Store) chargeProject(tx *gorm.DB, project string, sh share) error {
-	if s.dialect == DialectPostgres {
-		// A refusal aborts the transaction: the error's read goes beside it.
-		return chargeProject(tx, project, 0, sh, s.db.WithContext(tx.Statement.Context))
+	if s.dialect != DialectPostgres || sh == (share{}) {
+		return chargeProject(tx, project, 0, sh, tx)
 	}
-	return chargeProject(tx, project, 0, sh, tx)
+	// On PostgreSQL a refusal aborts the transaction: the charge runs
+	// under a savepoint, and the refusal's figures are read in the
+	// transaction after going back to it (not on a second connection,
+	// which many refusals at once could wait for forever).
+	if err := tx.SavePoint("charge").Error; err != nil {
+		return fmt.Errorf("count usage of project %q: %w", project, err)
+	}
+	res := tx.Exec(chargeProjectSQL, sh.VCPUs, sh.MemoryMiB, sh.DiskMiB, sh.VMs, project, 0, 0)
+	if resource := quotaResource(res.Error); resource != "" {
+		if err := tx.RollbackTo("charge").Error; err != nil {
+			return fmt.Errorf("count usage of project %q: %w", project, err)
+		}
+		return quotaError(tx, project, resource, sh)
+	}
+	switch {
+	case res.Error != nil:
+		return fmt.Errorf("count usage of project %q: %w", project, res.Error)
+	case res.RowsAffected == 0:
+		return fmt.Errorf("project %q: %w", project, ErrNotFound)
+	}
+	return nil
 }
 
 // chargeProject is Store.chargeProject with the project's generation the
@@ -340,8 +385,7 @@ func quotaError(db *gorm.DB, project, resource string, sh share) error {
 	default:
 		qe.Requested = sh.VMs
 	}
-	var p Project
-	if err := db.Where("name = ?", project).Take(&p).Error; err == nil {
+	if p, err := readProject(db, project); err == nil {
 		limit, used := p.limit(resource)
 		if limit != nil {
 			qe.Limit = *limit

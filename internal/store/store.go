@@ -61,6 +61,9 @@ type Store struct {
 	dialect string
 	log     *slog.Logger
 	batcher *reservationBatcher
+	// leases are the quota lease books of the PostgreSQL committers, one
+	// each (quota_leases.go); nil on SQLite.
+	leases []*leaseBook
 	// statements counts the SQL statements issued through gorm (Statements).
 	statements atomic.Int64
 }
@@ -134,6 +137,7 @@ func Open(ctx context.Context, cfg Config) (*Store, error) {
 	if dialect == DialectSQLite {
 		s.batcher = newReservationBatcher(db, 1, nil)
 	} else {
+		s.leases = newLeaseBooks(postgresCommitters)
 		s.batcher = newReservationBatcher(db, postgresCommitters, s.commitPostgres)
 	}
 	return s, nil
@@ -187,6 +191,9 @@ func (s *Store) Dialect() string { return s.dialect }
 func (s *Store) Close() error {
 	if s.batcher != nil {
 		s.batcher.close()
+	}
+	if s.leases != nil {
+		s.returnLeases(s.leases)
 	}
 	sqlDB, err := s.db.DB()
 	if err != nil {

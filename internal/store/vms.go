@@ -130,6 +130,11 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 	} else {
 		err = s.batcher.reserve(ctx, vm)
 	}
+	if s.dialect == DialectPostgres && quotaResource(err) != "" {
+		// The project's row refused it, maybe only for what the quota
+		// leases of its committers hold: the last word takes them back.
+		err = s.reserveReclaiming(ctx, vm)
+	}
 	switch {
 	case quotaResource(err) != "":
 		// The PostgreSQL statement's CHECK: read the figures for the error.
@@ -162,7 +167,7 @@ const reserveOnHostSQL = `UPDATE hosts SET
 // row of that domain, so a racing create of the same group on any replica
 // waits and then sees the new count; two never take the last slot.
 func (s *Store) reserveInOneStatement(ctx context.Context, vm VM) error {
-	query, args, err := reserveStatement(vm, true)
+	query, args, err := reserveStatement(vm, reservation{chargeProject: true})
 	if err != nil {
 		return err
 	}
@@ -174,10 +179,10 @@ func (s *Store) reserveInOneStatement(ctx context.Context, vm VM) error {
 	if err != nil {
 		return err
 	}
-	var placed, project int
+	var placed, project, lease int
 	for attempt := 0; ; attempt++ {
 		s.statements.Add(1)
-		err = sqlDB.QueryRowContext(ctx, query, args...).Scan(&placed, &project)
+		err = sqlDB.QueryRowContext(ctx, query, args...).Scan(&placed, &project, &lease)
 		if !retryable(err) || attempt == 4 || ctx.Err() != nil {
 			break
 		}
@@ -291,13 +296,24 @@ func (a *pgArgs) add(sql *strings.Builder, casts []string, vals ...any) {
 	}
 }
 
+// reservation says how a reservation statement counts the VM's usage.
+type reservation struct {
+	// chargeProject adds the usage to the project's row in the statement
+	// (a lone reservation), and takes the group slot.
+	chargeProject bool
+	// leaseHolder, when set, spends the usage from that holder's quota
+	// lease (a batched reservation, quota_leases.go): the host is reserved
+	// only if the lease covers the VM.
+	leaseHolder string
+	// Neither: the caller counts the usage (reserveReclaiming).
+}
+
 // reserveStatement builds the reservation statement of reserveInOneStatement
-// with PostgreSQL's $n placeholders. It returns two columns: how many VMs
-// it placed (1 or 0) and whether it found the project at the generation
-// asked (1 or 0). chargeUsage adds the VM's share to its project's usage
-// in the statement (a lone reservation); a batch's statements leave it to
-// the batch's closing UPDATE.
-func reserveStatement(vm VM, chargeUsage bool) (string, []any, error) {
+// with PostgreSQL's $n placeholders. It returns three columns: how many
+// VMs it placed (1 or 0), whether it found the project at the generation
+// asked (1 or 0) and, for a leased reservation, whether the lease covered
+// the VM (1 or 0; always 1 otherwise).
+func reserveStatement(vm VM, how reservation) (string, []any, error) {
 	labels, err := jsonText(vm.Labels)
 	if err != nil {
 		return "", nil, err
@@ -312,46 +328,70 @@ func reserveStatement(vm VM, chargeUsage bool) (string, []any, error) {
 	}
 	g := vm.Group
 	r := vm.Resources
-	// The resources are $1-$3, the host $4, the project $5 and the
-	// project's generation $6 (0: any); the WHERE, the project's usage and
-	// the VM row reuse them.
+	// The resources are $1-$3, the host $4, the project $5, the project's
+	// generation $6 (0: any) and the lease's holder $7; the WHERE, the
+	// usage and the VM row reuse them.
 	args := make(pgArgs, 0, 32+4*len(vm.NICs)+2*len(vm.Labels))
-	args = append(args, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName, vm.Project, vm.ProjectGeneration)
+	args = append(args, r.VCPUs, r.MemoryMiB, r.DiskMiB, vm.HostName, vm.Project, vm.ProjectGeneration, how.leaseHolder)
 	var sql strings.Builder
 	sql.Grow(2048)
 	// project_lock holds the project's row with FOR KEY SHARE: no delete
 	// can pass it until the transaction ends, yet it waits for no usage
 	// update and blocks none (a FOR NO KEY UPDATE lock). A project changed
 	// since the caller read it (another generation) or deleted places
-	// nothing: the statement's second column is then 0. The usage row is
-	// locked for update only after the host (the order of every writer of
-	// both: host, then project, then group slot), and only in the lone
-	// statement: a batch counts its VMs' usage in one UPDATE per project at
-	// its end (reservePipelined), so the hot row is held from there to the
-	// commit, not for the whole batch.
+	// nothing: the statement's second column is then 0. Every writer locks
+	// the rows in one order: quota leases, host, the project's usage row,
+	// group slot. The hot usage row is written only by lone statements; a
+	// batch spends from its committer's lease, a row no other batch writes.
+	projectLock := " FOR KEY SHARE"
+	if how.leaseHolder != "" {
+		// A leased reservation needs no lock on the project's row: its
+		// lease's row, locked below, keeps a delete of the project out
+		// (DeleteProject deletes the leases first), and a lock on the row
+		// that every committer's batches share costs PostgreSQL a
+		// MultiXact per batch.
+		projectLock = ""
+	}
 	sql.WriteString(`WITH project_lock AS (
-		SELECT name FROM projects WHERE name = $5::text AND ($6::bigint = 0 OR generation = $6::bigint) FOR KEY SHARE
+		SELECT name FROM projects WHERE name = $5::text AND ($6::bigint = 0 OR generation = $6::bigint)` + projectLock + `
+	), lease AS (
+		SELECT 1 FROM quota_leases WHERE $7::text <> '' AND project = $5::text AND holder = $7::text
+			AND vcpus >= $1 AND memory_mib >= $2 AND disk_mib >= $3 AND vms >= 1
+		FOR UPDATE
 	), reserved AS (
 		UPDATE hosts SET
 			alloc_vcpus = alloc_vcpus + $1, alloc_memory_mib = alloc_memory_mib + $2, alloc_disk_mib = alloc_disk_mib + $3
 		WHERE name = $4 AND alive AND schedulable
 			AND alloc_vcpus + $1 <= cap_vcpus AND alloc_memory_mib + $2 <= cap_memory_mib AND alloc_disk_mib + $3 <= cap_disk_mib
 			AND EXISTS (SELECT 1 FROM project_lock)
+			AND ($7::text = '' OR EXISTS (SELECT 1 FROM lease))
 		RETURNING name
 	)`)
-	if chargeUsage {
+	var usage string // the CTE the VM row also reads, so that it runs before it
+	switch {
+	case how.chargeProject:
 		// Its usage grows only if the host took the VM; past a quota the
 		// CHECK projects_<resource>_quota fails the whole statement, the
 		// host's share with it.
+		usage = "quota"
 		sql.WriteString(`, quota AS (
 		UPDATE projects SET used_vcpus = used_vcpus + $1, used_memory_mib = used_memory_mib + $2,
 			used_disk_mib = used_disk_mib + $3, used_vms = used_vms + 1
 		FROM reserved WHERE projects.name = $5::text
 		RETURNING 1
 	)`)
+	case how.leaseHolder != "":
+		usage = "spend"
+		sql.WriteString(`, spend AS (
+		UPDATE quota_leases SET vcpus = vcpus - $1, memory_mib = memory_mib - $2, disk_mib = disk_mib - $3, vms = vms - 1,
+			renewed_at = now()
+		FROM reserved WHERE project = $5::text AND holder = $7::text
+		RETURNING 1
+	)`)
 	}
-	if g.Name != "" {
-		// The group slot, only if the host took the VM. Past the cap the
+	if g.Name != "" && how.chargeProject {
+		// The group slot, only if the host took the VM (batched VMs have
+		// no group; reserveReclaiming takes the slot after the usage). Past the cap the
 		// CHECK group_domains_cap fails the whole statement, so the host's
 		// reservation goes with it.
 		sql.WriteString(`, slot AS (
@@ -380,11 +420,11 @@ func reserveStatement(vm VM, chargeUsage bool) (string, []any, error) {
 	args.add(&sql, []string{"text", "integer", "text", "text", "text", "text", "text", "text", "text", "integer", "text", "text", "timestamp", "timestamp"},
 		vm.ForkID, vm.ForkSlot, labels, nics, vm.Placement,
 		vm.Constraints, g.Name, g.SpreadBy, g.Domain, g.Cap, vm.Owner, guest, vm.CreatedAt, vm.UpdatedAt)
-	// FROM quota too: PostgreSQL runs a data-modifying CTE whether or
-	// not it is read, but reading it keeps its place in the plan plain
-	// (after the host's UPDATE, before the VM's row).
-	if chargeUsage {
-		sql.WriteString(` FROM reserved, quota
+	// FROM the usage's CTE too: PostgreSQL runs a data-modifying CTE
+	// whether or not it is read, but reading it keeps its place in the
+	// plan plain (after the host's UPDATE, before the VM's row).
+	if usage != "" {
+		sql.WriteString(` FROM reserved, ` + usage + `
 		RETURNING id
 	)`)
 	} else {
@@ -424,7 +464,8 @@ func reserveStatement(vm VM, chargeUsage bool) (string, []any, error) {
 		}
 		sql.WriteString(`) AS l(k, v) RETURNING 1)`)
 	}
-	sql.WriteString(` SELECT (SELECT COUNT(*) FROM vm), (SELECT COUNT(*) FROM project_lock)`)
+	sql.WriteString(` SELECT (SELECT COUNT(*) FROM vm), (SELECT COUNT(*) FROM project_lock),
+		CASE WHEN $7::text = '' THEN 1 ELSE (SELECT COUNT(*) FROM lease) END`)
 	return sql.String(), args, nil
 }
 
