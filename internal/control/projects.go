@@ -105,16 +105,9 @@ func (s *Service) visibleNetwork(ctx context.Context, name string) (store.Networ
 // token). A project token naming another project, and an unknown project,
 // get the same not_found.
 func (s *Service) projectFor(ctx context.Context, asked string) (store.Project, error) {
-	p := principalOf(ctx)
-	name := asked
-	if name == "" {
-		name = p.Project
-	}
-	if name == "" {
-		name = api.DefaultProject
-	}
-	if !p.Sees(name) {
-		return store.Project{}, projectNotFound(name)
+	name, err := projectAsked(ctx, asked)
+	if err != nil {
+		return store.Project{}, err
 	}
 	proj, err := s.store.GetProject(ctx, name)
 	if errors.Is(err, store.ErrNotFound) {
@@ -128,12 +121,10 @@ func (s *Service) projectFor(ctx context.Context, asked string) (store.Project, 
 	return proj, nil
 }
 
-// placementProject is projectFor for a VM's placement: the project from
-// this replica's cache when it has it. The reservation names the
-// generation read (store.VM.ProjectGeneration) and places nothing if the
-// project changed or went since (placeInProject reads it again then), so
-// a stale copy costs a retry, never a VM placed by old host labels.
-func (s *Service) placementProject(ctx context.Context, asked string) (store.Project, error) {
+// projectAsked is the name of the project a new object of the caller goes
+// to (asked, the caller's own, or default), or the not_found of a project
+// the caller does not see.
+func projectAsked(ctx context.Context, asked string) (string, error) {
 	p := principalOf(ctx)
 	name := asked
 	if name == "" {
@@ -143,7 +134,20 @@ func (s *Service) placementProject(ctx context.Context, asked string) (store.Pro
 		name = api.DefaultProject
 	}
 	if !p.Sees(name) {
-		return store.Project{}, projectNotFound(name)
+		return "", projectNotFound(name)
+	}
+	return name, nil
+}
+
+// placementProject is projectFor for a VM's placement: the project from
+// this replica's cache when it has it. The reservation names the
+// generation read (store.VM.ProjectGeneration) and places nothing if the
+// project changed or went since (placeInProject reads it again then), so
+// a stale copy costs a retry, never a VM placed by old host labels.
+func (s *Service) placementProject(ctx context.Context, asked string) (store.Project, error) {
+	name, err := projectAsked(ctx, asked)
+	if err != nil {
+		return store.Project{}, err
 	}
 	if proj, ok := s.projects.get(name); ok {
 		return proj, nil
