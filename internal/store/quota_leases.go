@@ -3,7 +3,6 @@ package store
 import (
 	"context"
 	"database/sql"
-	"errors"
 	"fmt"
 	"slices"
 	"time"
@@ -41,7 +40,7 @@ import (
 
 // leaseGrowth is how many batches' worth of a project's resources a grant
 // asks for; a grant never takes more than a quarter of what is left under
-// a quota (grantLeaseSQL), so that near one every committer's batches
+// a quota (leaseShare), so that near one every committer's batches
 // fall back to the project's row, where reclaims decide.
 const leaseGrowth = 32
 
@@ -76,29 +75,10 @@ func (sh share) minus(o share) share {
 	return sh.plus(share{Resources: Resources{VCPUs: -o.VCPUs, MemoryMiB: -o.MemoryMiB, DiskMiB: -o.DiskMiB}, VMs: -o.VMs})
 }
 
-// grantLeaseSQL moves a share of project $1 to the lease of holder $10:
-// per resource, $2-$5 (what the holder asks for), but never more than a
-// quarter of what is left under a quota, and only if that still covers
-// $6-$9 (the batch at hand). The project's row is locked first (the order
-// of every writer of both). It returns the lease's new content, or no row
-// when nothing was granted.
-const grantLeaseSQL = `WITH g AS (
-		SELECT name,
-			CASE WHEN quota_vcpus IS NULL THEN $2::bigint ELSE LEAST($2::bigint, (quota_vcpus - used_vcpus) / 4) END AS vcpus,
-			CASE WHEN quota_memory_mib IS NULL THEN $3::bigint ELSE LEAST($3::bigint, (quota_memory_mib - used_memory_mib) / 4) END AS memory_mib,
-			CASE WHEN quota_disk_mib IS NULL THEN $4::bigint ELSE LEAST($4::bigint, (quota_disk_mib - used_disk_mib) / 4) END AS disk_mib,
-			CASE WHEN quota_vms IS NULL THEN $5::bigint ELSE LEAST($5::bigint, (quota_vms - used_vms) / 4) END AS vms
-		FROM projects WHERE name = $1::text FOR NO KEY UPDATE
-	), ok AS (
-		SELECT * FROM g WHERE vcpus >= $6::bigint AND memory_mib >= $7::bigint AND disk_mib >= $8::bigint AND vms >= $9::bigint
-	), bank AS (
-		UPDATE projects SET used_vcpus = used_vcpus + ok.vcpus, used_memory_mib = used_memory_mib + ok.memory_mib,
-			used_disk_mib = used_disk_mib + ok.disk_mib, used_vms = used_vms + ok.vms
-		FROM ok WHERE projects.name = ok.name
-		RETURNING 1
-	)
-	INSERT INTO quota_leases (project, holder, vcpus, memory_mib, disk_mib, vms, renewed_at)
-	SELECT ok.name, $10::text, ok.vcpus, ok.memory_mib, ok.disk_mib, ok.vms, now() FROM ok, bank
+// addLeaseSQL adds a grant to holder $2's lease of project $1 and returns
+// what the lease holds.
+const addLeaseSQL = `INSERT INTO quota_leases (project, holder, vcpus, memory_mib, disk_mib, vms, renewed_at)
+	VALUES ($1::text, $2::text, $3::bigint, $4::bigint, $5::bigint, $6::bigint, now())
 	ON CONFLICT (project, holder) DO UPDATE SET vcpus = quota_leases.vcpus + excluded.vcpus,
 		memory_mib = quota_leases.memory_mib + excluded.memory_mib, disk_mib = quota_leases.disk_mib + excluded.disk_mib,
 		vms = quota_leases.vms + excluded.vms, renewed_at = excluded.renewed_at
@@ -128,34 +108,73 @@ func (s *Store) leaseFor(ctx context.Context, book *leaseBook, batch []pendingRe
 	return leased, alone
 }
 
-// grantLease asks project for leaseGrowth times need for book's holder. A
-// refusal (too little left under a quota) or an error leaves the book as
-// it was: the batch then runs on the project's row.
+// grantLease asks project for leaseGrowth times need for book's holder,
+// in one transaction: the holder's lease row first, then the project's row
+// locked and read, then the grant (per resource what is asked, but never
+// more than a quarter of what is left under a quota, and nothing unless
+// that still covers need) added to the project's usage and to the lease.
+// A refusal (too little left) or an error leaves the book as it was: the
+// batch then runs on the project's row.
 func (s *Store) grantLease(ctx context.Context, book *leaseBook, project string, need share) {
 	want := share{Resources: Resources{VCPUs: need.VCPUs * leaseGrowth, MemoryMiB: need.MemoryMiB * leaseGrowth,
 		DiskMiB: need.DiskMiB * leaseGrowth}, VMs: need.VMs * leaseGrowth}
-	var got share
-	s.statements.Add(2)
+	var (
+		got     share
+		granted bool
+	)
 	err := s.inTx(ctx, func(tx *gorm.DB) error {
-		// The lease's row before the project's: the order of every writer.
+		granted = false
 		if err := tx.Exec(`SELECT 1 FROM quota_leases WHERE project = ? AND holder = ? FOR UPDATE`, project, book.holder).Error; err != nil {
+			return err
+		}
+		var (
+			q    Quotas
+			used share
+		)
+		if err := tx.Raw(`SELECT quota_vcpus, quota_memory_mib, quota_disk_mib, quota_vms, used_vcpus, used_memory_mib, used_disk_mib, used_vms
+			FROM projects WHERE name = ? FOR NO KEY UPDATE`, project).Row().
+			Scan(&q.VCPUs, &q.MemoryMiB, &q.DiskMiB, &q.VMs, &used.VCPUs, &used.MemoryMiB, &used.DiskMiB, &used.VMs); err != nil {
+			return err
+		}
+		grant := share{Resources: Resources{VCPUs: leaseShare(want.VCPUs, q.VCPUs, used.VCPUs),
+			MemoryMiB: leaseShare(want.MemoryMiB, q.MemoryMiB, used.MemoryMiB), DiskMiB: leaseShare(want.DiskMiB, q.DiskMiB, used.DiskMiB)},
+			VMs: leaseShare(want.VMs, q.VMs, used.VMs)}
+		if !grant.covers(need) {
+			return nil
+		}
+		// The CHECKs still guard the project's row.
+		if err := tx.Exec(chargeProjectSQL, grant.VCPUs, grant.MemoryMiB, grant.DiskMiB, grant.VMs, project, 0, 0).Error; err != nil {
 			return err
 		}
 		sqlTx, ok := tx.Statement.ConnPool.(*sql.Tx)
 		if !ok {
 			return fmt.Errorf("grant quota lease: want a *sql.Tx, got %T", tx.Statement.ConnPool)
 		}
-		return sqlTx.QueryRowContext(ctx, grantLeaseSQL, project, want.VCPUs, want.MemoryMiB, want.DiskMiB, want.VMs,
-			need.VCPUs, need.MemoryMiB, need.DiskMiB, need.VMs, book.holder).Scan(&got.VCPUs, &got.MemoryMiB, &got.DiskMiB, &got.VMs)
+		if err := sqlTx.QueryRowContext(ctx, addLeaseSQL, project, book.holder, grant.VCPUs, grant.MemoryMiB, grant.DiskMiB, grant.VMs).
+			Scan(&got.VCPUs, &got.MemoryMiB, &got.DiskMiB, &got.VMs); err != nil {
+			return err
+		}
+		granted = true
+		return nil
 	})
+	s.statements.Add(4)
 	switch {
-	case err == nil:
-		book.left[project] = got
-	case errors.Is(err, sql.ErrNoRows):
-		s.log.Debug("no quota lease: too little left under the project's quota", "project", project, "holder", book.holder)
-	default:
+	case err != nil:
 		s.log.Debug("quota lease grant failed; the batch runs on the project's row", "project", project, "err", err)
+	case granted:
+		book.left[project] = got
+	default:
+		s.log.Debug("no quota lease: too little left under the project's quota", "project", project, "holder", book.holder)
 	}
+}
+
+// leaseShare is what a grant gives of one resource: want, but under a
+// quota never more than a quarter of what is left.
+func leaseShare(want int64, quota *int64, used int64) int64 {
+	if quota == nil {
+		return want
+	}
+	return min(want, (*quota-used)/4)
 }
 
 // readLeases reads book's leases again (after a batch failed, maybe
