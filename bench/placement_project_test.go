@@ -3,12 +3,8 @@ package bench
 import (
 	"context"
 	"fmt"
-	"sync/atomic"
 	"testing"
 
-	"github.com/google/uuid"
-
-	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
 )
@@ -59,26 +55,7 @@ func BenchmarkPlacementProject(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			var seq atomic.Int64
-			b.SetParallelism(parallelism)
-			b.ReportAllocs()
-			cpu := startCPU()
-			b.ResetTimer()
-			b.RunParallel(func(pb *testing.PB) {
-				// Each client stays in one project, as a team's apply would.
-				project := names[int(seq.Add(1))%len(names)]
-				for pb.Next() {
-					_, err := svc.Reserve(ctx, control.ReserveRequest{ID: uuid.Must(uuid.NewV7()).String(),
-						Name: fmt.Sprintf("bench-%d", vmSeq.Add(1)), Image: "sim", Project: project,
-						Resources: api.Resources{VCPUs: 1, MemoryMiB: 1024, DiskMiB: 10240}})
-					if err != nil {
-						b.Error(err)
-						return
-					}
-				}
-			})
-			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "placements/s")
-			cpu.report(b, "control-cpu-µs/op")
+			runPlacements(b, svc, names)
 		})
 	}
 }

@@ -123,6 +123,18 @@ func (b *reservationBatcher) commitSQLite(batch []pendingReservation) {
 			return err
 		}
 		defer func() { _ = insert.Close() }()
+		charge, err := sqlTx.PrepareContext(ctx, chargeProjectSQL)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = charge.Close() }()
+		chargeExec := func(args ...any) (int64, error) {
+			res, err := charge.ExecContext(ctx, args...)
+			if err != nil {
+				return 0, err
+			}
+			return res.RowsAffected()
+		}
 		var insertNIC *sql.Stmt // prepared on the first VM with NICs
 		defer func() {
 			if insertNIC != nil {
@@ -141,7 +153,7 @@ func (b *reservationBatcher) commitSQLite(batch []pendingReservation) {
 				continue
 			}
 			// Past a quota the project's CHECK refuses the UPDATE alone.
-			if err := chargeProject(tx, p.vm.Project, p.vm.ProjectGeneration, vmShare(p.vm), tx); err != nil {
+			if err := chargeProjectWith(chargeExec, p.vm.Project, p.vm.ProjectGeneration, vmShare(p.vm), tx); err != nil {
 				var qe *QuotaError
 				if !errors.As(err, &qe) && !errors.Is(err, ErrProjectChanged) {
 					return err

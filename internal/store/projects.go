@@ -306,14 +306,23 @@ func (s *Store) chargeProject(tx *gorm.DB, project string, sh share) error {
 // caller read (0: any; another one is ErrProjectChanged) and the
 // connection that reads a refusal's figures.
 func chargeProject(tx *gorm.DB, project string, generation int64, sh share, read *gorm.DB) error {
+	return chargeProjectWith(func(args ...any) (int64, error) {
+		res := tx.Exec(chargeProjectSQL, args...)
+		return res.RowsAffected, res.Error
+	}, project, generation, sh, read)
+}
+
+// chargeProjectWith is chargeProject with exec running chargeProjectSQL
+// (a prepared statement of a reservation batch, say) and telling how many
+// rows it changed.
+func chargeProjectWith(exec func(args ...any) (int64, error), project string, generation int64, sh share, read *gorm.DB) error {
 	if sh == (share{}) {
 		return nil
 	}
-	res := tx.Exec(chargeProjectSQL, sh.VCPUs, sh.MemoryMiB, sh.DiskMiB, sh.VMs, project, generation, generation)
-	err := res.Error
+	rows, err := exec(sh.VCPUs, sh.MemoryMiB, sh.DiskMiB, sh.VMs, project, generation, generation)
 	if err == nil {
 		switch {
-		case res.RowsAffected != 0:
+		case rows != 0:
 			return nil
 		case generation != 0:
 			return fmt.Errorf("project %q (generation %d): %w", project, generation, ErrProjectChanged)
