@@ -175,7 +175,8 @@ var (
 	loginPrompt = regexp.MustCompile(`(?m)^\r*([A-Za-z0-9][A-Za-z0-9.-]{0,252}) login: *\S*\r*$`)
 	// sshHostKeyLine is a public host key cloud-init prints on the console
 	// (cc_keys_to_console), whose comment ssh-keygen set to root@<hostname>
-	// when cc_ssh made it, after cc_set_hostname.
+	// when cc_ssh made it, after cc_set_hostname; keys given in the user
+	// data get root@localhost (cc_ssh KEY_GEN_TPL), which names no host.
 	sshHostKeyLine = regexp.MustCompile(`(?m)^(?:ssh-(?:ed25519|rsa|dss)|ecdsa-sha2-nistp\d+) [A-Za-z0-9+/=]+ ` +
 		`root@([A-Za-z0-9][A-Za-z0-9.-]{0,252})\r?\n`)
 	guestUserData = regexp.MustCompile(`(?m)kvm-guest-userdata-sha256 ([0-9a-f]{64})`)
@@ -248,11 +249,15 @@ func parseGuestStatus(console string) agentapi.GuestStatus {
 // guestHostnameOf is the hostname the guest reported last: getty's login
 // prompt (what the guest calls itself now), else the busybox guest's
 // kvm-guest-hostname line, else the comment of the SSH host keys that
-// cloud-init printed; "" when none is there.
+// cloud-init printed; "" when none is there. "localhost" names no host and
+// is passed over.
 func guestHostnameOf(console string) string {
 	for _, re := range []*regexp.Regexp{loginPrompt, guestHostname, sshHostKeyLine} {
-		if m := re.FindAllStringSubmatch(console, -1); len(m) > 0 {
-			return strings.TrimSpace(m[len(m)-1][1])
+		m := re.FindAllStringSubmatch(console, -1)
+		for i := len(m) - 1; i >= 0; i-- {
+			if h := strings.TrimSpace(m[i][1]); h != "localhost" {
+				return h
+			}
 		}
 	}
 	return ""

@@ -196,6 +196,7 @@ func TestParseGuestStatusHostname(t *testing.T) {
 		{"a prompt being written does not count", "Debian GNU/Linux 12 web-1 ttyS0\r\n\r\nweb-1 log", ""},
 		{"last login is no prompt", "web-1 login: root\r\nPassword: \r\nLast login: Thu Dec  3 07:18:31 UTC 2026 on ttyS0\r\n", "web-1"},
 		{"ssh host keys", "[  125.810031] cloud-init[512]: Cloud-init v. 22.4.2 finished at x\r\n" + keys, "deb-keys"},
+		{"keys from the user data name no host", keys + "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGiv root@localhost\r\n", "deb-keys"},
 		{"the prompt wins over the keys", keys + "\r\ndeb-2 login: ", "deb-2"},
 		{"busybox", "kvm-guest-ready\nkvm-guest-hostname bb-1\n", "bb-1"},
 	}
