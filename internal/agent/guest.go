@@ -131,10 +131,11 @@ var cloudInitFailures = []*regexp.Regexp{
 	// 24.3+ single process (socket.py): a stage raised; its unit echoes this.
 	regexp.MustCompile(`fatal error, run "systemctl status cloud-init-main\.service"`),
 	// A stage exits with its count of errors, so a failed stage unit is an
-	// error (cmd/status.py systemd_failed says so from 23.4). systemd 249+
+	// error (cmd/status.py systemd_failed says so from 24.1). systemd 249+
 	// prints "unit - description", shortened in the middle to the console
-	// width; older ones the description alone.
-	regexp.MustCompile(`FAILED\] Failed to start (?:cloud-(?:init|config|final)|Initial cloud-init job|` +
+	// width; older ones the description alone. Before journald runs,
+	// systemd logs it through the kernel's log as well.
+	regexp.MustCompile(`(?:FAILED\]|systemd\[1\]:) Failed to start (?:cloud-(?:init|config|final)|Initial cloud-init job|` +
 		`Apply the settings specified in cloud-config|Execute cloud user/final scripts|Cloud-init: )`),
 	// The seed the agent attached was not read: cloud-init fell back to no
 	// datasource. cloud-init itself calls that done (22.4) or degraded done

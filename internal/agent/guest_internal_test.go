@@ -121,6 +121,8 @@ func TestParseGuestStatusCloudInitFailures(t *testing.T) {
 			"[FAILED] Failed to start cloud-final.service - Cloud-init: Final Stage."},
 		{"stage unit failed, systemd before 249", "Ubuntu 20.04's systemd prints the description alone",
 			"[FAILED] Failed to start Execute cloud user/final scripts."},
+		{"stage unit failed, kernel log", "systemd logs through /dev/kmsg until journald runs",
+			"[   21.904113] systemd[1]: Failed to start cloud-init-local.service - Initial cloud-init job (pre-networking)."},
 		{"single process stage raised, 24.4", "24.4.1 socket.py:145, echoed by the stage unit's shell",
 			"[   45.118877] sh[901]: fatal error, run \"systemctl status cloud-init-main.service\" and \"cloud-init status --long\" for more details"},
 	}
