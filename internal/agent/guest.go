@@ -143,6 +143,11 @@ var cloudInitFailures = []*regexp.Regexp{
 	regexp.MustCompile(`Cloud-init v\. \S+ finished at .*Datasource DataSourceNone`),
 }
 
+// cloudInitFailureWords are words of which every line of cloudInitFailures
+// has one: a cheap test that spares most lines the regular expressions (a
+// guest status reads up to 1 MiB of console, every second while a wait runs).
+var cloudInitFailureWords = []string{"ailed", "datasource found", "fatal error", "DataSourceNone"}
+
 // cloudInitNotFailures are lines that cloudInitFailures would take, but that
 // are not cloud-init's stage units failing.
 var cloudInitNotFailures = regexp.MustCompile(`cloud-init-hotplugd|cloud-init hotplug`)
@@ -193,7 +198,13 @@ func cloudInitErrors(console string) []string {
 		if !ended {
 			break
 		}
-		line = strings.TrimSpace(ansiEscape.ReplaceAllString(line, ""))
+		if !slices.ContainsFunc(cloudInitFailureWords, func(w string) bool { return strings.Contains(line, w) }) {
+			continue
+		}
+		if strings.Contains(line, "\x1b") {
+			line = ansiEscape.ReplaceAllString(line, "")
+		}
+		line = strings.TrimSpace(line)
 		if cloudInitNotFailures.MatchString(line) {
 			continue
 		}
@@ -253,12 +264,29 @@ func parseGuestStatus(console string) agentapi.GuestStatus {
 // cloud-init printed; "" when none is there. "localhost" names no host and
 // is passed over.
 func guestHostnameOf(console string) string {
-	for _, re := range []*regexp.Regexp{loginPrompt, guestHostname, sshHostKeyLine} {
-		m := re.FindAllStringSubmatch(console, -1)
-		for i := len(m) - 1; i >= 0; i-- {
-			if h := strings.TrimSpace(m[i][1]); h != "localhost" {
-				return h
+	for _, src := range []struct {
+		word string
+		re   *regexp.Regexp
+	}{{" login:", loginPrompt}, {"kvm-guest-hostname ", guestHostname}, {" root@", sshHostKeyLine}} {
+		// Only lines holding the word can match: look at those, from the
+		// last back (a whole-console search costs tens of ms per MiB).
+		rest := console
+		for {
+			i := strings.LastIndex(rest, src.word)
+			if i < 0 {
+				break
 			}
+			start := strings.LastIndexByte(rest[:i], '\n') + 1
+			end := len(rest)
+			if j := strings.IndexByte(rest[i:], '\n'); j >= 0 {
+				end = i + j + 1
+			}
+			if m := src.re.FindStringSubmatch(rest[start:end]); m != nil {
+				if h := strings.TrimSpace(m[1]); h != "localhost" {
+					return h
+				}
+			}
+			rest = rest[:i]
 		}
 	}
 	return ""
