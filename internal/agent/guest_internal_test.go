@@ -76,7 +76,7 @@ func TestParseGuestStatusCloudInitFailures(t *testing.T) {
 		name, source, line string
 	}{
 		{"module failed, 22.4", "22.4.2 config/modules.py:255 via util.py:1707 logexc",
-			ci22 + "util.py[WARNING]: Running module write_files (<module 'cloudinit.config.cc_write_files' from " +
+			ci22 + "util.py[WARNING]: Running module write-files (<module 'cloudinit.config.cc_write_files' from " +
 				"'/usr/lib/python3/dist-packages/cloudinit/config/cc_write_files.py'>) failed"},
 		{"module failed, 24.4", "24.4.1 config/modules.py:307 via log/log_util.py:13 logexc",
 			ci24 + "log_util.py[WARNING]: Running module runcmd (<module 'cloudinit.config.cc_runcmd' from " +
@@ -115,8 +115,8 @@ func TestParseGuestStatusCloudInitFailures(t *testing.T) {
 			ci22Raw + "Cloud-init v. 22.4.2 finished at Thu, 03 Dec 2026 07:19:02 +0000. Datasource DataSourceNone.  Up 125.51 seconds"},
 		{"stage unit failed, systemd 252", "22.4.2 stage exit code = its error count; Debian 12's systemd",
 			"[\x1b[0;1;31mFAILED\x1b[0m] Failed to start \x1b[0;1;39mcloud-init.service\x1b[0m - Initial cloud-init job (metadata service crawler)."},
-		{"stage unit failed, name cut", "systemd shortens unit - description to the console width",
-			"[\x1b[0;1;31mFAILED\x1b[0m] Failed to start \x1b[0;1;39mcloud-config.serv…ttings specified in cloud-config."},
+		{"stage unit failed, name cut", "systemd shortens unit - description to the console width (a Debian 12 guest's line)",
+			"[\x1b[0;1;31mFAILED\x1b[0m] Failed to start \x1b[0;1;39mcloud-init…it job (metadata service crawler)."},
 		{"stage unit failed, 24.4", "24.4.1 cmd/status.py:316 systemd_failed: a failed stage unit is error",
 			"[FAILED] Failed to start cloud-final.service - Cloud-init: Final Stage."},
 		{"stage unit failed, systemd before 249", "Ubuntu 20.04's systemd prints the description alone",

@@ -438,19 +438,26 @@ func cloudInitUptimes(console string) string {
 // file, so the module fails in the init stage and cloud-init goes on to its
 // "finished" line. wait_for = "cloud_init" fails with the module's console
 // line and the console tail in the error; the guest status stays error once
-// the final line is there too, and reports the hostname from getty's login
-// prompt; the VM is tainted in state and destroy removes it.
+// the final line is there too, as `cloud-init status` in the guest (over
+// SSH) says, and reports the hostname from getty's login prompt; the VM is
+// tainted in state and destroy removes it.
 func TestAccVM_guestCloudInitModuleFailsDebian(t *testing.T) {
 	dir := requireDebianImage(t)
 	f, _ := qemuFleet(t, testenv.AgentOptions{ImageDir: dir, VCPUs: 2, MemoryMiB: 2048, DiskMiB: 16384})
 	readStates := stateFiles(t)
+	signer, key := newSSHKey(t)
 	cfg := f.providerBlock() + `
+variable "key" {
+  type = string
+}
+
 resource "kvm_vm" "test" {
-  name       = "deb-module-fails"
-  image      = "debian-12"
-  vcpus      = 2
-  memory_mib = 1024
-  disk_mib   = 4096
+  name                = "deb-module-fails"
+  image               = "debian-12"
+  vcpus               = 2
+  memory_mib          = 1024
+  disk_mib            = 4096
+  ssh_authorized_keys = [var.key]
   meta_data = {
     "local-hostname" = "deb-fails"
   }
@@ -463,6 +470,13 @@ resource "kvm_vm" "test" {
   EOT
   wait_for = "cloud_init"
 
+  network_interface {
+    network = "default"
+    port_forward {
+      guest_port = 22
+    }
+  }
+
   timeouts {
     create = "15m"
   }
@@ -473,9 +487,10 @@ resource "kvm_vm" "test" {
 		CheckDestroy:             f.checkFleetEmpty,
 		Steps: []resource.TestStep{
 			{
-				Config: cfg,
+				Config:          cfg,
+				ConfigVariables: config.Variables{"key": config.StringVariable(key)},
 				ExpectError: regexp.MustCompile(`(?s)VM Guest Not Ready.*` + words(`cloud-init in the guest reported an error (its console:`) +
-					`.*util\.py\[WARNING\]:\s+` + words(`Running module write_files`) + `.*failed.*` +
+					`.*util\.py\[WARNING\]:\s+` + words(`Running module write-files`) + `.*failed.*` +
 					words(`Last 30 lines of its serial console:`) + `.*cloud-init\[\d+\]:`),
 			},
 			{
@@ -486,15 +501,28 @@ resource "kvm_vm" "test" {
 					}
 					g, console := guestAfterFinish(t, f, id)
 					if g.CloudInit != api.CloudInitError || len(g.CloudInitErrors) == 0 ||
-						!strings.Contains(g.CloudInitErrors[0], "Running module write_files") || g.Hostname != "deb-fails" {
+						!strings.Contains(g.CloudInitErrors[0], "Running module write-files") || g.Hostname != "deb-fails" {
 						t.Fatalf("VM %s: after cloud-init's final line the guest status is %+v, want error naming write_files "+
 							"and hostname deb-fails; the console ends with:\n%s", id, g, tail(console, 4000))
 					}
 					t.Logf("VM %s: guest status %q, hostname %q, failure lines:\n%s", id, g.CloudInit, g.Hostname,
 						strings.Join(g.CloudInitErrors, "\n"))
+					// The guest's own word: `cloud-init status` exits 1 on error.
+					vm, err := f.Control.Client.GetVM(context.Background(), id)
+					if err != nil || len(vm.NetworkInterfaces) != 1 || len(vm.NetworkInterfaces[0].PortForwards) != 1 {
+						t.Fatalf("VM %s: %+v (%v), want one NIC with the SSH forward", id, vm, err)
+					}
+					fwd := vm.NetworkInterfaces[0].PortForwards[0]
+					out, err := sshRun(net.JoinHostPort(fwd.HostAddress, fmt.Sprint(fwd.HostPort)), "debian", signer,
+						"cloud-init status --wait --long")
+					if !strings.Contains(out, "status: error") {
+						t.Fatalf("VM %s: `cloud-init status` in the guest printed %q (%v), want status: error", id, out, err)
+					}
+					t.Logf("VM %s: `cloud-init status --wait --long` in the guest:\n%s", id, out)
 				},
-				Config:  cfg,
-				Destroy: true,
+				Config:          cfg,
+				ConfigVariables: config.Variables{"key": config.StringVariable(key)},
+				Destroy:         true,
 			},
 		},
 	})
