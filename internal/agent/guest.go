@@ -95,21 +95,134 @@ func (a *Agent) ensureSeed(r vmRecord) error {
 	return nil
 }
 
+// cloudInitLog is the start of a message of cloud-init's console log
+// handler (config/cloud.cfg.d/05_logging.cfg: WARNING and above, to stderr,
+// "%(asctime)s - %(filename)s[%(levelname)s]: %(message)s"); the file is
+// util.py for logexc up to 24.3 and log/log_util.py from 24.4. Requiring it
+// keeps a user script's own output (which reaches the console with the same
+// "cloud-init[pid]: " prefix) from counting.
+const cloudInitLog = `\w+\.py\[(?:WARNING|ERROR|CRITICAL)\]: `
+
+// cloudInitFailures are the console lines after which `cloud-init status`
+// says error, read from cloud-init's source for the version Debian 12 ships
+// (22.4.2) and for Ubuntu 24.04's (24.4.1; the wordings are unchanged through
+// 25.3). A failed module does not stop cloud-init, which still prints its
+// "finished" line, so these decide over it. Each is tested with a real line
+// in TestParseGuestStatusCloudInitFailures, which names the source lines.
+var cloudInitFailures = []*regexp.Regexp{
+	// A config module raised (config/modules.py _run_modules, logexc):
+	// every module, scripts_* included, and `cloud-init single`.
+	regexp.MustCompile(cloudInitLog + `Running module \S+ \(.*\) failed\s*$`),
+	regexp.MustCompile(cloudInitLog + `Ran \S+ but it failed!`),
+	// cc_scripts_{user,vendor,per_boot,per_instance,per_once}: a script
+	// exited non-zero; before 20.3 runparts logged each script itself.
+	regexp.MustCompile(cloudInitLog + `Failed to run module \S+ \(`),
+	regexp.MustCompile(cloudInitLog + `Failed running \S+ \[\d+\]`),
+	// No datasource (cmd/main.py): the init stage logs it; a modules stage
+	// logs and prints it (print_exc) before giving up.
+	regexp.MustCompile(cloudInitLog + `No instance datasource found!`),
+	regexp.MustCompile(`Can not apply stage \S+, no datasource found!`),
+	regexp.MustCompile(cloudInitLog + `Failed to fetch your datasource`),
+	regexp.MustCompile(cloudInitLog + `Consuming user data failed!`),
+	// A stage raised (cmd/main.py status_wrapper): logexc up to 24.1,
+	// LOG.exception after, and print_exc always.
+	regexp.MustCompile(cloudInitLog + `failed stage \S+\s*$`),
+	regexp.MustCompile(`(?:^|: )failed run of stage \S+\s*$`),
+	// 24.3+ single process (socket.py): a stage raised; its unit echoes this.
+	regexp.MustCompile(`fatal error, run "systemctl status cloud-init-main\.service"`),
+	// A stage exits with its count of errors, so a failed stage unit is an
+	// error (cmd/status.py systemd_failed says so from 24.1). systemd 249+
+	// prints "unit - description", shortened in the middle to the console
+	// width; older ones the description alone. Before journald runs,
+	// systemd logs it through the kernel's log as well.
+	regexp.MustCompile(`(?:FAILED\]|systemd\[1\]:) Failed to start (?:cloud-(?:init|config|final)|Initial cloud-init job|` +
+		`Apply the settings specified in cloud-config|Execute cloud user/final scripts|Cloud-init: )`),
+	// The seed the agent attached was not read: cloud-init fell back to no
+	// datasource. cloud-init itself calls that done (22.4) or degraded done
+	// (24.4); for a VM whose user data was never applied it is an error.
+	regexp.MustCompile(`Cloud-init v\. \S+ finished at .*Datasource DataSourceNone`),
+}
+
+// cloudInitFailureWords are words of which every line of cloudInitFailures
+// has one: a cheap test that spares most lines the regular expressions (a
+// guest status reads up to 1 MiB of console, every second while a wait runs).
+var cloudInitFailureWords = []string{"ailed", "datasource found", "fatal error", "DataSourceNone"}
+
+// cloudInitNotFailures are lines that cloudInitFailures would take, but that
+// are not cloud-init's stage units failing.
+var cloudInitNotFailures = regexp.MustCompile(`cloud-init-hotplugd|cloud-init hotplug`)
+
+// maxCloudInitErrors is how many failure lines a guest status carries, and
+// maxCloudInitErrorLen how long each may be.
+const (
+	maxCloudInitErrors   = 5
+	maxCloudInitErrorLen = 400
+)
+
 var (
-	cloudInitDone    = regexp.MustCompile(`Cloud-init v\. \S+ finished at`)
+	// A stage's line counts once it has ended (a line in the middle of its
+	// write could end otherwise).
+	cloudInitDone    = regexp.MustCompile(`Cloud-init v\. \S+ finished at [^\n]*\n`)
 	cloudInitRunning = regexp.MustCompile(`Cloud-init v\. \S+ running`)
-	// cloudInitFailed are failures cloud-init prints on the console (best
-	// effort): a module or script that failed, a datasource not found.
-	cloudInitFailed = regexp.MustCompile(`cloud-init\[\d+\]: .*(Failed to run module|Failed running)|` +
-		`Cloud-init v\. \S+ finished at .*Datasource DataSourceNone`)
+	// ansiEscape is a terminal control sequence (systemd colours its status
+	// lines).
+	ansiEscape = regexp.MustCompile(`\x1b\[[0-9;?]*[A-Za-z]`)
 	// Lines are read while the guest writes them: a value counts only
 	// once its line has ended ("kvm-guest-ip 10.77.0.1" may be the start
 	// of 10.77.0.10).
 	guestIPLine   = regexp.MustCompile(`(?m)^.*?kvm-guest-ip (\d+\.\d+\.\d+\.\d+)\r?\n`)
 	ciInfoAddress = regexp.MustCompile(`(?m)ci-info: \|\s*[^|\s]+\s*\|\s*True\s*\|\s*(\d+\.\d+\.\d+\.\d+)\s*\|`)
 	guestHostname = regexp.MustCompile(`(?m)kvm-guest-hostname (\S+)\r?\n`)
+	// loginPrompt is getty's prompt on the serial console, "<hostname>
+	// login: " (the hostname when getty printed it), maybe followed by the
+	// name someone typed; "Last login: Thu Dec ..." has more words. The
+	// prompt does not end its line: the hostname is whole once " login:"
+	// follows it.
+	loginPrompt = regexp.MustCompile(`(?m)^\r*([A-Za-z0-9][A-Za-z0-9.-]{0,252}) login: *\S*\r*$`)
+	// sshHostKeyLine is a public host key cloud-init prints on the console
+	// (cc_keys_to_console), whose comment ssh-keygen set to root@<hostname>
+	// when cc_ssh made it, after cc_set_hostname; keys given in the user
+	// data get root@localhost (cc_ssh KEY_GEN_TPL), which names no host.
+	sshHostKeyLine = regexp.MustCompile(`(?m)^(?:ssh-(?:ed25519|rsa|dss)|ecdsa-sha2-nistp\d+) [A-Za-z0-9+/=]+ ` +
+		`root@([A-Za-z0-9][A-Za-z0-9.-]{0,252})\r?\n`)
 	guestUserData = regexp.MustCompile(`(?m)kvm-guest-userdata-sha256 ([0-9a-f]{64})`)
 )
+
+// cloudInitErrors returns the complete lines of console that say cloud-init
+// failed (see cloudInitFailures), without terminal escapes, the first few.
+func cloudInitErrors(console string) []string {
+	var out []string
+	for len(console) > 0 {
+		line, rest, ended := strings.Cut(console, "\n")
+		console = rest
+		if !ended {
+			break
+		}
+		if !slices.ContainsFunc(cloudInitFailureWords, func(w string) bool { return strings.Contains(line, w) }) {
+			continue
+		}
+		if strings.Contains(line, "\x1b") {
+			line = ansiEscape.ReplaceAllString(line, "")
+		}
+		line = strings.TrimSpace(line)
+		if cloudInitNotFailures.MatchString(line) {
+			continue
+		}
+		for _, re := range cloudInitFailures {
+			if re.MatchString(line) {
+				if len(line) > maxCloudInitErrorLen {
+					line = line[:maxCloudInitErrorLen] + "..."
+				}
+				out = append(out, line)
+				break
+			}
+		}
+		if len(out) == maxCloudInitErrors {
+			break
+		}
+	}
+	return out
+}
 
 // parseGuestStatus reads a console log: only what follows the last boot
 // marker (the current boot) counts.
@@ -118,8 +231,9 @@ func parseGuestStatus(console string) agentapi.GuestStatus {
 		console = console[i:]
 	}
 	out := agentapi.GuestStatus{CloudInit: agentapi.CloudInitNone, IPv4Addresses: []string{}}
+	out.CloudInitErrors = cloudInitErrors(console)
 	switch {
-	case cloudInitFailed.MatchString(console):
+	case len(out.CloudInitErrors) > 0:
 		out.CloudInit = agentapi.CloudInitError
 	case cloudInitDone.MatchString(console):
 		out.CloudInit = agentapi.CloudInitDone
@@ -137,18 +251,51 @@ func parseGuestStatus(console string) agentapi.GuestStatus {
 			}
 		}
 	}
-	if m := guestHostname.FindAllStringSubmatch(console, -1); len(m) > 0 {
-		out.Hostname = strings.TrimSpace(m[len(m)-1][1])
-	}
+	out.Hostname = guestHostnameOf(console)
 	if m := guestUserData.FindAllStringSubmatch(console, -1); len(m) > 0 {
 		out.UserDataSHA256 = m[len(m)-1][1]
 	}
 	return out
 }
 
+// guestHostnameOf is the hostname the guest reported last: getty's login
+// prompt (what the guest calls itself now), else the busybox guest's
+// kvm-guest-hostname line, else the comment of the SSH host keys that
+// cloud-init printed; "" when none is there. "localhost" names no host and
+// is passed over.
+func guestHostnameOf(console string) string {
+	for _, src := range []struct {
+		word string
+		re   *regexp.Regexp
+	}{{" login:", loginPrompt}, {"kvm-guest-hostname ", guestHostname}, {" root@", sshHostKeyLine}} {
+		// Only lines holding the word can match: look at those, from the
+		// last back (a whole-console search costs tens of ms per MiB).
+		rest := console
+		for {
+			i := strings.LastIndex(rest, src.word)
+			if i < 0 {
+				break
+			}
+			start := strings.LastIndexByte(rest[:i], '\n') + 1
+			end := len(rest)
+			if j := strings.IndexByte(rest[i:], '\n'); j >= 0 {
+				end = i + j + 1
+			}
+			if m := src.re.FindStringSubmatch(rest[start:end]); m != nil {
+				if h := strings.TrimSpace(m[1]); h != "localhost" {
+					return h
+				}
+			}
+			rest = rest[:i]
+		}
+	}
+	return ""
+}
+
 // Guest returns what VM id's guest reported on its serial console during
-// its current boot: cloud-init's state, its IPv4 addresses, and the
-// hostname and user-data digest the busybox guest prints from its seed.
+// its current boot: cloud-init's state (and the lines that made it an
+// error), its IPv4 addresses, its hostname, and the user-data digest the
+// busybox guest prints from its seed.
 func (a *Agent) Guest(ctx context.Context, id string) (agentapi.GuestStatus, error) {
 	b, err := a.Console(ctx, id, guestConsoleBytes)
 	if err != nil {

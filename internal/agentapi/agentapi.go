@@ -124,10 +124,13 @@ const (
 // GuestStatus is the answer of GET /v1/vms/{id}/guest: what the guest
 // reported on its serial console during its current boot.
 type GuestStatus struct {
-	CloudInit      string   `json:"cloud_init"`
-	IPv4Addresses  []string `json:"ipv4_addresses"`
-	Hostname       string   `json:"hostname,omitempty"`
-	UserDataSHA256 string   `json:"user_data_sha256,omitempty"`
+	CloudInit string `json:"cloud_init"`
+	// CloudInitErrors are the console lines that made CloudInit error (the
+	// first few, shortened), so that an error can say what failed.
+	CloudInitErrors []string `json:"cloud_init_errors,omitempty"`
+	IPv4Addresses   []string `json:"ipv4_addresses"`
+	Hostname        string   `json:"hostname,omitempty"`
+	UserDataSHA256  string   `json:"user_data_sha256,omitempty"`
 }
 
 // Network modes of a NIC (the control API's network modes).

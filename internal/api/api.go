@@ -240,11 +240,16 @@ type GuestStatus struct {
 	// CloudInit is none (no seed, or nothing seen yet), running, done or
 	// error.
 	CloudInit string `json:"cloud_init"`
+	// CloudInitErrors are the console lines that made CloudInit error (the
+	// first few): a module that failed, a missing datasource, a failed stage.
+	CloudInitErrors []string `json:"cloud_init_errors,omitempty"`
 	// IPv4Addresses are the addresses the guest reported (no prefix, no
 	// loopback).
 	IPv4Addresses []string `json:"ipv4_addresses"`
-	// Hostname and UserDataSHA256 are what the guest reported (the busybox
-	// guest does; Debian's cloud-init does not print them).
+	// Hostname is what the guest reported: getty's login prompt on the
+	// serial console, the busybox guest's line, or the comment of the SSH
+	// host keys cloud-init printed. UserDataSHA256 is the digest of the user
+	// data the busybox guest read (cloud-init does not print it).
 	Hostname       string `json:"hostname,omitempty"`
 	UserDataSHA256 string `json:"user_data_sha256,omitempty"`
 }

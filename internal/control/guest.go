@@ -244,8 +244,8 @@ func (s *Service) VMGuest(ctx context.Context, id string) (api.GuestStatus, erro
 	if err != nil {
 		return api.GuestStatus{}, fromAgent(err, vm.HostName, "read the guest status of VM "+id)
 	}
-	out := api.GuestStatus{CloudInit: g.CloudInit, IPv4Addresses: g.IPv4Addresses, Hostname: g.Hostname,
-		UserDataSHA256: g.UserDataSHA256}
+	out := api.GuestStatus{CloudInit: g.CloudInit, CloudInitErrors: g.CloudInitErrors, IPv4Addresses: g.IPv4Addresses,
+		Hostname: g.Hostname, UserDataSHA256: g.UserDataSHA256}
 	if out.IPv4Addresses == nil {
 		out.IPv4Addresses = []string{}
 	}

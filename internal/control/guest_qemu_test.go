@@ -160,7 +160,11 @@ func TestQEMUBusyboxGuestReadsItsSeed(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitGuest(t, c.Client, failing.ID, 3*time.Minute, func(g api.GuestStatus) bool { return g.CloudInit == api.CloudInitError })
+	g = waitGuest(t, c.Client, failing.ID, 3*time.Minute, func(g api.GuestStatus) bool { return g.CloudInit == api.CloudInitError })
+	// The control API passes on the line that made it an error.
+	if len(g.CloudInitErrors) != 1 || !strings.HasSuffix(g.CloudInitErrors[0], "util.py[WARNING]: Failed running /tmp/user-data [3]") {
+		t.Errorf("failing script: guest %+v, want the script's failure line in cloud_init_errors", g)
+	}
 	if con, err := c.Client.VMConsole(ctx, failing.ID, 0); err != nil || !strings.Contains(con, "kvm-test-script-ran") {
 		t.Errorf("failing script's output not on the console (%v):\n%s", err, con)
 	}

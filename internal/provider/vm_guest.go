@@ -4,10 +4,12 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"maps"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -391,7 +393,14 @@ func waitForGuest(ctx context.Context, c *client.Client, vm api.VM, waitFor stri
 		},
 		Unexpected: func(g api.GuestStatus, _ string) error {
 			if g.CloudInit == api.CloudInitError {
-				return fmt.Errorf("cloud-init in the guest reported an error")
+				if len(g.CloudInitErrors) == 0 {
+					return errors.New("cloud-init in the guest reported an error")
+				}
+				quoted := make([]string, len(g.CloudInitErrors))
+				for i, l := range g.CloudInitErrors {
+					quoted[i] = strconv.Quote(l)
+				}
+				return fmt.Errorf("cloud-init in the guest reported an error (its console: %s)", strings.Join(quoted, "; "))
 			}
 			return fmt.Errorf("the guest read user data with SHA-256 %s, but the VM's is %s", g.UserDataSHA256, vm.UserDataSHA256)
 		},

@@ -285,7 +285,8 @@ func requireDebianImage(t *testing.T) string {
 // TestAccVM_guestDebianSSH: a real Debian 12 cloud guest with an SSH key
 // the test made: wait_for = "cloud_init" completes, then the test logs in
 // as the image's default user through the user-mode forward on 127.0.0.1
-// and runs a command whose output it checks. It logs how long the apply
+// and runs a command whose output it checks; the guest status reports the
+// hostname the guest printed on its console. It logs how long the apply
 // took, and the guest's own uptime at cloud-init's start and end (from the
 // console), which split it into boot and cloud-init.
 func TestAccVM_guestDebianSSH(t *testing.T) {
@@ -346,6 +347,16 @@ data "kvm_vm_console" "test" {
 					t.Logf("apply to cloud_init done: %s (wall clock, terraform apply included)", time.Since(start).Round(100*time.Millisecond))
 					console := s.RootModule().Resources["data.kvm_vm_console.test"].Primary.Attributes["output"]
 					t.Logf("guest uptime at cloud-init's stages: %s", cloudInitUptimes(console))
+					return nil
+				},
+				// A cloud-init guest's hostname comes from its console (getty's
+				// login prompt, or the SSH host keys cloud-init printed).
+				func(s *terraform.State) error {
+					id := s.RootModule().Resources[vmAddr].Primary.ID
+					g, err := f.Control.Client.VMGuest(context.Background(), id)
+					if err != nil || g.CloudInit != api.CloudInitDone || g.Hostname != "deb-1" || len(g.CloudInitErrors) != 0 {
+						return fmt.Errorf("GET /v1/vms/%s/guest: %+v (%v), want done with hostname deb-1", id, g, err)
+					}
 					return nil
 				},
 				captureAttr(vmAddr, "network_interface.0.port_forward.0.host_address", &addr),
@@ -418,4 +429,128 @@ func cloudInitUptimes(console string) string {
 		return "(no cloud-init stage lines on the console)"
 	}
 	return strings.Join(parts, ", ")
+}
+
+// TestAccVM_guestCloudInitModuleFailsDebian: a real Debian 12 guest
+// (cloud-init 22.4) whose user data makes a config module fail: write_files
+// with an owner that does not exist, which cc_write_files turns into an
+// OSError from util.chownbyname ("Unknown user or group") after writing the
+// file, so the module fails in the init stage and cloud-init goes on to its
+// "finished" line. wait_for = "cloud_init" fails with the module's console
+// line and the console tail in the error; the guest status stays error once
+// the final line is there too, as `cloud-init status` in the guest (over
+// SSH) says, and reports the hostname from getty's login prompt; the VM is
+// tainted in state and destroy removes it.
+func TestAccVM_guestCloudInitModuleFailsDebian(t *testing.T) {
+	dir := requireDebianImage(t)
+	f, _ := qemuFleet(t, testenv.AgentOptions{ImageDir: dir, VCPUs: 2, MemoryMiB: 2048, DiskMiB: 16384})
+	readStates := stateFiles(t)
+	signer, key := newSSHKey(t)
+	cfg := f.providerBlock() + `
+variable "key" {
+  type = string
+}
+
+resource "kvm_vm" "test" {
+  name                = "deb-module-fails"
+  image               = "debian-12"
+  vcpus               = 2
+  memory_mib          = 1024
+  disk_mib            = 4096
+  ssh_authorized_keys = [var.key]
+  meta_data = {
+    "local-hostname" = "deb-fails"
+  }
+  user_data = <<-EOT
+    #cloud-config
+    write_files:
+      - path: /etc/kvm-test-owned
+        content: "owned by a user that does not exist\n"
+        owner: kvm-no-such-user:kvm-no-such-user
+  EOT
+  wait_for = "cloud_init"
+
+  network_interface {
+    network = "default"
+    port_forward {
+      guest_port = 22
+    }
+  }
+
+  timeouts {
+    create = "15m"
+  }
+}
+`
+	resource.Test(t, resource.TestCase{
+		ProtoV6ProviderFactories: factories(),
+		CheckDestroy:             f.checkFleetEmpty,
+		Steps: []resource.TestStep{
+			{
+				Config:          cfg,
+				ConfigVariables: config.Variables{"key": config.StringVariable(key)},
+				ExpectError: regexp.MustCompile(`(?s)VM Guest Not Ready.*` + words(`cloud-init in the guest reported an error (its console:`) +
+					`.*util\.py\[WARNING\]:\s+` + words(`Running module write-files`) + `.*failed.*` +
+					words(`Last 30 lines of its serial console:`) + `.*cloud-init\[\d+\]:`),
+			},
+			{
+				PreConfig: func() {
+					status, id, err := vmInState(readStates)
+					if err != nil || status != "tainted" || id == "" {
+						t.Fatalf("after the failed wait the VM is in state as %q (id %q, %v), want tainted", status, id, err)
+					}
+					g, console := guestAfterFinish(t, f, id)
+					if g.CloudInit != api.CloudInitError || len(g.CloudInitErrors) == 0 ||
+						!strings.Contains(g.CloudInitErrors[0], "Running module write-files") || g.Hostname != "deb-fails" {
+						t.Fatalf("VM %s: after cloud-init's final line the guest status is %+v, want error naming write_files "+
+							"and hostname deb-fails; the console ends with:\n%s", id, g, tail(console, 4000))
+					}
+					t.Logf("VM %s: guest status %q, hostname %q, failure lines:\n%s", id, g.CloudInit, g.Hostname,
+						strings.Join(g.CloudInitErrors, "\n"))
+					// The guest's own word: `cloud-init status` exits 1 on error.
+					vm, err := f.Control.Client.GetVM(context.Background(), id)
+					if err != nil || len(vm.NetworkInterfaces) != 1 || len(vm.NetworkInterfaces[0].PortForwards) != 1 {
+						t.Fatalf("VM %s: %+v (%v), want one NIC with the SSH forward", id, vm, err)
+					}
+					fwd := vm.NetworkInterfaces[0].PortForwards[0]
+					out, err := sshRun(net.JoinHostPort(fwd.HostAddress, fmt.Sprint(fwd.HostPort)), "debian", signer,
+						"cloud-init status --wait --long")
+					if !strings.Contains(out, "status: error") {
+						t.Fatalf("VM %s: `cloud-init status` in the guest printed %q (%v), want status: error", id, out, err)
+					}
+					t.Logf("VM %s: `cloud-init status --wait --long` in the guest:\n%s", id, out)
+				},
+				Config:          cfg,
+				ConfigVariables: config.Variables{"key": config.StringVariable(key)},
+				Destroy:         true,
+			},
+		},
+	})
+}
+
+// guestAfterFinish waits (bounded) until VM id's console shows cloud-init's
+// final line and getty's login prompt, and returns the guest status then and
+// the console.
+func guestAfterFinish(t *testing.T, f *fleet, id string) (api.GuestStatus, string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	var console string
+	for {
+		var err error
+		console, err = f.Control.Client.VMConsole(ctx, id, 1<<20)
+		if err == nil && strings.Contains(console, " finished at ") && strings.Contains(console, " login: ") {
+			g, err := f.Control.Client.VMGuest(ctx, id)
+			if err != nil {
+				t.Fatalf("GET /v1/vms/%s/guest: %v", id, err)
+			}
+			return g, console
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("VM %s: no final cloud-init line and login prompt on the console within 10 minutes (%v); it ends with:\n%s",
+				id, err, tail(console, 4000))
+		case <-time.After(5 * time.Second):
+		}
+	}
 }
