@@ -293,41 +293,11 @@ func TestAccVM_guestDebianSSH(t *testing.T) {
 	dir := requireDebianImage(t)
 	f, _ := qemuFleet(t, testenv.AgentOptions{ImageDir: dir, VCPUs: 2, MemoryMiB: 2048, DiskMiB: 16384})
 	signer, key := newSSHKey(t)
-	cfg := f.providerBlock() + `
-variable "key" {
-  type = string
-}
-
-resource "kvm_vm" "test" {
-  name                = "deb-guest"
-  image               = "debian-12"
-  vcpus               = 2
-  memory_mib          = 1024
-  disk_mib            = 4096
-  ssh_authorized_keys = [var.key]
-  meta_data = {
-    "local-hostname" = "deb-1"
-  }
-  user_data = <<-EOT
-    #cloud-config
+	cfg := f.providerBlock() + debianGuestConfig("deb-guest", "deb-1", `    #cloud-config
     write_files:
       - path: /etc/kvm-test
         content: "written by cloud-init\n"
-  EOT
-  wait_for = "cloud_init"
-
-  network_interface {
-    network = "default"
-    port_forward {
-      guest_port = 22
-    }
-  }
-
-  timeouts {
-    create = "15m"
-  }
-}
-
+`) + `
 data "kvm_vm_console" "test" {
   vm_id = kvm_vm.test.id
   bytes = 1048576
@@ -446,42 +416,12 @@ func TestAccVM_guestCloudInitModuleFailsDebian(t *testing.T) {
 	f, _ := qemuFleet(t, testenv.AgentOptions{ImageDir: dir, VCPUs: 2, MemoryMiB: 2048, DiskMiB: 16384})
 	readStates := stateFiles(t)
 	signer, key := newSSHKey(t)
-	cfg := f.providerBlock() + `
-variable "key" {
-  type = string
-}
-
-resource "kvm_vm" "test" {
-  name                = "deb-module-fails"
-  image               = "debian-12"
-  vcpus               = 2
-  memory_mib          = 1024
-  disk_mib            = 4096
-  ssh_authorized_keys = [var.key]
-  meta_data = {
-    "local-hostname" = "deb-fails"
-  }
-  user_data = <<-EOT
-    #cloud-config
+	cfg := f.providerBlock() + debianGuestConfig("deb-module-fails", "deb-fails", `    #cloud-config
     write_files:
       - path: /etc/kvm-test-owned
         content: "owned by a user that does not exist\n"
         owner: kvm-no-such-user:kvm-no-such-user
-  EOT
-  wait_for = "cloud_init"
-
-  network_interface {
-    network = "default"
-    port_forward {
-      guest_port = 22
-    }
-  }
-
-  timeouts {
-    create = "15m"
-  }
-}
-`
+`) + ``
 	resource.Test(t, resource.TestCase{
 		ProtoV6ProviderFactories: factories(),
 		CheckDestroy:             f.checkFleetEmpty,
@@ -553,4 +493,42 @@ func guestAfterFinish(t *testing.T, f *fleet, id string) (api.GuestStatus, strin
 		case <-time.After(5 * time.Second):
 		}
 	}
+}
+
+// debianGuestConfig is a kvm_vm "test" of the Debian 12 image with the SSH
+// key of variable "key", a local-hostname, user data (each line indented
+// by four spaces, as in a heredoc) and wait_for = "cloud_init", reachable
+// on port 22 through a user-mode forward.
+func debianGuestConfig(name, hostname, userData string) string {
+	return `
+variable "key" {
+  type = string
+}
+
+resource "kvm_vm" "test" {
+  name                = "` + name + `"
+  image               = "debian-12"
+  vcpus               = 2
+  memory_mib          = 1024
+  disk_mib            = 4096
+  ssh_authorized_keys = [var.key]
+  meta_data = {
+    "local-hostname" = "` + hostname + `"
+  }
+  user_data = <<-EOT
+` + userData + `  EOT
+  wait_for = "cloud_init"
+
+  network_interface {
+    network = "default"
+    port_forward {
+      guest_port = 22
+    }
+  }
+
+  timeouts {
+    create = "15m"
+  }
+}
+`
 }
