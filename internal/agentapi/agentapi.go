@@ -99,6 +99,8 @@ type VMSpec struct {
 	// the VM's directory and attaches it read-only as a virtio disk after
 	// the VM's own disk. Nil: no seed disk.
 	Seed *SeedSpec `json:"seed,omitempty"`
+	// Volumes are attached before the guest boots (volumes.go).
+	Volumes []VolumeAttachment `json:"volumes,omitempty"`
 }
 
 // SeedSpec is what goes into a VM's NoCloud seed (internal/agent/seed).

@@ -44,6 +44,9 @@ type AgentOptions struct {
 	// driver's.
 	ConsoleLogBytes     int64
 	ConsoleTrimInterval time.Duration
+	// SimVolumes puts the sim driver's volume simulation (sim.Volumes) in
+	// front of the agent: the volume calls of the agent contract.
+	SimVolumes bool
 }
 
 // Agent is a host agent running in the test process with real HTTP.
@@ -55,6 +58,8 @@ type Agent struct {
 	Token     string
 	Client    *agentapi.Client
 	StateDir  string
+	// Volumes is the volume simulation (with SimVolumes; nil otherwise).
+	Volumes *sim.Volumes
 
 	opts     AgentOptions
 	hostport string // "127.0.0.1:port", where it listens
@@ -145,7 +150,19 @@ func (a *Agent) start(t testing.TB, ln net.Listener) {
 		t.Fatalf("testenv: start agent: %v", err)
 	}
 	a.PublicKey = ag.PublicKey()
-	srv := &http.Server{Handler: ag.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	handler := ag.Handler()
+	if d, ok := driver.(*sim.Driver); ok && a.opts.SimVolumes {
+		vols, err := sim.NewVolumes(a.opts.StateDir, a.opts.Token, d)
+		if err != nil {
+			_ = ln.Close()
+			t.Fatalf("testenv: start agent: %v", err)
+		}
+		handler = vols.Wrap(handler)
+		a.mu.Lock()
+		a.Volumes = vols
+		a.mu.Unlock()
+	}
+	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
