@@ -252,22 +252,31 @@ const insertVMSQL = `INSERT INTO vms (id, name, project, host_name, image, vcpus
 // insertVMPrepared writes the VM row the way gorm's Create would (labels as
 // JSON text), with a statement prepared once per batch.
 func insertVMPrepared(ctx context.Context, insert *sql.Stmt, vm VM) error {
-	labels, err := jsonText(vm.Labels)
+	args, err := vmRowArgs(vm)
 	if err != nil {
 		return err
+	}
+	_, err = insert.ExecContext(ctx, args...)
+	return err
+}
+
+// vmRowArgs are the arguments of insertVMSQL for vm.
+func vmRowArgs(vm VM) ([]any, error) {
+	labels, err := jsonText(vm.Labels)
+	if err != nil {
+		return nil, err
 	}
 	nics, err := jsonText(vm.NICs)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	guest, err := guestValue(vm.Guest)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	r := vm.Resources
-	_, err = insert.ExecContext(ctx, vm.ID, vm.Name, vm.Project, vm.HostName, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB,
+	return []any{vm.ID, vm.Name, vm.Project, vm.HostName, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB,
 		vm.PowerState, vm.ObservedState, vm.Reason, vm.StartedFrom, vm.HoldsCapacity, vm.ForkID, vm.ForkSlot,
 		labels, nics, vm.Placement, vm.Constraints, vm.Group.Name, vm.Group.SpreadBy, vm.Group.Domain, vm.Group.Cap,
-		vm.Owner, guest, vm.CreatedAt, vm.UpdatedAt)
-	return err
+		vm.Owner, guest, vm.CreatedAt, vm.UpdatedAt}, nil
 }

@@ -235,11 +235,12 @@ func (s *Store) DeleteProject(ctx context.Context, name string) error {
 		}
 		var held int64
 		if err := tx.Raw(`SELECT (SELECT COUNT(*) FROM vms WHERE project = ?) + (SELECT COUNT(*) FROM forks WHERE project = ?)
-			+ (SELECT COUNT(*) FROM networks WHERE project = ?)`, name, name, name).Scan(&held).Error; err != nil {
+			+ (SELECT COUNT(*) FROM networks WHERE project = ?) + (SELECT COUNT(*) FROM volumes WHERE project = ?)`,
+			name, name, name, name).Scan(&held).Error; err != nil {
 			return fmt.Errorf("count objects of project %q: %w", name, err)
 		}
 		if held > 0 {
-			return fmt.Errorf("project %q holds %d VMs, forks or networks: %w", name, held, ErrProjectInUse)
+			return fmt.Errorf("project %q holds %d VMs, forks, networks or volumes: %w", name, held, ErrProjectInUse)
 		}
 		if err := tx.Exec("DELETE FROM tokens WHERE project = ?", name).Error; err != nil {
 			return fmt.Errorf("delete tokens of project %q: %w", name, err)

@@ -51,7 +51,21 @@ func (s *Store) RetireHost(ctx context.Context, name, lostState, reason string) 
 			}
 			lost = append(lost, id)
 		}
-		// Every VM gave its share back, so the allocation is zero now; set
+		// Its volumes went with its disks: they hold nothing from now on
+		// and stay as rows in state error, for their owners to delete.
+		var vols []Volume
+		if err := tx.Where("host_name = ? AND holds_capacity", name).Order("id").Find(&vols).Error; err != nil {
+			return fmt.Errorf("retire host %s: read its volumes: %w", name, err)
+		}
+		for _, v := range vols {
+			if _, err := releaseVolumeInTx(tx, v); err != nil {
+				return fmt.Errorf("retire host %s: %w", name, err)
+			}
+			if err := tx.Exec(`UPDATE volumes SET state = ?, reason = ? WHERE id = ?`, VolumeError, reason, v.ID).Error; err != nil {
+				return fmt.Errorf("retire host %s: mark volume %s lost: %w", name, v.ID, err)
+			}
+		}
+		// Every VM and volume gave its share back, so the allocation is zero now; set
 		// so, it also ends any drift the host had. The warm pool went with
 		// the agent.
 		if err := tx.Exec(`UPDATE hosts SET alloc_vcpus = 0, alloc_memory_mib = 0, alloc_disk_mib = 0,

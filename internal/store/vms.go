@@ -60,6 +60,9 @@ type VM struct {
 	// at that generation or places nothing (ErrProjectChanged). Zero:
 	// any generation. Not a column.
 	ProjectGeneration int64 `gorm:"-"`
+	// Volumes are the volumes a VM is created with: attached in its
+	// reservation's transaction (volumes.go). Not a column.
+	Volumes []VMVolume `gorm:"-"`
 }
 
 // Guest is a VM's guest configuration as the control plane keeps it (JSON
@@ -125,6 +128,21 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 		vm.NICs = []NIC{}
 	}
 	var err error
+	if len(vm.Volumes) > 0 {
+		err = s.reserveVMWithVolumes(ctx, vm, false)
+		if s.dialect == DialectPostgres && isQuota(err) {
+			err = s.reserveVMWithVolumes(ctx, vm, true)
+		}
+		if isDuplicate(err) && !errors.Is(err, ErrAddressTaken) && !errors.Is(err, ErrMACTaken) {
+			return fmt.Errorf("vm name %q: %w", vm.Name, ErrDuplicateName)
+		}
+		if err != nil && !isQuota(err) && !errors.Is(err, ErrNoRoom) && !errors.Is(err, ErrProjectChanged) &&
+			!errors.Is(err, ErrGroupCap) && !errors.Is(err, ErrAddressTaken) && !errors.Is(err, ErrMACTaken) &&
+			!errors.Is(err, ErrVolumeAttached) && !errors.Is(err, ErrVolumeNotReady) {
+			return fmt.Errorf("reserve vm %s on host %s: %w", vm.ID, vm.HostName, err)
+		}
+		return err
+	}
 	if s.dialect == DialectPostgres && !sharesCommits(vm) {
 		err = s.reserveInOneStatement(ctx, vm)
 	} else {
@@ -549,6 +567,10 @@ func (s *Store) DeleteVM(ctx context.Context, id string) (VM, bool, error) {
 	err := s.inTx(ctx, func(tx *gorm.DB) error {
 		var err error
 		if vm, err = s.lockVM(tx, id); err != nil {
+			return err
+		}
+		// Its volumes' rows before its host's: the lock order of volumes.
+		if err := detachVolumesInTx(tx, id); err != nil {
 			return err
 		}
 		if released, err = releaseInTx(tx, vm); err != nil {
