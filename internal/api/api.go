@@ -139,6 +139,9 @@ type VMCreate struct {
 	// NetworkConfig is cloud-init network-config (v1 or v2, YAML or JSON),
 	// at most MaxNetworkConfigBytes; empty: generated from the VM's NICs.
 	NetworkConfig string `json:"network_config,omitempty"`
+	// Volumes are attached before the VM boots; the VM is placed on
+	// their host (volumes.go).
+	Volumes []VMVolume `json:"volumes,omitempty"`
 }
 
 // Limits of a VM's guest configuration.
@@ -222,8 +225,10 @@ type VM struct {
 	NetworkConfig string `json:"network_config"`
 	// Hostname is the guest's effective local-hostname ("" for a VM
 	// without guest configuration).
-	Hostname  string    `json:"hostname"`
-	CreatedAt time.Time `json:"created_at"`
+	Hostname string `json:"hostname"`
+	// Volumes are the VM's volumes, in the order it was created with.
+	Volumes   []VMVolume `json:"volumes"`
+	CreatedAt time.Time  `json:"created_at"`
 }
 
 // Cloud-init states of GuestStatus.

@@ -154,6 +154,9 @@ func (s *Service) tryReserve(ctx context.Context, vm *store.VM, p vmNICs, req *s
 	case errors.Is(err, store.ErrNotFound):
 		return false, notFoundf("host %s was deregistered during placement; retry", best.Host)
 	}
+	if verr, ok := volumeAttachError(err); ok {
+		return false, verr
+	}
 	return false, internal(err, "reserve capacity on host "+best.Host)
 }
 

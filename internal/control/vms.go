@@ -76,13 +76,17 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 		PowerState: in.PowerState, ObservedState: api.StateCreating, Constraints: constraintsText(in.Constraints),
 		CreatedAt: time.Now().UTC().Truncate(time.Microsecond), Owner: &s.replicaID, Guest: guestOf(in),
 	}
+	var volumeHost string
+	if vm.Volumes, _, volumeHost, err = s.vmVolumes(ctx, project.Name, in.Volumes); err != nil {
+		return api.VM{}, err
+	}
 	nics, err := s.resolveNICs(ctx, vm.ID, project.Name, in.NetworkInterfaces)
 	if err != nil {
 		return api.VM{}, err
 	}
 	// The VM keeps the constraints it was asked with; placement also
-	// holds it to its project's hosts.
-	req := scheduler.Request{Image: in.Image, Host: in.Host, Resources: schedResources(vm.Resources)}
+	// holds it to its project's hosts, and to its volumes' host.
+	req := scheduler.Request{Image: in.Image, Host: in.Host, Resources: schedResources(vm.Resources), VolumeHost: volumeHost}
 	if img != nil {
 		req.ImageSHA256 = img.SHA256
 	}
@@ -108,7 +112,7 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Stopped: in.PowerState == api.PowerStopped,
 		NICs: agentNICs(nics), NoWarm: !warmCapable(nics) || vm.Guest != nil, Seed: seedSpec(vm.ID, vm.Guest),
-		HostCapacity: s.view.hostCapacity(vm.HostName)}
+		HostCapacity: s.view.hostCapacity(vm.HostName), Volumes: agentVolumes(vm.Volumes)}
 	if img != nil {
 		src := s.imageSource(*img, vm.HostName)
 		spec.ImageSource = &src
@@ -432,8 +436,19 @@ func (s *Service) apiVMs(ctx context.Context, vms []store.VM) ([]api.VM, error) 
 	if err != nil {
 		return nil, fromStore(err, "read vms")
 	}
+	ids := make([]string, len(vms))
+	for i, vm := range vms {
+		ids[i] = vm.ID
+	}
+	atts, err := s.store.AttachmentsOfVMs(ctx, ids)
+	if err != nil {
+		return nil, fromStore(err, "read vms")
+	}
 	out := make([]api.VM, 0, len(vms))
 	for _, vm := range vms {
+		for _, a := range atts[vm.ID] {
+			vm.Volumes = append(vm.Volumes, store.VMVolume{VolumeID: a.VolumeID, ReadOnly: a.ReadOnly})
+		}
 		out = append(out, s.withConstraints(apiVM(vm, alive[vm.HostName]), vm))
 	}
 	return out, nil
@@ -448,7 +463,7 @@ func apiVM(vm store.VM, hostAlive bool) api.VM {
 		ID:      vm.ID, Name: vm.Name, Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Host: vm.HostName, PowerState: vm.PowerState, ObservedState: vm.ObservedState,
 		Reason: vm.Reason, StartedFrom: vm.StartedFrom, Labels: vm.Labels, CreatedAt: vm.CreatedAt,
-		NetworkInterfaces: apiNICs(vm.NICs),
+		NetworkInterfaces: apiNICs(vm.NICs), Volumes: apiVMVolumes(vm.Volumes, nil),
 	}
 	withGuest(&out, vm.Guest)
 	if len(out.NetworkInterfaces) > 0 {

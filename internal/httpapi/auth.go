@@ -26,7 +26,7 @@ import (
 //
 // Scopes by route (the route pattern Echo matched):
 //   - admin: hosts, networks, images, projects and tokens (tokens: reads too);
-//   - user:  VMs, forks and placements;
+//   - user:  VMs, forks, placements and volumes;
 //   - either: reads (GET, HEAD) of everything but tokens, and the answer to
 //     a path no route serves (404 no_route, after the token check).
 //
@@ -77,7 +77,7 @@ func RouteScopes(method, route string) (scopes []string, ok bool) {
 			return adminOrUser, true
 		}
 		return adminOnly, true
-	case "vms", "forks", "placements":
+	case "vms", "forks", "placements", "volumes":
 		if read {
 			return adminOrUser, true
 		}

@@ -91,6 +91,7 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	h.forkRoutes(v1)
 	h.imageRoutes(v1)
 	h.projectRoutes(v1)
+	h.volumeRoutes(v1)
 	v1.POST("/tokens", h.createToken)
 	v1.GET("/tokens", h.listTokens)
 	v1.DELETE("/tokens/:id", h.revokeToken)
@@ -109,6 +110,7 @@ var statusOf = map[string]int{
 	api.CodeNoCapacity:          http.StatusConflict,
 	api.CodeNoAddress:           http.StatusConflict,
 	api.CodeQuotaExceeded:       http.StatusConflict,
+	api.CodeVolumeAttached:      http.StatusConflict,
 	api.CodeIdempotencyMismatch: http.StatusUnprocessableEntity,
 	api.CodeInFlight:            http.StatusConflict,
 	api.CodeTooLarge:            http.StatusRequestEntityTooLarge,

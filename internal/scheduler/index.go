@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"cmp"
 	"hash/fnv"
 	"maps"
 	"slices"
@@ -130,10 +131,12 @@ func (ix *Index) All() []Host {
 // host of a more crowded domain behind them unless it is much less loaded.
 func (ix *Index) Candidates(req Request, limit int) Result {
 	var res Result
-	if req.Host != "" {
-		e, ok := ix.hosts[req.Host]
+	// A pinned host, or the host of the VM's volumes, is the only
+	// candidate: no walk.
+	if only := cmp.Or(req.Host, req.VolumeHost); only != "" {
+		e, ok := ix.hosts[only]
 		if !ok {
-			res.Rejected = []Rejection{{Host: req.Host, Reason: ReasonNotRegistered, Detail: "not registered"}}
+			res.Rejected = []Rejection{{Host: only, Reason: ReasonNotRegistered, Detail: "not registered"}}
 			return res
 		}
 		return Rank(ix.weights, []Host{e.host}, req)

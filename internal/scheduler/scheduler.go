@@ -89,6 +89,9 @@ type Request struct {
 	// ColdOnly says that no warm pool VM can serve the request (its NICs
 	// differ from what pool VMs boot with), so warm VMs give no preference.
 	ColdOnly bool
+	// VolumeHost is the host of the volumes the VM attaches ("" for
+	// none): every other host is rejected (ReasonVolume).
+	VolumeHost string
 }
 
 // NetworkHosts limits a request to the hosts a network is on.
@@ -111,11 +114,12 @@ const (
 	ReasonMemory        = "memory"
 	ReasonCPU           = "cpu"
 	ReasonDisk          = "disk"
+	ReasonVolume        = "volume"
 )
 
 // Reasons lists every rejection reason, in the order the filters apply.
 func Reasons() []string {
-	return []string{ReasonNotPinned, ReasonNotRegistered, ReasonNotAlive, ReasonUnschedulable, ReasonNoImage,
+	return []string{ReasonNotPinned, ReasonVolume, ReasonNotRegistered, ReasonNotAlive, ReasonUnschedulable, ReasonNoImage,
 		ReasonNetwork, ReasonLabels, ReasonGroupCap, ReasonMemory, ReasonCPU, ReasonDisk}
 }
 
@@ -169,6 +173,9 @@ func Reject(h Host, req Request) Rejection {
 	}
 	if req.Host != "" && req.Host != h.Name {
 		return reject(ReasonNotPinned, "not the pinned host %q", req.Host)
+	}
+	if req.VolumeHost != "" && req.VolumeHost != h.Name {
+		return reject(ReasonVolume, "volume: the VM's volumes are on host %q", req.VolumeHost)
 	}
 	if !h.Alive {
 		return reject(ReasonNotAlive, "not alive: the agent does not answer")

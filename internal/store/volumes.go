@@ -403,6 +403,25 @@ func (s *Store) ListVolumes(ctx context.Context, f VolumeFilter) ([]Volume, erro
 	return out, nil
 }
 
+// SetVolumeLabels replaces a volume's labels.
+func (s *Store) SetVolumeLabels(ctx context.Context, id string, labels map[string]string) error {
+	if labels == nil {
+		labels = map[string]string{}
+	}
+	text, err := jsonText(labels)
+	if err != nil {
+		return err
+	}
+	res := s.db.WithContext(ctx).Exec(`UPDATE volumes SET labels = ?, updated_at = ? WHERE id = ?`, text, now(), id)
+	if res.Error != nil {
+		return fmt.Errorf("update labels of volume %s: %w", id, res.Error)
+	}
+	if res.RowsAffected == 0 {
+		return fmt.Errorf("volume %s: %w", id, ErrNotFound)
+	}
+	return nil
+}
+
 // VolumeAttachments returns the attachments of the volumes ids, by volume.
 func (s *Store) VolumeAttachments(ctx context.Context, ids []string) (map[string][]VolumeAttachment, error) {
 	out := map[string][]VolumeAttachment{}
