@@ -51,7 +51,8 @@ func apiCode(err error) string {
 }
 
 // checkLedger asserts that no host is over capacity and that each host's
-// allocation equals the sum of the VM rows that hold capacity on it.
+// allocation equals the sum of the VM and volume rows that hold capacity
+// on it.
 func checkLedger(t *testing.T, st *store.Store) {
 	t.Helper()
 	ctx := context.Background()
@@ -73,13 +74,24 @@ func checkLedger(t *testing.T, st *store.Store) {
 			sum[vm.HostName] = s
 		}
 	}
+	vols, err := st.ListVolumes(ctx, store.VolumeFilter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range vols {
+		if v.HoldsCapacity {
+			s := sum[v.HostName]
+			s.DiskMiB += v.SizeMiB
+			sum[v.HostName] = s
+		}
+	}
 	for _, h := range hosts {
 		a, c := h.Allocated, h.Capacity
 		if a.VCPUs > c.VCPUs || a.MemoryMiB > c.MemoryMiB || a.DiskMiB > c.DiskMiB {
 			t.Errorf("host %s is over capacity: allocated %+v, capacity %+v", h.Name, a, c)
 		}
 		if a != sum[h.Name] {
-			t.Errorf("host %s: allocated %+v but its VM rows add up to %+v", h.Name, a, sum[h.Name])
+			t.Errorf("host %s: allocated %+v but its VM and volume rows add up to %+v", h.Name, a, sum[h.Name])
 		}
 	}
 }

@@ -139,7 +139,18 @@ func (ix *Index) Candidates(req Request, limit int) Result {
 			res.Rejected = []Rejection{{Host: only, Reason: ReasonNotRegistered, Detail: "not registered"}}
 			return res
 		}
-		return Rank(ix.weights, []Host{e.host}, req)
+		res = Rank(ix.weights, []Host{e.host}, req)
+		if req.Host == "" {
+			// The explanation names up to limit of the hosts the volumes
+			// ruled out, the least loaded first (a walk that stops there).
+			ix.root.walk(func(n *treapNode) bool {
+				if h := n.entry.host; h.Name != only {
+					res.Rejected = append(res.Rejected, Reject(h, req))
+				}
+				return len(res.Rejected) < limit
+			})
+		}
+		return res
 	}
 	c := req.Constraints
 	least, floor := -1, 0

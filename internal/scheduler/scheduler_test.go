@@ -235,3 +235,43 @@ func TestIndexSkipsDeadHostsAndTracksImages(t *testing.T) {
 		t.Error("remove must forget the host and its images")
 	}
 }
+
+// A request with volumes goes to their host alone, even when others score
+// better; the others are rejected for "volume", and the same host full is
+// a disk rejection.
+func TestVolumeHostIsAHardFilter(t *testing.T) {
+	hosts := randomFleet(200, 3)
+	ix := NewIndex(DefaultWeights())
+	for _, h := range hosts {
+		ix.Upsert(h)
+	}
+	req := Request{Image: "img", Resources: Resources{VCPUs: 1, MemoryMiB: 256, DiskMiB: 100}}
+	best, ok := Rank(DefaultWeights(), hosts, req).Best()
+	if !ok {
+		t.Fatal("the fleet takes nothing")
+	}
+	full := Rank(DefaultWeights(), hosts, req)
+	target := full.Ranked[len(full.Ranked)-1].Host // the worst that fits
+	if target == best.Host {
+		t.Fatal("need two feasible hosts")
+	}
+	req.VolumeHost = target
+	for _, res := range []Result{ix.Candidates(req, 16), Rank(DefaultWeights(), hosts, req)} {
+		got, ok := res.Best()
+		if !ok || got.Host != target || len(res.Ranked) != 1 {
+			t.Fatalf("volume host %s: ranked %v", target, res.Ranked)
+		}
+		for _, r := range res.Rejected {
+			if r.Host != target && r.Reason != ReasonVolume {
+				t.Errorf("host %s rejected for %q, want %q", r.Host, r.Reason, ReasonVolume)
+			}
+		}
+	}
+	if n := len(ix.Candidates(req, 16).Rejected); n != 16 {
+		t.Errorf("Candidates explains %d rejections, want its limit 16", n)
+	}
+	req.Resources.DiskMiB = 1 << 40
+	if r := Reject(Host{Name: target, Alive: true, Schedulable: true, Images: []string{"img"}, Total: Resources{VCPUs: 4, MemoryMiB: 4096, DiskMiB: 10}}, req); r.Reason != ReasonDisk {
+		t.Errorf("the volume host without room: reason %q, want %q", r.Reason, ReasonDisk)
+	}
+}
