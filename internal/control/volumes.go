@@ -445,12 +445,14 @@ func volumeNameTaken(existing store.Volume) error {
 func (s *Service) visibleVolume(ctx context.Context, ref string) (store.Volume, error) {
 	p := principalOf(ctx)
 	if _, err := uuid.Parse(ref); err == nil {
+		// Another project's id goes on to the lookup by name, like an
+		// unknown id: both answer the same not_found.
 		v, err := s.store.GetVolume(ctx, ref)
-		if err == nil && !p.Sees(v.Project) {
-			return store.Volume{}, fmt.Errorf("volume %s: %w", ref, store.ErrNotFound)
-		}
-		if !errors.Is(err, store.ErrNotFound) {
-			return v, err
+		switch {
+		case err == nil && p.Sees(v.Project):
+			return v, nil
+		case err != nil && !errors.Is(err, store.ErrNotFound):
+			return store.Volume{}, err
 		}
 	}
 	project := p.Project

@@ -25,6 +25,7 @@ const (
 	paramNetwork = "network name"
 	paramProject = "project name"
 	paramToken   = "token id"
+	paramVolume  = "volume id"
 	// aName is a name a body gives (a VM name, a placement group, an
 	// Idempotency-Key), not a path parameter.
 	aName = "name"
@@ -60,42 +61,48 @@ type projectDecision struct {
 // missing here fails TestProjectIsolationWalk, so every new route needs a
 // project decision (and, like scopeMatrix, a scope decision).
 var projectDecisions = map[string]projectDecision{
-	"PUT /v1/hosts/:name":         {how: fleetWide, why: "hosts are the fleet's: readable by every token, written by admins"},
-	"GET /v1/hosts":               {how: fleetWide, why: "hosts are the fleet's: readable by every token, written by admins"},
-	"GET /v1/hosts/:name":         {how: fleetWide, why: "hosts are the fleet's: readable by every token, written by admins"},
-	"DELETE /v1/hosts/:name":      {how: fleetWide, why: "hosts are the fleet's: readable by every token, written by admins"},
-	"POST /v1/hosts/:name/retire": {how: fleetWide, why: "hosts are the fleet's: readable by every token, written by admins"},
-	"POST /v1/vms":                {how: byBody},
-	"GET /v1/vms":                 {how: byList},
-	"GET /v1/vms/:id":             {how: byObject, param: paramVM},
-	"GET /v1/vms/:id/console":     {how: byObject, param: paramVM},
-	"GET /v1/vms/:id/guest":       {how: byObject, param: paramVM},
-	"PATCH /v1/vms/:id":           {how: byObject, param: paramVM},
-	"DELETE /v1/vms/:id":          {how: byObject, param: paramVM},
-	"POST /v1/placements":         {how: byBody},
-	"POST /v1/forks":              {how: byBody},
-	"GET /v1/forks/:id":           {how: byObject, param: paramFork},
-	"PATCH /v1/forks/:id":         {how: byObject, param: paramFork},
-	"DELETE /v1/forks/:id":        {how: byObject, param: paramFork},
-	"POST /v1/networks":           {how: adminOnly, why: "networks are made by admins, for a project"},
-	"GET /v1/networks":            {how: byList},
-	"GET /v1/networks/:name":      {how: byObject, param: paramNetwork},
-	"PATCH /v1/networks/:name":    {how: byObject, param: paramNetwork},
-	"DELETE /v1/networks/:name":   {how: byObject, param: paramNetwork},
-	"POST /v1/images":             {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
-	"GET /v1/images":              {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
-	"GET /v1/images/:name":        {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
-	"PATCH /v1/images/:name":      {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
-	"DELETE /v1/images/:name":     {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
-	"GET /v1/whoami":              {how: noObject, why: "answers the caller's own token: its scopes and project"},
-	"POST /v1/tokens":             {how: adminOnly, why: "tokens are made by admins; a project token never makes one"},
-	"GET /v1/tokens":              {how: adminOnly, why: "tokens are listed by admins only"},
-	"DELETE /v1/tokens/:id":       {how: byObject, param: paramToken},
-	"POST /v1/projects":           {how: adminOnly, why: "projects are made by admins"},
-	"GET /v1/projects":            {how: byList},
-	"GET /v1/projects/:name":      {how: byObject, param: paramProject},
-	"PATCH /v1/projects/:name":    {how: byObject, param: paramProject},
-	"DELETE /v1/projects/:name":   {how: byObject, param: paramProject},
+	"PUT /v1/hosts/:name":          {how: fleetWide, why: "hosts are the fleet's: readable by every token, written by admins"},
+	"GET /v1/hosts":                {how: fleetWide, why: "hosts are the fleet's: readable by every token, written by admins"},
+	"GET /v1/hosts/:name":          {how: fleetWide, why: "hosts are the fleet's: readable by every token, written by admins"},
+	"DELETE /v1/hosts/:name":       {how: fleetWide, why: "hosts are the fleet's: readable by every token, written by admins"},
+	"POST /v1/hosts/:name/retire":  {how: fleetWide, why: "hosts are the fleet's: readable by every token, written by admins"},
+	"POST /v1/vms":                 {how: byBody},
+	"GET /v1/vms":                  {how: byList},
+	"GET /v1/vms/:id":              {how: byObject, param: paramVM},
+	"GET /v1/vms/:id/console":      {how: byObject, param: paramVM},
+	"GET /v1/vms/:id/guest":        {how: byObject, param: paramVM},
+	"PATCH /v1/vms/:id":            {how: byObject, param: paramVM},
+	"DELETE /v1/vms/:id":           {how: byObject, param: paramVM},
+	"POST /v1/placements":          {how: byBody},
+	"POST /v1/forks":               {how: byBody},
+	"GET /v1/forks/:id":            {how: byObject, param: paramFork},
+	"PATCH /v1/forks/:id":          {how: byObject, param: paramFork},
+	"DELETE /v1/forks/:id":         {how: byObject, param: paramFork},
+	"POST /v1/networks":            {how: adminOnly, why: "networks are made by admins, for a project"},
+	"GET /v1/networks":             {how: byList},
+	"GET /v1/networks/:name":       {how: byObject, param: paramNetwork},
+	"PATCH /v1/networks/:name":     {how: byObject, param: paramNetwork},
+	"DELETE /v1/networks/:name":    {how: byObject, param: paramNetwork},
+	"POST /v1/images":              {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
+	"GET /v1/images":               {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
+	"GET /v1/images/:name":         {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
+	"PATCH /v1/images/:name":       {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
+	"DELETE /v1/images/:name":      {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
+	"GET /v1/whoami":               {how: noObject, why: "answers the caller's own token: its scopes and project"},
+	"POST /v1/tokens":              {how: adminOnly, why: "tokens are made by admins; a project token never makes one"},
+	"GET /v1/tokens":               {how: adminOnly, why: "tokens are listed by admins only"},
+	"DELETE /v1/tokens/:id":        {how: byObject, param: paramToken},
+	"POST /v1/projects":            {how: adminOnly, why: "projects are made by admins"},
+	"GET /v1/projects":             {how: byList},
+	"GET /v1/projects/:name":       {how: byObject, param: paramProject},
+	"PATCH /v1/projects/:name":     {how: byObject, param: paramProject},
+	"DELETE /v1/projects/:name":    {how: byObject, param: paramProject},
+	"POST /v1/volumes":             {how: byBody},
+	"GET /v1/volumes":              {how: byList},
+	"GET /v1/volumes/:ref":         {how: byObject, param: paramVolume},
+	"PATCH /v1/volumes/:ref":       {how: byObject, param: paramVolume},
+	"POST /v1/volumes/:ref/resize": {how: byObject, param: paramVolume},
+	"DELETE /v1/volumes/:ref":      {how: byObject, param: paramVolume},
 	// A path no route serves answers no_route whatever it names.
 	"echo_route_not_found /v1/*": {how: byObject, param: paramVM},
 	"echo_route_not_found /v1":   {how: noObject, why: "the bare prefix names nothing"},
@@ -248,6 +255,7 @@ type bProject struct {
 	Fork    api.Fork
 	Network api.Network
 	Project api.Project
+	Volumes api.List[api.Volume]
 }
 
 func (w *projectWalk) snapshotB(secretB, forkID string) bProject {
@@ -257,6 +265,7 @@ func (w *projectWalk) snapshotB(secretB, forkID string) bProject {
 	w.must(http.MethodGet, "/v1/forks/"+forkID, secretB, "", nil, http.StatusOK, &s.Fork)
 	w.must(http.MethodGet, "/v1/networks/bravo-net", secretB, "", nil, http.StatusOK, &s.Network)
 	w.must(http.MethodGet, "/v1/projects/walk-b", secretB, "", nil, http.StatusOK, &s.Project)
+	w.must(http.MethodGet, "/v1/volumes?page_size=1000", secretB, "", nil, http.StatusOK, &s.Volumes)
 	for i := range s.VMs.Items {
 		s.VMs.Items[i].ObservedState = "" // the agent's, not a request's
 	}
@@ -335,6 +344,8 @@ func TestProjectIsolationWalk(t *testing.T) {
 		t.Fatalf("B's VM is in %q, its fork in %q with %d children; want all in walk-b", srcB.Project, forkB.Project, len(forkB.Children))
 	}
 	childB := forkB.Children[0]
+	var volB api.Volume
+	w.must(http.MethodPost, "/v1/volumes", b, `{"name":"bravo-vol","size_mib":64}`, nil, http.StatusCreated, &volB)
 	// A's own objects, for lists and for reads that must work.
 	var vmA api.VM
 	w.must(http.MethodPost, "/v1/vms", a, vmBody("alpha-vm", `,"network_interfaces":[{"network":"alpha-net"}]`), nil, http.StatusCreated, &vmA)
@@ -358,23 +369,26 @@ func TestProjectIsolationWalk(t *testing.T) {
 		paramNetwork: {"bravo-net"},
 		paramProject: {"walk-b", api.DefaultProject},
 		paramToken:   {tokB.ID},
+		paramVolume:  {volB.ID},
 	}
 	w.secrets = []string{srcB.ID, childB.ID, childB.Name, "bravo-src", forkB.ID, "bravo-net", "walk-b", tokB.ID,
-		twoB.ID, "bravo-two", groupB, forkGroupB, placeGroupB, vmKeyB, forkKeyB, fc.vmID, fc.forkID, "fuzz-source"}
+		twoB.ID, "bravo-two", volB.ID, "bravo-vol", volB.Serial, groupB, forkGroupB, placeGroupB, vmKeyB, forkKeyB, fc.vmID, fc.forkID, "fuzz-source"}
 	before := w.snapshotB(b, forkB.ID)
 
 	// Bodies of the routes walked by object (the rest send none).
 	objectBodies := map[string]string{
-		"PATCH /v1/vms/:id":        `{"labels":{"walk":"probe"}}`,
-		"PATCH /v1/forks/:id":      `{"count":2}`,
-		"PATCH /v1/networks/:name": `{"hosts":[]}`,
-		"PATCH /v1/projects/:name": `{"description":"probe"}`,
-		"PUT /v1/hosts/:name":      `{"address":"http://127.0.0.1:1"}`,
-		"PATCH /v1/images/:name":   `{}`,
-		"POST /v1/images":          `{}`,
-		"POST /v1/networks":        `{"name":"alpha-more","project":"walk-a","mode":"user"}`,
-		"POST /v1/tokens":          `{"name":"alpha-more","scopes":["user"],"project":"walk-a"}`,
-		"POST /v1/projects":        `{"name":"alpha-more"}`,
+		"PATCH /v1/vms/:id":            `{"labels":{"walk":"probe"}}`,
+		"PATCH /v1/forks/:id":          `{"count":2}`,
+		"PATCH /v1/networks/:name":     `{"hosts":[]}`,
+		"PATCH /v1/projects/:name":     `{"description":"probe"}`,
+		"PATCH /v1/volumes/:ref":       `{"size_mib":128}`,
+		"POST /v1/volumes/:ref/resize": `{"size_mib":128}`,
+		"PUT /v1/hosts/:name":          `{"address":"http://127.0.0.1:1"}`,
+		"PATCH /v1/images/:name":       `{}`,
+		"POST /v1/images":              `{}`,
+		"POST /v1/networks":            `{"name":"alpha-more","project":"walk-a","mode":"user"}`,
+		"POST /v1/tokens":              `{"name":"alpha-more","scopes":["user"],"project":"walk-a"}`,
+		"POST /v1/projects":            `{"name":"alpha-more"}`,
 	}
 
 	// The probes of the routes walked by body: each sends other (a value
@@ -408,6 +422,8 @@ func TestProjectIsolationWalk(t *testing.T) {
 				header: func(v string) map[string]string { return map[string]string{"Idempotency-Key": v} }},
 			{what: "B's placement group", other: groupB, kind: aName, creates: true,
 				body: func(v string) string { return vmBody(fresh(), ","+withGroup(v)) }},
+			{what: "B's volume in volumes", other: volB.ID, kind: paramVolume,
+				body: func(v string) string { return vmBody("alpha-probe", `,"volumes":[{"volume":"`+v+`"}]`) }},
 		},
 		"POST /v1/forks": {
 			{what: "B's VM as the source", other: srcB.ID, kind: paramVM,
@@ -421,6 +437,14 @@ func TestProjectIsolationWalk(t *testing.T) {
 				header: func(v string) map[string]string { return map[string]string{"Idempotency-Key": v} }},
 			{what: "B's fork's placement group", other: forkGroupB, kind: aName, creates: true,
 				body: func(v string) string { return `{"source_vm_id":"` + vmA.ID + `","count":1,` + withGroup(v) + `}` }},
+		},
+		"POST /v1/volumes": {
+			{what: "B's volume as the source", other: volB.ID, kind: paramVolume,
+				body: func(v string) string { return `{"name":"alpha-clone","size_mib":64,"source":{"volume":"` + v + `"}}` }},
+			{what: "project B as the volume's project", other: "walk-b", kind: paramProject,
+				body: func(v string) string { return `{"name":"alpha-probe-vol","size_mib":64,"project":"` + v + `"}` }},
+			{what: "B's volume name", other: "bravo-vol", kind: aName, creates: true,
+				body: func(v string) string { return `{"name":"` + v + `","size_mib":64}` }},
 		},
 		"POST /v1/placements": {
 			{what: "B's placement group", other: placeGroupB, kind: aName,
@@ -491,6 +515,20 @@ func TestProjectIsolationWalk(t *testing.T) {
 			sort.Strings(names)
 			if !slices.Equal(names, []string{"alpha-net", "default"}) {
 				t.Errorf("GET /v1/networks as project A lists %v; want A's network and the shared default: [alpha-net default]", names)
+			}
+		},
+		"GET /v1/volumes": func() {
+			ans := w.send(http.MethodGet, "/v1/volumes?page_size=1000", a, "", nil)
+			w.leaks("GET /v1/volumes as project A", ans)
+			var l api.List[api.Volume]
+			if ans.status != http.StatusOK || json.Unmarshal([]byte(ans.body), &l) != nil {
+				t.Errorf("GET /v1/volumes as project A: %s; want 200 and a list", ans)
+				return
+			}
+			for _, v := range l.Items {
+				if v.Project != "walk-a" {
+					t.Errorf("GET /v1/volumes as project A lists volume %s of project %s", v.ID, v.Project)
+				}
 			}
 		},
 		"GET /v1/projects": func() {

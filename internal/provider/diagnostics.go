@@ -59,6 +59,11 @@ const (
 	summaryUpdateProject      = "Unable to Update Project"
 	summaryDeleteProject      = "Unable to Delete Project"
 	summaryProjectExists      = "Project Already Exists"
+	summaryCreateVolume       = "Unable to Create Volume"
+	summaryReadVolume         = "Unable to Read Volume"
+	summaryUpdateVolume       = "Unable to Update Volume"
+	summaryDeleteVolume       = "Unable to Delete Volume"
+	summaryVolumeShrink       = "Volume Cannot Shrink"
 )
 
 // addAPIError adds an error diagnostic for a failed control API call:
@@ -90,7 +95,7 @@ func nextStep(err error) string {
 	case errors.Is(err, client.ErrUnauthorized):
 		return "It rejected the token: check the provider's \"token\" (or KVM_TOKEN): it may be mistyped, revoked or expired."
 	case errors.Is(err, client.ErrForbidden):
-		return "The token is valid but its scopes do not allow this: VMs, forks and placements need scope \"user\"; " +
+		return "The token is valid but its scopes do not allow this: VMs, forks, placements and volumes need scope \"user\"; " +
 			"hosts, networks, images, projects and tokens need scope \"admin\", which a project token never holds (kvmd token create --scopes ...)."
 	case errors.Is(err, client.ErrNoCapacity):
 		return "No host can take it: free capacity, register another host (kvm_host), or choose a smaller shape." +

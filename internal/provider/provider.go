@@ -265,6 +265,7 @@ func (p *kvmProvider) Resources(_ context.Context) []func() resource.Resource {
 		NewImageResource,
 		NewNetworkResource,
 		NewProjectResource,
+		NewVolumeResource,
 	}
 }
 
@@ -279,6 +280,7 @@ func (p *kvmProvider) DataSources(_ context.Context) []func() datasource.DataSou
 		NewNetworkDataSource,
 		NewVMConsoleDataSource,
 		NewProjectDataSource,
+		NewVolumeDataSource,
 	}
 }
 

@@ -53,6 +53,7 @@ type vmModel struct {
 	vmAttributes
 	guestModel
 	NetworkInterfaces types.List     `tfsdk:"network_interface"`
+	VolumeAttachments types.List     `tfsdk:"volume_attachment"`
 	Timeouts          timeouts.Value `tfsdk:"timeouts"`
 }
 
@@ -74,8 +75,9 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 			"`disk_mib` (grown only), `power_state`, `labels` and `constraints` change in place, keeping the VM's id and disk; " +
 			"a change of `vcpus` or `memory_mib` restarts a running guest (a clean power-off, then a boot in the new shape from " +
 			"the same disk); a larger `disk_mib` grows the disk without a restart; a change of `constraints` never moves the " +
-			"VM. `image`, `host` and a change of the configured `network_interface` blocks replace the VM, which destroys " +
-			"its disk. A refresh reports the power state the host observed, so a VM stopped behind " +
+			"VM. `image`, `host` and a change of the configured `network_interface` or `volume_attachment` blocks replace " +
+			"the VM, which destroys its own disk; data that must outlive a replace belongs on a `kvm_volume`, attached " +
+			"with a `volume_attachment` block (the new VM gets the same volumes, on their host). A refresh reports the power state the host observed, so a VM stopped behind " +
 			"Terraform's back shows as a change and `terraform apply` starts it again; a VM deleted behind its back is " +
 			"planned for creation.\n\n" +
 			"Guest configuration (`user_data` or `user_data_wo`, `ssh_authorized_keys`, `meta_data`, " +
@@ -208,6 +210,7 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 		},
 		Blocks: map[string]schema.Block{
 			"network_interface": networkInterfaceBlock(),
+			"volume_attachment": volumeAttachmentBlock(),
 			"timeouts":          timeouts.Block(ctx, timeouts.Opts{Create: true, Update: true, Delete: true}),
 			"constraints": constraintsResourceBlock("Steers placement: `host_labels` filters hosts, `group` with "+
 				"`spread_by` and `max_per_domain` spreads VMs that belong together over failure domains. Changing "+
@@ -318,6 +321,8 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 	resp.Diagnostics.Append(diags...)
 	constraints, diags := constraintsFromObject(ctx, plan.Constraints)
 	resp.Diagnostics.Append(diags...)
+	volumes, diags := volumesOf(ctx, plan.VolumeAttachments)
+	resp.Diagnostics.Append(diags...)
 	// The write-only user data is only in the config, never in the plan.
 	var userDataWO types.String
 	resp.Diagnostics.Append(req.Config.GetAttribute(ctx, path.Root("user_data_wo"), &userDataWO)...)
@@ -329,6 +334,7 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 
 	in := api.VMCreate{
 		NetworkInterfaces: nicsToAPI(nics),
+		Volumes:           volumes,
 		Constraints:       constraints,
 		Name:              plan.Name.ValueString(),
 		Project:           r.data.project, // "": the token's project
@@ -477,6 +483,9 @@ func (r *vmResource) Read(ctx context.Context, req resource.ReadRequest, resp *r
 	prior := state
 	state.fromAPI(vm, observedPowerState(vm))
 	state.setNICs(vm, hasBlocks(state.NetworkInterfaces))
+	if !hasBlocks(state.VolumeAttachments) && len(vm.Volumes) > 0 {
+		state.VolumeAttachments = volumeAttachmentsValue(vm.Volumes) // an import
+	}
 	if state.WaitFor.IsNull() {
 		state.WaitFor = types.StringValue(waitForRunning) // an import: the default
 	}
