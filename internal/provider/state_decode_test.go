@@ -33,7 +33,8 @@ func TestVMStateDecoderMatchesFrameworkGet(t *testing.T) {
 		CreatedAt: time.Unix(1700000000, 0), Placement: &api.Placement{Score: 1.25},
 		Constraints: &api.Constraints{HostLabels: map[string]string{"rack": "a"}},
 		NetworkInterfaces: []api.NetworkInterface{{Network: "n1", MACAddress: "52:54:00:00:00:01", IPv4Address: "10.0.0.2",
-			PortForwards: []api.PortForward{{GuestPort: 22, HostPort: 2222}}}}}
+			PortForwards: []api.PortForward{{GuestPort: 22, HostPort: 2222}}}},
+		Volumes: []api.VMVolume{{VolumeID: "7f6c2a9e-0d1b-4c3a-9e8f-112233445566", ReadOnly: true}}}
 	var want vmModel
 	want.Constraints = types.ObjectNull(constraintsAttrTypes)
 	want.fromAPI(vm, observedPowerState(vm))

@@ -135,6 +135,9 @@ func TestSameAttributesComparesEveryField(t *testing.T) {
 		"network_interface": func(m *vmModel) {
 			m.NetworkInterfaces = types.ListNull(m.NetworkInterfaces.ElementType(context.Background()))
 		},
+		"volume_attachment": func(m *vmModel) {
+			m.VolumeAttachments = volumeAttachmentsValue([]api.VMVolume{{VolumeID: "vol-1"}})
+		},
 	}
 	for what, change := range changes {
 		m := base

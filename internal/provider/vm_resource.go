@@ -58,9 +58,14 @@ type vmModel struct {
 }
 
 // setNICs records the VM's NICs: blocks as configured (withBlocks), or
-// none for a VM that only has the implied default NIC.
+// none for a VM that only has the implied default NIC. A model whose
+// volume_attachment was never set (one built from an API answer alone)
+// gets the VM's volumes.
 func (m *vmModel) setNICs(vm api.VM, withBlocks bool) {
 	m.NetworkInterfaces = nicsValue(vm.NetworkInterfaces, withBlocks)
+	if m.VolumeAttachments.ElementType(context.Background()) == nil {
+		m.VolumeAttachments = volumeAttachmentsValue(vm.Volumes)
+	}
 }
 
 func (r *vmResource) Metadata(_ context.Context, req resource.MetadataRequest, resp *resource.MetadataResponse) {

@@ -84,4 +84,3 @@ func (d *volumeDataSource) Read(ctx context.Context, req datasource.ReadRequest,
 	cfg.fromAPI(v)
 	resp.Diagnostics.Append(resp.State.Set(ctx, &cfg)...)
 }
-

@@ -1,0 +1,37 @@
+# A database whose data outlives its VM: new user_data replaces the VM,
+# and the new VM gets the same volume, on the volume's host.
+resource "kvm_volume" "pgdata" {
+  name     = "pgdata"
+  size_mib = 20480
+  labels   = { app = "postgres" }
+}
+
+resource "kvm_vm" "db" {
+  name       = "db"
+  image      = "debian-12"
+  vcpus      = 2
+  memory_mib = 4096
+  disk_mib   = 10240
+  user_data  = <<-EOT
+    #cloud-config
+    fs_setup:
+      - device: ${kvm_volume.pgdata.device}
+        filesystem: ext4
+        overwrite: false
+    mounts:
+      - ["${kvm_volume.pgdata.device}", "/var/lib/postgresql", "ext4", "defaults,nofail", "0", "2"]
+  EOT
+
+  volume_attachment {
+    volume = kvm_volume.pgdata.id
+  }
+}
+
+# A copy-on-write clone of it (on the same host), for a test copy.
+resource "kvm_volume" "pgdata_test" {
+  name     = "pgdata-test"
+  size_mib = 20480
+  source = {
+    volume = kvm_volume.pgdata.id
+  }
+}
