@@ -283,6 +283,8 @@ type ReserveRequest struct {
 	// Project is the VM's project as in a create ("" for default): its
 	// quotas and host labels apply.
 	Project string
+	// Volumes are attached as in a create: the VM goes to their host.
+	Volumes []api.VMVolume
 }
 
 // Reserve places a VM and reserves its capacity (the VM row is inserted in
@@ -311,11 +313,15 @@ func (s *Service) Reserve(ctx context.Context, r ReserveRequest) (string, error)
 	vm := store.VM{ID: r.ID, Name: r.Name, Project: project.Name, Image: r.Image, Labels: r.Labels,
 		Resources:  store.Resources{VCPUs: r.Resources.VCPUs, MemoryMiB: r.Resources.MemoryMiB, DiskMiB: r.Resources.DiskMiB},
 		PowerState: api.PowerRunning, ObservedState: api.StateCreating, Constraints: constraintsText(r.Constraints)}
+	var volumeHost string
+	if vm.Volumes, _, volumeHost, err = s.vmVolumes(ctx, project.Name, r.Volumes); err != nil {
+		return "", err
+	}
 	nics, err := s.resolveNICs(ctx, vm.ID, project.Name, r.NetworkInterfaces)
 	if err != nil {
 		return "", err
 	}
-	req := scheduler.Request{Image: r.Image, Resources: schedResources(vm.Resources)}
+	req := scheduler.Request{Image: r.Image, Resources: schedResources(vm.Resources), VolumeHost: volumeHost}
 	if err := s.placeInProject(ctx, &vm, nics, req, r.Constraints, project); err != nil {
 		return "", err
 	}

@@ -17,7 +17,7 @@ import (
 const postgresCommitters = 2
 
 // sharesCommits says whether a reservation on PostgreSQL joins a batch: a
-// VM of no group whose NICs have no IPAM address. Its statement locks only
+// VM of no group and no volumes whose NICs have no IPAM address. Its statement locks only
 // its host's row and inserts rows no other reservation contends for, so
 // batches that lock hosts in one order cannot deadlock. A grouped VM
 // (which updates its group's shared rows) or one with an address (which
@@ -25,7 +25,7 @@ const postgresCommitters = 2
 // alone, as concurrent as ever, so that a deadlock between batches never
 // costs the deadlock timeout.
 func sharesCommits(vm VM) bool {
-	if vm.Group.Name != "" {
+	if vm.Group.Name != "" || len(vm.Volumes) > 0 {
 		return false
 	}
 	for _, n := range vm.NICs {

@@ -128,11 +128,8 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 		vm.NICs = []NIC{}
 	}
 	var err error
-	if len(vm.Volumes) > 0 {
-		err = s.reserveVMWithVolumes(ctx, vm, false)
-		if s.dialect == DialectPostgres && isQuota(err) {
-			err = s.reserveVMWithVolumes(ctx, vm, true)
-		}
+	if len(vm.Volumes) > 0 && s.dialect == DialectSQLite {
+		err = s.reserveVMWithVolumes(ctx, vm)
 		if isDuplicate(err) && !errors.Is(err, ErrAddressTaken) && !errors.Is(err, ErrMACTaken) {
 			return fmt.Errorf("vm name %q: %w", vm.Name, ErrDuplicateName)
 		}
@@ -153,11 +150,18 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 		// leases of its committers hold: the last word takes them back.
 		err = s.reserveReclaiming(ctx, vm)
 	}
+	if errors.Is(err, ErrNoRoom) && len(vm.Volumes) > 0 {
+		// The statement placed nothing: its host, or one of its volumes.
+		if verr := s.volumesAttachable(ctx, vm); verr != nil {
+			err = verr
+		}
+	}
 	switch {
 	case quotaResource(err) != "":
 		// The PostgreSQL statement's CHECK: read the figures for the error.
 		return quotaError(s.db.WithContext(ctx), vm.Project, quotaResource(err), vmShare(vm))
-	case err == nil || errors.Is(err, ErrNoRoom) || isQuota(err) || errors.Is(err, ErrProjectChanged) || errors.Is(err, ErrGroupCap) || errors.Is(err, ErrAddressTaken) || errors.Is(err, ErrMACTaken):
+	case err == nil || errors.Is(err, ErrNoRoom) || isQuota(err) || errors.Is(err, ErrProjectChanged) || errors.Is(err, ErrGroupCap) ||
+		errors.Is(err, ErrAddressTaken) || errors.Is(err, ErrMACTaken) || errors.Is(err, ErrVolumeAttached) || errors.Is(err, ErrVolumeNotReady):
 		return err
 	case pgCode(err) == "23514": // group_domains_cap: the slot's CHECK
 		return fmt.Errorf("group %q already has %d VMs in %s %s: %w", vm.Group.Name, vm.Group.Cap, vm.Group.SpreadBy, vm.Group.Domain, ErrGroupCap)
@@ -370,7 +374,28 @@ func reserveStatement(vm VM, how reservation) (string, []any, error) {
 		// MultiXact per batch.
 		projectLock = ""
 	}
-	sql.WriteString(`WITH project_lock AS (
+	sql.WriteString(`WITH `)
+	if len(vm.Volumes) > 0 {
+		// The volumes the VM attaches, locked (FOR UPDATE re-checks a row
+		// another statement changed meanwhile) and counted only if each can
+		// be attached: ready on the VM's host, not read-write elsewhere, and
+		// for read-write in no VM at all.
+		sql.WriteString(`want_volumes (id, ro) AS (VALUES `)
+		for i, v := range vm.Volumes {
+			if i > 0 {
+				sql.WriteString(", ")
+			}
+			sql.WriteByte('(')
+			args.add(&sql, []string{"text", "boolean"}, v.VolumeID, v.ReadOnly)
+			sql.WriteByte(')')
+		}
+		sql.WriteString(`), volumes_free AS (
+		SELECT volumes.id FROM volumes JOIN want_volumes AS want ON want.id = volumes.id
+		WHERE volumes.host_name = $4 AND volumes.state = 'ready' AND volumes.rw_vm IS NULL AND (want.ro OR volumes.readers = 0)
+		FOR UPDATE OF volumes
+	), `)
+	}
+	sql.WriteString(`project_lock AS (
 		SELECT name FROM projects WHERE name = $5::text AND ($6::bigint = 0 OR generation = $6::bigint)` + projectLock + `
 	), lease AS (
 		SELECT 1 FROM quota_leases WHERE $7::text <> '' AND project = $5::text AND holder = $7::text
@@ -382,9 +407,28 @@ func reserveStatement(vm VM, how reservation) (string, []any, error) {
 		WHERE name = $4 AND alive AND schedulable
 			AND alloc_vcpus + $1 <= cap_vcpus AND alloc_memory_mib + $2 <= cap_memory_mib AND alloc_disk_mib + $3 <= cap_disk_mib
 			AND EXISTS (SELECT 1 FROM project_lock)
-			AND ($7::text = '' OR EXISTS (SELECT 1 FROM lease))
+			AND ($7::text = '' OR EXISTS (SELECT 1 FROM lease))`)
+	if len(vm.Volumes) > 0 {
+		// volumesFree (written before reserved below) locked the volumes
+		// first: the host is reserved only if every one can be attached.
+		sql.WriteString(` AND (SELECT COUNT(*) FROM volumes_free) = ` + strconv.Itoa(len(vm.Volumes)))
+	}
+	sql.WriteString(`
 		RETURNING name
 	)`)
+	if len(vm.Volumes) > 0 {
+		// Its volumes are taken in the statement, only if the host took the
+		// VM; their rows were locked by volumes_free, before the host's.
+		sql.WriteString(`, volumes_taken AS (
+		UPDATE volumes SET rw_vm = CASE WHEN want.ro THEN volumes.rw_vm ELSE vm_id.id END,
+			readers = volumes.readers + CASE WHEN want.ro THEN 1 ELSE 0 END, updated_at = now()
+		FROM reserved, want_volumes AS want, (SELECT `)
+		args.add(&sql, []string{"text"}, vm.ID)
+		sql.WriteString(` AS id) AS vm_id
+		WHERE volumes.id = want.id
+		RETURNING volumes.id
+	)`)
+	}
 	var usage string // the CTE the VM row also reads, so that it runs before it
 	switch {
 	case how.chargeProject:
@@ -465,6 +509,11 @@ func reserveStatement(vm VM, how reservation) (string, []any, error) {
 			sql.WriteByte(')')
 		}
 		sql.WriteString(`) AS n(i, net, mac, addr) RETURNING 1)`)
+	}
+	if len(vm.Volumes) > 0 {
+		sql.WriteString(`, attachment AS (
+		INSERT INTO volume_attachments (volume_id, vm_id, read_only, created_at)
+		SELECT want.id, vm.id, want.ro, now() FROM vm, want_volumes AS want RETURNING 1)`)
 	}
 	if len(vm.Labels) > 0 {
 		sql.WriteString(`, label AS (

@@ -497,6 +497,26 @@ func (s *Store) attachVolumes(tx *gorm.DB, vm VM) error {
 	return nil
 }
 
+// volumesAttachable tells why vm's volumes cannot be attached now
+// (ErrVolumeNotReady, or a *VolumeAttachedError), or nil when they can: it
+// tells a refused reservation statement's causes apart.
+func (s *Store) volumesAttachable(ctx context.Context, vm VM) error {
+	db := s.db.WithContext(ctx)
+	for _, a := range vm.Volumes {
+		v, err := takeVolume(db.Where("id = ?", a.VolumeID), "volume "+a.VolumeID)
+		if err != nil {
+			return err
+		}
+		switch {
+		case v.State != VolumeReady || v.HostName != vm.HostName:
+			return fmt.Errorf("volume %s is %s on host %s, not ready on host %s: %w", v.ID, v.State, v.HostName, vm.HostName, ErrVolumeNotReady)
+		case v.RWVM != nil || (!a.ReadOnly && v.Readers > 0):
+			return attachedError(db, v)
+		}
+	}
+	return nil
+}
+
 // detachVolumesInTx detaches every volume of VM vmID in tx (a VM's delete).
 func detachVolumesInTx(tx *gorm.DB, vmID string) error {
 	var atts []VolumeAttachment
@@ -521,18 +541,13 @@ func detachVolumesInTx(tx *gorm.DB, vmID string) error {
 	return nil
 }
 
-// reserveVMWithVolumes is the reservation of a VM that names volumes, in
-// one transaction: the volumes are attached first (their rows, in id
+// reserveVMWithVolumes is the reservation on SQLite of a VM that names
+// volumes (PostgreSQL has them in its reservation statement), in one
+// transaction: the volumes are attached first (their rows, in id
 // order), then the VM's host reservation, the project's usage, the group
-// slot and the VM's rows, as in a batch of one. The rows are locked in the
-// order leases (with reclaim), volumes, host, project, group slot.
-func (s *Store) reserveVMWithVolumes(ctx context.Context, vm VM, reclaim bool) error {
+// slot and the VM's rows, as in a batch of one.
+func (s *Store) reserveVMWithVolumes(ctx context.Context, vm VM) error {
 	return s.inTx(ctx, func(tx *gorm.DB) error {
-		if reclaim {
-			if err := reclaimLeases(tx, vm.Project, nil); err != nil {
-				return err
-			}
-		}
 		if err := s.attachVolumes(tx, vm); err != nil {
 			return err
 		}

@@ -233,3 +233,56 @@ func TestVolumeAttachmentsAreExclusive(t *testing.T) {
 		}
 	})
 }
+
+// Ten VMs race to attach one volume read-write: exactly one gets it, the
+// others are refused naming it and hold nothing.
+func TestVolumeReadWriteAttachRace(t *testing.T) {
+	eachDialect(t, func(t *testing.T, s *store.Store) {
+		ctx := context.Background()
+		addHost(t, s, "h1", store.Resources{VCPUs: 100, MemoryMiB: 1000, DiskMiB: 10000})
+		v := newVolume("h1", "", 10)
+		if err := s.ReserveAndInsertVolume(ctx, v); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.MarkVolumeReady(ctx, v.ID); err != nil {
+			t.Fatal(err)
+		}
+		var (
+			wg      sync.WaitGroup
+			mu      sync.Mutex
+			won     []string
+			refused int
+			others  []error
+		)
+		for range 10 {
+			wg.Go(func() {
+				vm := newVM("h1", store.Resources{VCPUs: 1, MemoryMiB: 1, DiskMiB: 1})
+				vm.Volumes = []store.VMVolume{{VolumeID: v.ID}}
+				err := s.ReserveAndInsertVM(ctx, vm)
+				mu.Lock()
+				defer mu.Unlock()
+				switch {
+				case err == nil:
+					won = append(won, vm.ID)
+				case errors.Is(err, store.ErrVolumeAttached):
+					refused++
+				default:
+					others = append(others, err)
+				}
+			})
+		}
+		wg.Wait()
+		if len(others) > 0 || len(won) != 1 || refused != 9 {
+			t.Fatalf("won %v, refused %d, other errors %v; want one winner and 9 refused", won, refused, others)
+		}
+		got, err := s.GetVolume(ctx, v.ID)
+		if err != nil || got.RWVM == nil || *got.RWVM != won[0] {
+			t.Fatalf("volume %s read-write VM %v (%v); want %s", v.ID, got.RWVM, err, won[0])
+		}
+		h, _ := s.GetHost(ctx, "h1")
+		if h.Allocated.VCPUs != 1 {
+			t.Errorf("h1 allocates %d vCPUs, want 1 (only the winner)", h.Allocated.VCPUs)
+		}
+		volumeLedger(t, s)
+	})
+}
