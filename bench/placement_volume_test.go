@@ -18,12 +18,13 @@ import (
 // with a volume filter, side by side, on SQLite and PostgreSQL:
 //
 //   - none: no volumes (the same as BenchmarkPlacement/hosts=10000).
+//
 //   - volume: every VM attaches one ready volume read-write (each its own,
 //     made before the timer on a host drawn at random): placement goes to
 //     the volume's host alone (no candidate walk) and the reservation's
 //     transaction attaches the volume by a conditional UPDATE of its row.
 //
-//	go test ./bench -run '^$' -bench PlacementVolume -benchtime 3000x -count 3
+//     go test ./bench -run '^$' -bench PlacementVolume -benchtime 3000x -count 3
 func BenchmarkPlacementVolume(b *testing.B) {
 	const n = 10000
 	for _, dialect := range []string{store.DialectSQLite, store.DialectPostgres} {

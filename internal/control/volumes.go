@@ -376,14 +376,15 @@ func (s *Service) DeleteVolume(ctx context.Context, ref string) error {
 	if err != nil {
 		return fromStore(err, "read volume "+ref)
 	}
-	if v, err = s.store.BeginDeleteVolume(ctx, v.ID, s.replicaID); err != nil {
+	marked, err := s.store.BeginDeleteVolume(ctx, v.ID, s.replicaID)
+	if err != nil {
 		var ae *store.VolumeAttachedError
 		if errors.As(err, &ae) {
 			return volumeAttached(v, ae)
 		}
 		return fromStore(err, "delete volume "+v.ID)
 	}
-	if err := s.finishVolumeDelete(ctx, v); err != nil {
+	if err := s.finishVolumeDelete(ctx, marked); err != nil {
 		return err
 	}
 	s.log.Info("volume deleted", "volume", v.ID, "name", v.Name, "host", v.HostName)

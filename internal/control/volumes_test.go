@@ -116,7 +116,6 @@ func (f volumeFleet) expectRefused(t *testing.T, what, method, path string, in a
 func TestVolumeLifecycle(t *testing.T) {
 	eachDatabase(t, func(t *testing.T, databaseURL string) {
 		f := startVolumeFleet(t, databaseURL, map[string]testenv.AgentOptions{"h1": {}, "h2": {}})
-		ctx := ctxT(t)
 		v := f.createVolume(t, api.VolumeCreate{Name: "data", SizeMiB: 2048, Labels: map[string]string{"app": "db"}})
 		if v.State != api.VolumeReady || v.Host == "" || v.Placement == nil || v.Placement.Host != v.Host {
 			t.Fatalf("a placed volume: %+v; want ready, on a host, with its placement", v)
@@ -173,7 +172,6 @@ func TestVolumeLifecycle(t *testing.T) {
 		if status, _ := f.call(t, http.MethodGet, "/v1/volumes/"+v.ID, nil, nil); status != http.StatusNotFound {
 			t.Errorf("a deleted volume answers %d, want 404", status)
 		}
-		_ = ctx
 	})
 }
 
@@ -245,7 +243,7 @@ func TestVolumeBadInput(t *testing.T) {
 			t.Errorf("the conflict should name VM %s: %q", owner.ID, e.Message)
 		}
 		e = f.expectRefused(t, "delete an attached volume", http.MethodDelete, "/v1/volumes/base", nil, 409, api.CodeVolumeAttached)
-		if e.Details["vm_id"] != owner.ID || !strings.Contains(e.Message, owner.ID) {
+		if e.Details["vm_id"] != owner.ID || e.Details["volume_id"] != base.ID || !strings.Contains(e.Message, owner.ID) {
 			t.Errorf("volume_attached should name VM %s: %+v", owner.ID, e)
 		}
 		got, err := f.c.Client.GetVM(ctx, owner.ID)

@@ -92,8 +92,9 @@ func (v *Volumes) IDs() []string {
 func (v *Volumes) Wrap(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		p := r.URL.Path
-		vmCall := strings.HasPrefix(p, "/v1/vms/") && strings.Count(p, "/") == 3
-		if !strings.HasPrefix(p, "/v1/volumes") && !(vmCall && (r.Method == http.MethodPut || r.Method == http.MethodDelete)) {
+		vmCall := strings.HasPrefix(p, "/v1/vms/") && strings.Count(p, "/") == 3 &&
+			(r.Method == http.MethodPut || r.Method == http.MethodDelete)
+		if !strings.HasPrefix(p, "/v1/volumes") && !vmCall {
 			next.ServeHTTP(w, r)
 			return
 		}
