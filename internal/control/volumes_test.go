@@ -345,8 +345,32 @@ func TestVolumeStepsLeftByADeadReplicaAreFinished(t *testing.T) {
 		if _, err := c.Store.BeginDeleteVolume(ctx, gone.ID, dead); err != nil {
 			t.Fatal(err)
 		}
+		// A VM reserved with volume "attached" (a ready volume), never sent
+		// to its agent.
+		attached := store.Volume{ID: "00000000-0000-4000-8000-000000000004", Name: "attached", HostName: "h1", SizeMiB: 50}
+		if err := c.Store.ReserveAndInsertVolume(ctx, attached); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := a.Client.CreateVolume(ctx, attached.ID, agentapi.VolumeSpec{SizeMiB: 50}); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.Store.MarkVolumeReady(ctx, attached.ID); err != nil {
+			t.Fatal(err)
+		}
+		vm := store.VM{ID: "01900000-0000-7000-8000-000000000001", Name: "left", HostName: "h1", Image: "sim",
+			Resources: store.Resources{VCPUs: 1, MemoryMiB: 64, DiskMiB: 64}, PowerState: api.PowerRunning,
+			ObservedState: api.StateCreating, Owner: &dead, Volumes: []store.VMVolume{{VolumeID: attached.ID}}}
+		if err := c.Store.ReserveAndInsertVM(ctx, vm); err != nil {
+			t.Fatal(err)
+		}
 		checkLedger(t, c.Store)
 		c.Service.SyncNow(ctx)
+		if got, err := c.Client.GetVolume(ctx, attached.ID); err != nil || len(got.AttachedTo) != 0 {
+			t.Errorf("volume of a VM create left unfinished: %+v, %v; want it detached with the VM's row gone", got, err)
+		}
+		if _, err := c.Client.GetVM(ctx, vm.ID); apiCode(err) != api.CodeNotFound {
+			t.Errorf("VM create left unfinished: %v; want its row gone", err)
+		}
 		for _, v := range []store.Volume{never, made} {
 			got, err := c.Client.GetVolume(ctx, v.ID)
 			if err != nil || got.State != api.VolumeReady {
@@ -356,11 +380,11 @@ func TestVolumeStepsLeftByADeadReplicaAreFinished(t *testing.T) {
 		if _, err := c.Client.GetVolume(ctx, gone.ID); apiCode(err) != api.CodeNotFound {
 			t.Errorf("volume left deleting: %v; want it gone", err)
 		}
-		if ids := a.Volumes.IDs(); !slices.Equal(ids, []string{never.ID, made.ID}) {
-			t.Errorf("agent has %v, want [%s %s]", ids, never.ID, made.ID)
+		if ids := a.Volumes.IDs(); !slices.Equal(ids, []string{never.ID, made.ID, attached.ID}) {
+			t.Errorf("agent has %v, want [%s %s %s]", ids, never.ID, made.ID, attached.ID)
 		}
-		if got := hostAllocated(t, c, "h1"); got.DiskMiB != 300 {
-			t.Errorf("h1 allocates %d MiB, want 300 (the two ready volumes)", got.DiskMiB)
+		if got := hostAllocated(t, c, "h1"); got != (api.Resources{DiskMiB: 350}) {
+			t.Errorf("h1 allocates %+v, want 350 MiB of disk (the three ready volumes) and nothing else", got)
 		}
 		checkLedger(t, c.Store)
 	})
