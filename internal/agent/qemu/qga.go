@@ -99,12 +99,9 @@ type qgaAnswer struct {
 	Error  *qmpError       `json:"error"`
 }
 
-// openGuestAgent connects to the guest agent socket at path and syncs.
-// errQGANoAnswer (wrapped) says the guest agent did not answer in time.
-func openGuestAgent(ctx context.Context, path string) (*guestAgent, error) {
-	return dialGuestAgent(ctx, path, qgaSyncTimeout, qgaTimeout)
-}
-
+// dialGuestAgent connects to the guest agent socket at path and syncs
+// within syncTimeout; commands then wait up to timeout for their answer.
+// errQGANoAnswer (wrapped) says the guest agent did not answer the sync.
 func dialGuestAgent(ctx context.Context, path string, syncTimeout, timeout time.Duration) (*guestAgent, error) {
 	dctx, cancel := context.WithTimeout(ctx, syncTimeout)
 	defer cancel()
