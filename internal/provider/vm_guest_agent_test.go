@@ -15,13 +15,24 @@ import (
 
 // TestAccVM_guestAgent walks guest_agent through the terraform CLI on a sim
 // host: a VM with it is stored with it (the control API says so) and boots
-// cold; a plan right after is empty and an import reads the same; turning
-// it off replaces the VM; wait_for = "agent" without it is refused at plan
+// cold; wait_for = "agent" waits for the (simulated) guest agent, whose
+// addresses are in state right after apply; a plan right after is empty and
+// an import reads the same; turning it off replaces the VM, which then
+// reports no guest addresses; wait_for = "agent" without it is refused at plan
 // time, naming the attribute.
 func TestAccVM_guestAgent(t *testing.T) {
 	f := newFleet(t, "h1")
 	withAgent := func(on bool) string {
-		return guestVMConfig(f, fmt.Sprintf("  guest_agent = %v\n", on))
+		wait := "running"
+		if on {
+			wait = "agent"
+		}
+		return guestVMConfig(f, fmt.Sprintf(`  guest_agent = %v
+  wait_for    = %q
+  network_interface {
+    network = "default"
+  }
+`, on, wait))
 	}
 	var id1, id2 string
 	onServer := func(id *string, want bool) func(*terraform.State) error {
@@ -51,6 +62,10 @@ func TestAccVM_guestAgent(t *testing.T) {
 				},
 				ConfigStateChecks: []statecheck.StateCheck{
 					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("guest_agent"), knownvalue.Bool(true)),
+					// The sim's guest agent reports the NIC's address: in
+					// state right after the wait, not only at the next refresh.
+					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("network_interface").AtSliceIndex(0).AtMapKey("ipv4_addresses"),
+						knownvalue.ListExact([]knownvalue.Check{knownvalue.StringExact("10.0.2.15")})),
 				},
 				Check: resource.ComposeTestCheckFunc(captureAttr(vmAddr, "id", &id1), onServer(&id1, true)),
 			},
@@ -58,7 +73,9 @@ func TestAccVM_guestAgent(t *testing.T) {
 				ResourceName:            vmAddr,
 				ImportState:             true,
 				ImportStateVerify:       true,
-				ImportStateVerifyIgnore: []string{"timeouts"},
+				// An import reads the implied default NIC as no blocks,
+				// and wait_for as its default.
+				ImportStateVerifyIgnore: []string{"timeouts", "wait_for", "network_interface"},
 			},
 			{
 				Config: withAgent(false),
@@ -68,6 +85,8 @@ func TestAccVM_guestAgent(t *testing.T) {
 				},
 				ConfigStateChecks: []statecheck.StateCheck{
 					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("guest_agent"), knownvalue.Bool(false)),
+					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("network_interface").AtSliceIndex(0).AtMapKey("ipv4_addresses"),
+						knownvalue.Null()),
 				},
 				Check: resource.ComposeTestCheckFunc(captureAttr(vmAddr, "id", &id2), onServer(&id2, false)),
 			},

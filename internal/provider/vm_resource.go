@@ -507,6 +507,15 @@ func (r *vmResource) Read(ctx context.Context, req resource.ReadRequest, resp *r
 		resp.State.RemoveResource(ctx)
 		return
 	}
+	if vm.GuestAgent && vm.ObservedState == api.StateRunning {
+		// A list leaves out what the guest agent reports (one guest round
+		// trip per VM): read this VM on its own for it.
+		if full, err := r.data.client.GetVM(ctx, id); err == nil {
+			vm = full
+		} else {
+			tflog.Warn(ctx, "reading the guest agent's addresses; they stay as they were", map[string]any{"id": id, "error": err.Error()})
+		}
+	}
 	prior := state
 	state.fromAPI(vm, observedPowerState(vm))
 	state.setNICs(vm, hasBlocks(state.NetworkInterfaces))
