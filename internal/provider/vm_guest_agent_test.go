@@ -70,9 +70,9 @@ func TestAccVM_guestAgent(t *testing.T) {
 				Check: resource.ComposeTestCheckFunc(captureAttr(vmAddr, "id", &id1), onServer(&id1, true)),
 			},
 			{
-				ResourceName:            vmAddr,
-				ImportState:             true,
-				ImportStateVerify:       true,
+				ResourceName:      vmAddr,
+				ImportState:       true,
+				ImportStateVerify: true,
 				// An import reads the implied default NIC as no blocks,
 				// and wait_for as its default.
 				ImportStateVerifyIgnore: []string{"timeouts", "wait_for", "network_interface"},
