@@ -4,6 +4,7 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
 )
 
@@ -57,6 +58,36 @@ func TestGuestAgentIsStoredAndItsAddressesAnswered(t *testing.T) {
 		}
 		if got.GuestAgent || agent.Spec(plain.ID).GuestAgent || len(got.NetworkInterfaces[0].IPv4Addresses) != 0 {
 			t.Fatalf("vm without guest_agent: %+v (agent spec %+v); want no guest agent and no guest addresses", got, agent.Spec(plain.ID))
+		}
+	})
+}
+
+// A fork's children inherit the source's guest_agent (their devices must
+// match the snapshot's): stored with them, and on their agent, whose
+// (simulated) guest agent then reports their addresses.
+func TestForkChildrenInheritTheGuestAgent(t *testing.T) {
+	eachDatabase(t, func(t *testing.T, dbURL string) {
+		ctx := ctxT(t)
+		e := startForkEnv(t, dbURL, 4096, nil)
+		in := smallVM("agent-source")
+		in.Host, in.GuestAgent = "h1", true
+		src, err := e.c.Client.CreateVM(ctx, in, "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		f, err := e.c.Client.CreateFork(ctx, api.ForkCreate{SourceVMID: src.ID, Count: 2}, "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		f = e.checkFork(t, f.ID, 2)
+		for _, ch := range f.Children {
+			vm, err := e.c.Client.GetVM(ctx, ch.ID)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !vm.GuestAgent || !slices.Equal(vm.NetworkInterfaces[0].IPv4Addresses, []string{"10.0.2.15"}) {
+				t.Fatalf("child %+v; want guest_agent and the guest agent's address on its nic", vm)
+			}
 		}
 	})
 }
