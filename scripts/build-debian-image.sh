@@ -20,8 +20,12 @@ NAME=debian-12
 SUITE=bookworm
 # Packages on top of minbase. ifupdown + isc-dhcp-client is what cloud-init's
 # ENI renderer drives on Debian; e2fsprogs lets cloud-init grow the root file
-# system when the VM's disk is larger than the image.
-PACKAGES="systemd-sysv,udev,dbus,cloud-init,openssh-server,linux-image-cloud-amd64,initramfs-tools,ifupdown,isc-dhcp-client,iproute2,iputils-ping,netbase,sudo,e2fsprogs,ca-certificates,procps,less,locales"
+# system when the VM's disk is larger than the image, and cloud-guest-utils
+# (growpart) grows a partitioned root. qemu-guest-agent answers the QEMU
+# guest agent channel of a VM with guest_agent = true (udev starts it when
+# the virtio-serial port org.qemu.guest_agent.0 appears; without the channel
+# it stays off).
+PACKAGES="systemd-sysv,udev,dbus,cloud-init,openssh-server,linux-image-cloud-amd64,initramfs-tools,ifupdown,isc-dhcp-client,iproute2,iputils-ping,netbase,sudo,e2fsprogs,cloud-guest-utils,qemu-guest-agent,ca-certificates,procps,less,locales"
 # Size of the root file system (the VM's disk may be larger; it grows).
 ROOT_MIB=2048
 

@@ -240,7 +240,8 @@ func (a *Agent) Close() error {
 func machineOf(a *Agent, r vmRecord) *Machine {
 	return &Machine{ID: r.ID, Dir: a.vmDir(r.ID), Image: r.Image, VCPUs: r.VCPUs,
 		MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB, Disk: r.Disk, Process: r.Process,
-		NICs: cloneNICs(r.NICs), GuestNICs: cloneNICs(r.GuestNICs), Seed: seedOf(r)}
+		NICs: cloneNICs(r.NICs), GuestNICs: cloneNICs(r.GuestNICs), Seed: seedOf(r),
+		GuestAgent: r.GuestAgent}
 }
 
 // seedOf is Machine.Seed of VM r.
@@ -320,7 +321,13 @@ func (a *Agent) GetVM(ctx context.Context, id string) (agentapi.VM, error) {
 	if _, _, gone := e.state(); gone {
 		return agentapi.VM{}, errNotFound(id)
 	}
-	return r.wire(), nil
+	vm := r.wire()
+	if byNIC, ok := a.guestAgentAddresses(ctx, r); ok {
+		for i := range vm.NICs {
+			vm.NICs[i].IPv4Addresses = byNIC[i]
+		}
+	}
+	return vm, nil
 }
 
 // ListVMs returns every VM, sorted by id.
@@ -439,9 +446,9 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 			return agentapi.VM{}, false, errConflict("vm %s exists but its metadata is corrupt (%s); delete it and create it again", id, r.Reason)
 		}
 		if r.Image != spec.Image || r.VCPUs != spec.VCPUs || r.MemoryMiB != spec.MemoryMiB || r.DiskMiB != spec.DiskMiB ||
-			!sameNICs(r.askedNICs(), spec.NICs) {
-			err := errConflict("vm %s already exists with a different shape (image %s, %d vcpus, %d MiB memory, %d MiB disk, %d nics)",
-				id, r.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, len(r.NICs))
+			!sameNICs(r.askedNICs(), spec.NICs) || r.GuestAgent != spec.GuestAgent {
+			err := errConflict("vm %s already exists with a different shape (image %s, %d vcpus, %d MiB memory, %d MiB disk, %d nics, guest agent %v)",
+				id, r.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, len(r.NICs), r.GuestAgent)
 			err.Details = map[string]any{"id": id}
 			return agentapi.VM{}, false, err
 		}
@@ -457,6 +464,7 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 		Version: metaVersion, ID: e.id, Image: spec.Image, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB,
 		DiskMiB: spec.DiskMiB, State: agentapi.StateCreating, StartedFrom: agentapi.StartedCold,
 		CreatedAt: time.Now().UTC().Truncate(time.Millisecond), NICs: requestedNICs(spec.NICs), Seed: spec.Seed,
+		GuestAgent: spec.GuestAgent,
 	}
 	e.set(r)
 	// A matching warm VM first (pool_acquire.go); a miss boots cold below.

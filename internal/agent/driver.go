@@ -79,6 +79,9 @@ type Machine struct {
 	// own, at every boot and restore: a VM started from a snapshot of a VM
 	// with a seed has one too, so its devices match.
 	Seed string
+	// GuestAgent: the VM has the QEMU guest agent channel (a driver that
+	// implements GuestAgentDriver talks to the guest through it).
+	GuestAgent bool
 }
 
 // Process identifies a VMM process. StartTime (field 22 of /proc/<pid>/stat)

@@ -292,14 +292,71 @@ func guestHostnameOf(console string) string {
 	return ""
 }
 
+// GuestAgentDriver is a driver that talks to the QEMU guest agent of a VM
+// with Machine.GuestAgent.
+type GuestAgentDriver interface {
+	// GuestAddresses returns the IPv4 addresses the guest agent reports,
+	// by lower-case MAC; an error when it does not answer (none runs in
+	// the guest, or not yet) within a short bound.
+	GuestAddresses(ctx context.Context, m *Machine) (map[string][]string, error)
+}
+
+// guestAgentAddresses asks the guest agent of VM r, when it has one and
+// runs, for its addresses: by index of r's NICs, matched by the MAC its
+// guest sees. false when r has no guest agent channel, does not run, or
+// its guest agent did not answer.
+func (a *Agent) guestAgentAddresses(ctx context.Context, r vmRecord) (map[int][]string, bool) {
+	gd, ok := a.cfg.Driver.(GuestAgentDriver)
+	if !ok || !r.GuestAgent || r.State != agentapi.StateRunning {
+		return nil, false
+	}
+	byMAC, err := gd.GuestAddresses(ctx, machineOf(a, r))
+	if err != nil {
+		a.log.Debug("guest agent does not answer", "vm", r.ID, "err", err)
+		return nil, false
+	}
+	out := map[int][]string{}
+	for i, n := range guestView(r) {
+		if addrs := byMAC[strings.ToLower(n.MACAddress)]; len(addrs) > 0 {
+			out[i] = addrs
+		}
+	}
+	return out, true
+}
+
 // Guest returns what VM id's guest reported on its serial console during
 // its current boot: cloud-init's state (and the lines that made it an
 // error), its IPv4 addresses, its hostname, and the user-data digest the
-// busybox guest prints from its seed.
+// busybox guest prints from its seed; for a VM with the guest agent
+// channel, whether its guest agent answers, and the addresses it reports
+// besides the console's.
 func (a *Agent) Guest(ctx context.Context, id string) (agentapi.GuestStatus, error) {
 	b, err := a.Console(ctx, id, guestConsoleBytes)
 	if err != nil {
 		return agentapi.GuestStatus{}, err
 	}
-	return parseGuestStatus(string(b)), nil
+	g := parseGuestStatus(string(b))
+	g.GuestAgent = agentapi.GuestAgentNone
+	e := a.lookup(id)
+	if e == nil {
+		return g, nil
+	}
+	r, corrupt, gone := e.state()
+	if gone || corrupt != "" || !r.GuestAgent {
+		return g, nil
+	}
+	g.GuestAgent = agentapi.GuestAgentWaiting
+	byNIC, ok := a.guestAgentAddresses(ctx, r)
+	if !ok {
+		return g, nil
+	}
+	g.GuestAgent = agentapi.GuestAgentReady
+	for i := range len(r.NICs) {
+		for _, addr := range byNIC[i] {
+			if !slices.Contains(g.IPv4Addresses, addr) {
+				g.IPv4Addresses = append(g.IPv4Addresses, addr)
+			}
+		}
+	}
+	return g, nil
 }

@@ -124,6 +124,10 @@ type SnapshotFiles struct {
 	RAM, RAMDigest string
 	Disk           string   // frozen disk that children's overlays sit on; "" without a disk
 	Backing        []string // files below Disk in its backing chain, also in the directory
+	// FSFrozen: the guest's file systems were frozen through the guest
+	// agent while the snapshot was taken, so the saved guest is frozen
+	// too and a VM started from it is thawed by the driver.
+	FSFrozen bool
 }
 
 // ErrSnapshotConflict is what a driver returns when the VM is in a state in
@@ -154,13 +158,17 @@ type snapshotRecord struct {
 	NICs []agentapi.NIC `json:"nics,omitempty"`
 	// SeedDisk says the source VM ran with a seed disk (guest.go).
 	SeedDisk bool `json:"seed_disk,omitempty"`
+	// GuestAgent: the source VM had the guest agent channel; FSFrozen: its
+	// file systems were frozen for the snapshot (SnapshotFiles.FSFrozen).
+	GuestAgent bool `json:"guest_agent,omitempty"`
+	FSFrozen   bool `json:"fs_frozen,omitempty"`
 }
 
 func (r *snapshotRecord) wire() agentapi.Snapshot {
 	s := agentapi.Snapshot{
 		ID: r.ID, VMID: r.VMID, Image: r.Image, VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB,
 		CreatedAt: r.CreatedAt, Files: slices.Clone(r.Files), Parent: r.Parent, NICs: cloneNICs(r.NICs),
-		SeedDisk: r.SeedDisk,
+		SeedDisk: r.SeedDisk, GuestAgent: r.GuestAgent, FSFrozen: r.FSFrozen,
 	}
 	h := sha256.New()
 	for _, f := range r.Files {
@@ -173,7 +181,7 @@ func (r *snapshotRecord) wire() agentapi.Snapshot {
 }
 
 func (r *snapshotRecord) files() SnapshotFiles {
-	var out SnapshotFiles
+	out := SnapshotFiles{FSFrozen: r.FSFrozen}
 	for _, f := range r.Files {
 		switch f.Kind {
 		case agentapi.SnapshotFileMemory:

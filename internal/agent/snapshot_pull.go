@@ -281,6 +281,7 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 		Version: snapshotVersion, ID: meta.ID, VMID: meta.VMID, Image: meta.Image, VCPUs: meta.VCPUs,
 		MemoryMiB: meta.MemoryMiB, DiskMiB: meta.DiskMiB, Files: meta.Files, Parent: meta.Parent,
 		Origin: address, CreatedAt: meta.CreatedAt, NICs: meta.NICs, SeedDisk: meta.SeedDisk,
+		GuestAgent: meta.GuestAgent, FSFrozen: meta.FSFrozen,
 	}
 	if err := rec.validate(id); err != nil {
 		return nil, errPull(id, address, fmt.Errorf("its metadata is not usable: %w", err))

@@ -70,6 +70,9 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 		case !rec.SeedDisk && r.Seed != nil:
 			return nil, errInvalid("snapshot %s is of a vm without a seed disk: a vm started from it cannot have one (its devices must match the saved state); start it without a seed", src.ID)
 		}
+		// Likewise the guest agent channel: the child has it exactly when
+		// its source had it, whatever the create asked.
+		r.GuestAgent = rec.GuestAgent
 		r.GuestNICs = cloneNICs(rec.NICs)
 		e.set(r)
 		a.pool.makeRoom(e.id)

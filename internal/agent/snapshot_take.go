@@ -126,7 +126,7 @@ func (a *Agent) takeSnapshot(ctx context.Context, sn Snapshotter, id string, spe
 	rec := &snapshotRecord{
 		Version: snapshotVersion, ID: id, VMID: r.ID, Image: r.Image, VCPUs: r.VCPUs,
 		MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB, CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
-		NICs: guestView(r), SeedDisk: r.Seed != nil,
+		NICs: guestView(r), SeedDisk: r.Seed != nil, GuestAgent: r.GuestAgent, FSFrozen: files.FSFrozen,
 	}
 	if files.Disk != "" {
 		// The frozen disk sits on the disk of the snapshot the VM came from.

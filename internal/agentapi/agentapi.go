@@ -101,6 +101,12 @@ type VMSpec struct {
 	Seed *SeedSpec `json:"seed,omitempty"`
 	// Volumes are attached before the guest boots (volumes.go).
 	Volumes []VolumeAttachment `json:"volumes,omitempty"`
+	// GuestAgent adds the QEMU guest agent channel (a virtio-serial port
+	// named org.qemu.guest_agent.0): when the guest runs qemu-guest-agent,
+	// the agent reads the guest's addresses through it, stops the guest
+	// through it and freezes its file systems around a snapshot. Part of
+	// the VM's shape: a warm VM (booted without it) never serves it.
+	GuestAgent bool `json:"guest_agent,omitempty"`
 }
 
 // SeedSpec is what goes into a VM's NoCloud seed (internal/agent/seed).
@@ -133,7 +139,18 @@ type GuestStatus struct {
 	IPv4Addresses   []string `json:"ipv4_addresses"`
 	Hostname        string   `json:"hostname,omitempty"`
 	UserDataSHA256  string   `json:"user_data_sha256,omitempty"`
+	// GuestAgent is the QEMU guest agent's state: none (the VM has no
+	// channel), waiting (it does not answer, yet) or ready (it answered;
+	// IPv4Addresses then holds what it reports too).
+	GuestAgent string `json:"guest_agent"`
 }
+
+// States of GuestStatus.GuestAgent.
+const (
+	GuestAgentNone    = "none"
+	GuestAgentWaiting = "waiting"
+	GuestAgentReady   = "ready"
+)
 
 // Network modes of a NIC (the control API's network modes).
 const (
@@ -160,6 +177,10 @@ type NIC struct {
 	// control plane does not assign one).
 	IPv4Address  string        `json:"ipv4_address,omitempty"`
 	PortForwards []PortForward `json:"port_forwards,omitempty"`
+	// IPv4Addresses, in answers only, are the addresses the guest reports
+	// on this NIC (matched by MAC) through the QEMU guest agent, for a VM
+	// with guest_agent whose guest agent answers; empty otherwise.
+	IPv4Addresses []string `json:"ipv4_addresses,omitempty"`
 	// Allow is what the guests of a nat network may reach beyond their
 	// own network and the outside: names of other nat networks and IPv4
 	// CIDRs (private ranges included). Everything else of the host's
@@ -197,6 +218,8 @@ type VM struct {
 	PID         int       `json:"pid,omitempty"`
 	NICs        []NIC     `json:"nics,omitempty"`
 	CreatedAt   time.Time `json:"created_at"`
+	// GuestAgent says the VM has the QEMU guest agent channel.
+	GuestAgent bool `json:"guest_agent,omitempty"`
 }
 
 // VMList is the answer of GET /v1/vms: every VM on the agent.
@@ -236,6 +259,13 @@ type Snapshot struct {
 	// seed.iso): a VM started from the snapshot must have one too, at the
 	// same place, for its devices to match the saved state.
 	SeedDisk bool `json:"seed_disk,omitempty"`
+	// GuestAgent says the source VM had the guest agent channel: a VM
+	// started from the snapshot has it too (its devices must match).
+	// FSFrozen says the guest's file systems were frozen through it for
+	// the snapshot: the disk is consistent on its own, and a VM started
+	// from it thaws them first thing.
+	GuestAgent bool `json:"guest_agent,omitempty"`
+	FSFrozen   bool `json:"fs_frozen,omitempty"`
 }
 
 // Kinds of snapshot files.

@@ -142,6 +142,13 @@ type VMCreate struct {
 	// Volumes are attached before the VM boots; the VM is placed on
 	// their host (volumes.go).
 	Volumes []VMVolume `json:"volumes,omitempty"`
+	// GuestAgent adds the QEMU guest agent channel (virtio-serial port
+	// org.qemu.guest_agent.0). When the guest runs qemu-guest-agent, the
+	// VM's answer carries the addresses it reports on each NIC, a stop
+	// asks it to power the guest off, and a fork's snapshot freezes the
+	// guest's file systems. Like the guest configuration it is fixed at
+	// create (the VM boots cold; a fork's children inherit it).
+	GuestAgent bool `json:"guest_agent,omitempty"`
 }
 
 // Limits of a VM's guest configuration.
@@ -227,8 +234,10 @@ type VM struct {
 	// without guest configuration).
 	Hostname string `json:"hostname"`
 	// Volumes are the VM's volumes, in the order it was created with.
-	Volumes   []VMVolume `json:"volumes"`
-	CreatedAt time.Time  `json:"created_at"`
+	Volumes []VMVolume `json:"volumes"`
+	// GuestAgent says the VM has the QEMU guest agent channel.
+	GuestAgent bool      `json:"guest_agent"`
+	CreatedAt  time.Time `json:"created_at"`
 }
 
 // Cloud-init states of GuestStatus.
@@ -257,7 +266,18 @@ type GuestStatus struct {
 	// data the busybox guest read (cloud-init does not print it).
 	Hostname       string `json:"hostname,omitempty"`
 	UserDataSHA256 string `json:"user_data_sha256,omitempty"`
+	// GuestAgent is the QEMU guest agent's state: none (the VM has no
+	// channel), waiting (nothing answers on it, yet) or ready (it answered;
+	// IPv4Addresses then include the addresses it reports).
+	GuestAgent string `json:"guest_agent"`
 }
+
+// States of GuestStatus.GuestAgent.
+const (
+	GuestAgentNone    = "none"
+	GuestAgentWaiting = "waiting"
+	GuestAgentReady   = "ready"
+)
 
 // Placement explains why a VM went where it did.
 type Placement struct {
@@ -456,6 +476,12 @@ type NetworkInterface struct {
 	MACAddress   string        `json:"mac_address,omitempty"`
 	IPv4Address  string        `json:"ipv4_address,omitempty"`
 	PortForwards []PortForward `json:"port_forwards,omitempty"`
+	// IPv4Addresses, in answers only, are the addresses the guest reports
+	// on this NIC (matched by its MAC) through the QEMU guest agent: filled
+	// by GET /v1/vms/{id} for a running VM with guest_agent whose guest
+	// agent answers (lists leave it out: one guest round trip per VM),
+	// whatever the network's mode, also where the network assigns none.
+	IPv4Addresses []string `json:"ipv4_addresses,omitempty"`
 }
 
 // Constraints steer placement (all optional).

@@ -210,7 +210,7 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 	vm := store.VM{
 		ID: newID(), Name: childName(f.ID, slot), Project: f.Project, Image: f.Image, Resources: f.Resources,
 		PowerState: api.PowerRunning, ObservedState: api.StateCreating, ForkID: &forkID, ForkSlot: &slotN,
-		Labels: map[string]string{}, Constraints: f.Constraints,
+		Labels: map[string]string{}, Constraints: f.Constraints, GuestAgent: f.GuestAgent,
 	}
 	// A child is a new instance: a seed of its own (its id, its name), read
 	// by cloud-init at the child's next boot.
@@ -348,7 +348,7 @@ func (s *Service) startChild(ctx context.Context, crash context.CancelCauseFunc,
 	}
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Snapshot: src, NICs: agentNICs(nics), Seed: seedSpec(vm.ID, vm.Guest),
-		HostCapacity: s.view.hostCapacity(vm.HostName)}
+		HostCapacity: s.view.hostCapacity(vm.HostName), GuestAgent: vm.GuestAgent}
 	if img, ierr := s.store.GetImage(ctx, vm.Image); ierr == nil {
 		isrc := s.imageSource(img, vm.HostName)
 		spec.ImageSource = &isrc

@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"time"
 
 	"go.yaml.in/yaml/v3"
 	"golang.org/x/crypto/ssh"
@@ -245,14 +246,47 @@ func (s *Service) VMGuest(ctx context.Context, id string) (api.GuestStatus, erro
 		return api.GuestStatus{}, fromAgent(err, vm.HostName, "read the guest status of VM "+id)
 	}
 	out := api.GuestStatus{CloudInit: g.CloudInit, CloudInitErrors: g.CloudInitErrors, IPv4Addresses: g.IPv4Addresses,
-		Hostname: g.Hostname, UserDataSHA256: g.UserDataSHA256}
+		Hostname: g.Hostname, UserDataSHA256: g.UserDataSHA256, GuestAgent: g.GuestAgent}
 	if out.IPv4Addresses == nil {
 		out.IPv4Addresses = []string{}
 	}
 	if out.CloudInit == "" {
 		out.CloudInit = api.CloudInitNone
 	}
+	if out.GuestAgent == "" {
+		out.GuestAgent = api.GuestAgentNone // an agent from before the guest agent
+	}
 	return out, nil
+}
+
+// guestAgentTimeout bounds the agent call of withGuestAgentAddresses: a
+// VM read must not wait long for a guest that does not answer.
+const guestAgentTimeout = 5 * time.Second
+
+// withGuestAgentAddresses fills the addresses that a running VM's guest
+// agent reports on each NIC (NetworkInterface.IPv4Addresses), asking its
+// agent; a VM without guest_agent, on a host that does not answer, or
+// whose guest agent does not answer gets none, and the read goes on.
+func (s *Service) withGuestAgentAddresses(ctx context.Context, vm store.VM, out *api.VM) {
+	if !vm.GuestAgent || out.ObservedState != api.StateRunning {
+		return
+	}
+	address, alive, known := s.view.agent(vm.HostName)
+	if !known || !alive {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, guestAgentTimeout)
+	defer cancel()
+	got, err := s.agents.getVM(ctx, s.agents.client(address), vm.ID)
+	if err != nil {
+		s.log.Debug("read the guest agent's addresses", "vm", vm.ID, "host", vm.HostName, "err", err)
+		return
+	}
+	for i := range out.NetworkInterfaces {
+		if i < len(got.NICs) && len(got.NICs[i].IPv4Addresses) > 0 {
+			out.NetworkInterfaces[i].IPv4Addresses = slices.Clone(got.NICs[i].IPv4Addresses)
+		}
+	}
 }
 
 // agentOfVM returns the client of the agent that runs VM id; unavailable

@@ -75,6 +75,7 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 		Resources:  store.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB},
 		PowerState: in.PowerState, ObservedState: api.StateCreating, Constraints: constraintsText(in.Constraints),
 		CreatedAt: time.Now().UTC().Truncate(time.Microsecond), Owner: &s.replicaID, Guest: guestOf(in),
+		GuestAgent: in.GuestAgent,
 	}
 	var volumeHost string
 	if vm.Volumes, _, volumeHost, err = s.vmVolumes(ctx, project.Name, in.Volumes); err != nil {
@@ -111,8 +112,8 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	})
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Stopped: in.PowerState == api.PowerStopped,
-		NICs: agentNICs(nics), NoWarm: !warmCapable(nics) || vm.Guest != nil, Seed: seedSpec(vm.ID, vm.Guest),
-		HostCapacity: s.view.hostCapacity(vm.HostName), Volumes: agentVolumes(vm.Volumes)}
+		NICs: agentNICs(nics), NoWarm: !warmCapable(nics) || vm.Guest != nil || vm.GuestAgent, Seed: seedSpec(vm.ID, vm.Guest),
+		HostCapacity: s.view.hostCapacity(vm.HostName), Volumes: agentVolumes(vm.Volumes), GuestAgent: vm.GuestAgent}
 	if img != nil {
 		src := s.imageSource(*img, vm.HostName)
 		spec.ImageSource = &src
@@ -224,6 +225,7 @@ func (s *Service) GetVM(ctx context.Context, id string) (api.VM, error) {
 	if err != nil {
 		return api.VM{}, err
 	}
+	s.withGuestAgentAddresses(ctx, vm, &out[0])
 	return out[0], nil
 }
 
@@ -466,6 +468,7 @@ func apiVM(vm store.VM, hostAlive bool) api.VM {
 		NetworkInterfaces: apiNICs(vm.NICs), Volumes: apiVMVolumes(vm.Volumes, nil),
 	}
 	withGuest(&out, vm.Guest)
+	out.GuestAgent = vm.GuestAgent
 	if len(out.NetworkInterfaces) > 0 {
 		out.IPv4Address = out.NetworkInterfaces[0].IPv4Address
 	}

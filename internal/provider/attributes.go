@@ -173,6 +173,30 @@ func sameFields(a, b reflect.Value) bool {
 	return true
 }
 
+// rawBool reads a top-level bool attribute as rawString reads a string.
+func rawBool(obj tftypes.Value, name string) (types.Bool, error) {
+	if obj.IsNull() || !obj.IsKnown() {
+		return types.BoolNull(), fmt.Errorf("reading %s: the object is null or unknown", name)
+	}
+	got, _, err := tftypes.WalkAttributePath(obj, tftypes.NewAttributePath().WithAttributeName(name))
+	if err != nil {
+		return types.BoolNull(), fmt.Errorf("reading %s: %w", name, err)
+	}
+	v, ok := got.(tftypes.Value)
+	if !ok {
+		return types.BoolNull(), fmt.Errorf("reading %s: got a %T, not a value", name, got)
+	}
+	b, err := types.BoolType.ValueFromTerraform(context.Background(), v)
+	if err != nil {
+		return types.BoolNull(), fmt.Errorf("reading %s: %w", name, err)
+	}
+	out, ok := b.(types.Bool)
+	if !ok {
+		return types.BoolNull(), fmt.Errorf("reading %s: got a %T, not a bool", name, b)
+	}
+	return out, nil
+}
+
 // rawString reads a top-level string attribute straight from a config, plan
 // or state object, without the schema look-ups GetAttribute makes (which
 // copy the schema's attribute map at every step): for the checks that run

@@ -18,6 +18,8 @@ import (
 	"github.com/hashicorp/terraform-plugin-framework/diag"
 	"github.com/hashicorp/terraform-plugin-framework/path"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/booldefault"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/boolplanmodifier"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/int64planmodifier"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/listplanmodifier"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/mapplanmodifier"
@@ -38,6 +40,7 @@ const (
 	waitForRunning   = "running"
 	waitForIP        = "ip"
 	waitForCloudInit = "cloud_init"
+	waitForAgent     = "agent"
 )
 
 // consoleTailLines is how much of the serial console a failed wait shows.
@@ -55,6 +58,7 @@ type guestModel struct {
 	UserDataWO        types.String `tfsdk:"user_data_wo"`
 	UserDataWOVersion types.Int64  `tfsdk:"user_data_wo_version"`
 	WaitFor           types.String `tfsdk:"wait_for"`
+	GuestAgent        types.Bool   `tfsdk:"guest_agent"`
 }
 
 // guestResourceAttributes are kvm_vm's guest configuration attributes.
@@ -142,11 +146,29 @@ func guestResourceAttributes() map[string]schema.Attribute {
 				"times out fails with the last lines of the VM's serial console in the error; the VM is kept in " +
 				"state as tainted, so the next apply replaces it and nothing is left behind. `ip` and `cloud_init` " +
 				"need a running VM and an image that reports them (the Debian cloud image does, and the busybox " +
-				"image does when it has guest configuration). Changing it changes nothing on the VM.",
+				"image does when it has guest configuration). `agent` waits for the QEMU guest agent to answer " +
+				"(it needs `guest_agent = true` and an image that runs `qemu-guest-agent`, as the Debian image " +
+				"does); the addresses it reports are then in each `network_interface`'s `ipv4_addresses` right " +
+				"after apply. Changing it changes nothing on the VM.",
 			Optional:   true,
 			Computed:   true,
 			Default:    stringdefault.StaticString(waitForRunning),
-			Validators: []validator.String{stringvalidator.OneOf(waitForRunning, waitForIP, waitForCloudInit)},
+			Validators: []validator.String{stringvalidator.OneOf(waitForRunning, waitForIP, waitForCloudInit, waitForAgent)},
+		},
+		"guest_agent": schema.BoolAttribute{
+			MarkdownDescription: "Adds the QEMU guest agent channel (a virtio-serial port named " +
+				"`org.qemu.guest_agent.0`). When the guest runs `qemu-guest-agent` (the Debian image does; install " +
+				"it in your own images), the addresses it reports appear in each `network_interface`'s " +
+				"`ipv4_addresses` (on every network mode, also where the network assigns no address), " +
+				"`wait_for = \"agent\"` can wait for it, a stop asks it to power the guest off before the ACPI " +
+				"power button, and a `kvm_fork`'s snapshot freezes the guest's file systems so that each child's " +
+				"disk is consistent. Without a guest agent in the guest the VM behaves as without the channel. " +
+				"A VM with it boots cold (the warm pool's VMs have no channel); a fork's children inherit it. " +
+				"Default `false`; **changing it replaces the VM**.",
+			Optional:      true,
+			Computed:      true,
+			Default:       booldefault.StaticBool(false),
+			PlanModifiers: []planmodifier.Bool{boolplanmodifier.RequiresReplace()},
 		},
 	}
 }
@@ -283,6 +305,7 @@ func guestCreate(ctx context.Context, in *api.VMCreate, plan *vmModel, userDataW
 		in.UserData = userDataWO.ValueString()
 	}
 	in.NetworkConfig = plan.NetworkConfig.ValueString()
+	in.GuestAgent = plan.GuestAgent.ValueBool()
 	if !plan.SSHAuthorizedKeys.IsNull() && !plan.SSHAuthorizedKeys.IsUnknown() {
 		diags.Append(plan.SSHAuthorizedKeys.ElementsAs(ctx, &in.SSHAuthorizedKeys, false)...)
 	}
@@ -364,6 +387,12 @@ const (
 // must be the applied one.
 func waitForGuest(ctx context.Context, c *client.Client, vm api.VM, waitFor string) (api.GuestStatus, error) {
 	state := func(g api.GuestStatus) string {
+		if waitFor == waitForAgent {
+			if g.GuestAgent == api.GuestAgentReady {
+				return guestReady
+			}
+			return guestWaiting
+		}
 		if waitFor == waitForIP {
 			if len(g.IPv4Addresses) > 0 {
 				return guestReady
@@ -405,6 +434,10 @@ func waitForGuest(ctx context.Context, c *client.Client, vm api.VM, waitFor stri
 			return fmt.Errorf("the guest read user data with SHA-256 %s, but the VM's is %s", g.UserDataSHA256, vm.UserDataSHA256)
 		},
 		TimedOut: func(g api.GuestStatus, _ string, err error) error {
+			if waitFor == waitForAgent {
+				return fmt.Errorf("the QEMU guest agent had not answered (its state: %q) when the timeout ended; "+
+					"check that the image runs qemu-guest-agent: %w", g.GuestAgent, err)
+			}
 			if waitFor == waitForIP {
 				return fmt.Errorf("the guest reported no IPv4 address on its console when the timeout ended: %w", err)
 			}

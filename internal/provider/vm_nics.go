@@ -30,17 +30,19 @@ var forwardAttrTypes = map[string]attr.Type{
 }
 
 var nicAttrTypes = map[string]attr.Type{
-	"network":      types.StringType,
-	"ipv4_address": types.StringType,
-	"mac_address":  types.StringType,
-	"port_forward": types.ListType{ElemType: types.ObjectType{AttrTypes: forwardAttrTypes}},
+	"network":        types.StringType,
+	"ipv4_address":   types.StringType,
+	"mac_address":    types.StringType,
+	"ipv4_addresses": types.ListType{ElemType: types.StringType},
+	"port_forward":   types.ListType{ElemType: types.ObjectType{AttrTypes: forwardAttrTypes}},
 }
 
 type nicModel struct {
-	Network     types.String   `tfsdk:"network"`
-	IPv4Address types.String   `tfsdk:"ipv4_address"`
-	MACAddress  types.String   `tfsdk:"mac_address"`
-	PortForward []forwardModel `tfsdk:"port_forward"`
+	Network       types.String   `tfsdk:"network"`
+	IPv4Address   types.String   `tfsdk:"ipv4_address"`
+	MACAddress    types.String   `tfsdk:"mac_address"`
+	IPv4Addresses types.List     `tfsdk:"ipv4_addresses"`
+	PortForward   []forwardModel `tfsdk:"port_forward"`
 }
 
 type forwardModel struct {
@@ -79,6 +81,15 @@ func networkInterfaceBlock() schema.ListNestedBlock {
 					MarkdownDescription: "MAC address, derived from the VM id (stable, locally administered).",
 					Computed:            true,
 					PlanModifiers:       fixed,
+				},
+				"ipv4_addresses": schema.ListAttribute{
+					MarkdownDescription: "IPv4 addresses the guest reports on this NIC (matched by its MAC) through " +
+						"the QEMU guest agent, for a VM with `guest_agent = true` whose guest runs " +
+						"`qemu-guest-agent`: on any network mode, also a `bridge` network without a `cidr`, where the " +
+						"control plane assigns none. Read at each refresh while the VM runs (and right after apply " +
+						"with `wait_for = \"agent\"`); null while the guest agent does not answer.",
+					ElementType: types.StringType,
+					Computed:    true,
 				},
 			},
 			Blocks: map[string]schema.Block{
@@ -208,11 +219,21 @@ func nicsValue(nics []api.NetworkInterface, withBlocks bool) types.List {
 			}))
 		}
 		elems = append(elems, types.ObjectValueMust(nicAttrTypes, map[string]attr.Value{
-			"network":      types.StringValue(n.Network),
-			"ipv4_address": optionalString(n.IPv4Address),
-			"mac_address":  optionalString(n.MACAddress),
-			"port_forward": types.ListValueMust(types.ObjectType{AttrTypes: forwardAttrTypes}, fwds),
+			"network":        types.StringValue(n.Network),
+			"ipv4_address":   optionalString(n.IPv4Address),
+			"mac_address":    optionalString(n.MACAddress),
+			"ipv4_addresses": guestAddresses(n.IPv4Addresses),
+			"port_forward":   types.ListValueMust(types.ObjectType{AttrTypes: forwardAttrTypes}, fwds),
 		}))
 	}
 	return types.ListValueMust(elemType, elems)
+}
+
+// guestAddresses is a NIC's ipv4_addresses: null when the guest agent
+// reported none.
+func guestAddresses(addrs []string) types.List {
+	if len(addrs) == 0 {
+		return types.ListNull(types.StringType)
+	}
+	return stringList(addrs)
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringdefault"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringplanmodifier"
 	"github.com/hashicorp/terraform-plugin-framework/schema/validator"
+	"github.com/hashicorp/terraform-plugin-framework/tfsdk"
 	"github.com/hashicorp/terraform-plugin-framework/types"
 	"github.com/hashicorp/terraform-plugin-log/tflog"
 
@@ -66,6 +67,7 @@ func (m *vmModel) setNICs(vm api.VM, withBlocks bool) {
 	if m.VolumeAttachments.ElementType(context.Background()) == nil {
 		m.VolumeAttachments = volumeAttachmentsValue(vm.Volumes)
 	}
+	m.GuestAgent = types.BoolValue(vm.GuestAgent)
 }
 
 func (r *vmResource) Metadata(_ context.Context, req resource.MetadataRequest, resp *resource.MetadataResponse) {
@@ -298,10 +300,22 @@ func (r *vmResource) ValidateConfig(ctx context.Context, req resource.ValidateCo
 		resp.Diagnostics.AddError(summaryPlanVM, fmt.Sprintf("Validating a kvm_vm configuration: %s. This is a bug in the provider; please report it.", err))
 		return
 	}
+	if waitFor.ValueString() == waitForAgent {
+		agentOn, err := rawBool(req.Config.Raw, "guest_agent")
+		if err != nil {
+			resp.Diagnostics.AddError(summaryPlanVM, fmt.Sprintf("Validating a kvm_vm configuration: %s. This is a bug in the provider; please report it.", err))
+			return
+		}
+		if !agentOn.IsUnknown() && !agentOn.ValueBool() {
+			resp.Diagnostics.AddAttributeError(path.Root("wait_for"), summaryInvalidWait,
+				"wait_for = \"agent\" waits for the QEMU guest agent, which needs its channel: set guest_agent = true "+
+					"(and use an image that runs qemu-guest-agent), or wait for something else.")
+		}
+	}
 	if power.ValueString() != api.PowerStopped {
 		return
 	}
-	if w := waitFor.ValueString(); w == waitForIP || w == waitForCloudInit {
+	if w := waitFor.ValueString(); w == waitForIP || w == waitForCloudInit || w == waitForAgent {
 		resp.Diagnostics.AddAttributeError(path.Root("wait_for"), summaryInvalidWait, fmt.Sprintf(
 			"wait_for = %q needs a running guest, but power_state is \"stopped\". Use wait_for = \"running\" "+
 				"(or leave it out) for a stopped VM.", w))
@@ -402,15 +416,33 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 			vm.ID, vm.Name, in.PowerState, waitErr, consoleTail(ctx, r.data.client, vm.ID, consoleTailLines)))
 		return
 	}
-	r.waitForGuest(ctx, vm, plan.WaitFor.ValueString(), timeout, "timeouts.create", &resp.Diagnostics)
+	if r.waitForGuest(ctx, vm, plan.WaitFor.ValueString(), timeout, "timeouts.create", &resp.Diagnostics) {
+		r.recordGuestAgentAddresses(ctx, vm.ID, len(nics) > 0, &plan, &resp.State, &resp.Diagnostics)
+	}
+}
+
+// recordGuestAgentAddresses reads the VM again after a wait for its guest
+// agent, so that the addresses it reports are in state right after apply.
+// A failed read only logs: the next refresh fills them.
+func (r *vmResource) recordGuestAgentAddresses(ctx context.Context, id string, withBlocks bool, m *vmModel, st *tfsdk.State, diags *diag.Diagnostics) {
+	if m.WaitFor.ValueString() != waitForAgent {
+		return
+	}
+	vm, err := r.data.client.GetVM(ctx, id)
+	if err != nil {
+		tflog.Warn(ctx, "reading the guest agent's addresses after the wait", map[string]any{"id": id, "error": err.Error()})
+		return
+	}
+	m.setNICs(vm, withBlocks)
+	diags.Append(st.Set(ctx, m)...)
 }
 
 // waitForGuest waits, when wait_for asks for more than a running VM, for
 // the guest to report it, adding an error with the console's last lines when
 // it does not. The VM stays as it is (in state: a failed create taints it).
-func (r *vmResource) waitForGuest(ctx context.Context, vm api.VM, waitFor string, timeout time.Duration, timeoutAttr string, diags *diag.Diagnostics) {
+func (r *vmResource) waitForGuest(ctx context.Context, vm api.VM, waitFor string, timeout time.Duration, timeoutAttr string, diags *diag.Diagnostics) bool {
 	if waitFor == "" || waitFor == waitForRunning || vm.PowerState == api.PowerStopped {
-		return
+		return false
 	}
 	tflog.Info(ctx, "waiting for the guest", map[string]any{"id": vm.ID, "wait_for": waitFor})
 	g, err := waitForGuest(ctx, r.data.client, vm, waitFor)
@@ -421,10 +453,11 @@ func (r *vmResource) waitForGuest(ctx context.Context, vm api.VM, waitFor string
 				"console below, or raise %s (now %s).\n\nLast %d lines of its serial console:\n\n%s",
 			vm.ID, vm.Name, vm.Host, waitFor, err, timeoutAttr, timeout, consoleTailLines,
 			consoleTail(ctx, r.data.client, vm.ID, consoleTailLines)))
-		return
+		return false
 	}
 	tflog.Info(ctx, "the guest is ready", map[string]any{"id": vm.ID, "wait_for": waitFor, "cloud_init": g.CloudInit,
-		"ipv4_addresses": g.IPv4Addresses})
+		"ipv4_addresses": g.IPv4Addresses, "guest_agent": g.GuestAgent})
+	return true
 }
 
 // create sends one logical create: one Idempotency-Key, which the client
@@ -484,6 +517,15 @@ func (r *vmResource) Read(ctx context.Context, req resource.ReadRequest, resp *r
 		tflog.Info(ctx, "VM is "+vm.ObservedState+" with its host; removing it from state", map[string]any{"id": id, "host": vm.Host, "reason": vm.Reason})
 		resp.State.RemoveResource(ctx)
 		return
+	}
+	if vm.GuestAgent && vm.ObservedState == api.StateRunning {
+		// A list leaves out what the guest agent reports (one guest round
+		// trip per VM): read this VM on its own for it.
+		if full, err := r.data.client.GetVM(ctx, id); err == nil {
+			vm = full
+		} else {
+			tflog.Warn(ctx, "reading the guest agent's addresses; they stay as they were", map[string]any{"id": id, "error": err.Error()})
+		}
 	}
 	prior := state
 	state.fromAPI(vm, observedPowerState(vm))
@@ -582,7 +624,9 @@ func (r *vmResource) Update(ctx context.Context, req resource.UpdateRequest, res
 	plan.fromAPI(vm, desiredPowerState(vm))
 	plan.setNICs(vm, hasBlocks(plan.NetworkInterfaces))
 	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
-	r.waitForGuest(ctx, vm, plan.WaitFor.ValueString(), timeout, "timeouts.update", &resp.Diagnostics)
+	if r.waitForGuest(ctx, vm, plan.WaitFor.ValueString(), timeout, "timeouts.update", &resp.Diagnostics) {
+		r.recordGuestAgentAddresses(ctx, vm.ID, hasBlocks(plan.NetworkInterfaces), &plan, &resp.State, &resp.Diagnostics)
+	}
 }
 
 func (r *vmResource) Delete(ctx context.Context, req resource.DeleteRequest, resp *resource.DeleteResponse) {

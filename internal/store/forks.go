@@ -41,9 +41,12 @@ type Fork struct {
 	Owner *string `gorm:"column:owner_replica"`
 	// Guest is the source VM's guest configuration when the fork was made:
 	// each child gets a seed of its own from it (nil: none).
-	Guest     *Guest    `gorm:"column:guest;serializer:json"`
-	CreatedAt time.Time `gorm:"column:created_at"`
-	UpdatedAt time.Time `gorm:"column:updated_at"`
+	Guest *Guest `gorm:"column:guest;serializer:json"`
+	// GuestAgent: the source VM had the QEMU guest agent channel; its
+	// children have it too.
+	GuestAgent bool      `gorm:"column:guest_agent"`
+	CreatedAt  time.Time `gorm:"column:created_at"`
+	UpdatedAt  time.Time `gorm:"column:updated_at"`
 }
 
 // TableName is the table of Fork.

@@ -228,7 +228,7 @@ func (d *AgentDouble) put(w http.ResponseWriter, r *http.Request) {
 		state = agentapi.StateStopped
 	}
 	vm := agentapi.VM{ID: id, Image: spec.Image, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB, DiskMiB: spec.DiskMiB,
-		State: state, StartedFrom: agentapi.StartedCold, CreatedAt: time.Now().UTC(), NICs: nics}
+		State: state, StartedFrom: agentapi.StartedCold, CreatedAt: time.Now().UTC(), NICs: nics, GuestAgent: spec.GuestAgent}
 	d.vms[id] = vm
 	writeAgentJSON(w, http.StatusCreated, vm)
 }
@@ -259,6 +259,18 @@ func (d *AgentDouble) NICs(id string) []agentapi.NIC {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return slices.Clone(d.vms[id].NICs)
+}
+
+// ReportGuestAddresses makes the double answer GET /v1/vms/{id} with addrs
+// as the addresses VM id's guest agent reports on its NIC nic, as an agent
+// does for a VM with guest_agent.
+func (d *AgentDouble) ReportGuestAddresses(id string, nic int, addrs ...string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	vm := d.vms[id]
+	vm.NICs = slices.Clone(vm.NICs)
+	vm.NICs[nic].IPv4Addresses = slices.Clone(addrs)
+	d.vms[id] = vm
 }
 
 // Spec returns the last create spec the double received for a VM.

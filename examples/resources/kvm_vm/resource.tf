@@ -119,6 +119,33 @@ resource "kvm_vm" "worker" {
   wait_for             = "ip"
 }
 
+# With the QEMU guest agent (the Debian image runs qemu-guest-agent): the
+# create waits for it, the addresses it reports are in
+# network_interface[*].ipv4_addresses (also on a bridge network whose
+# addresses the control plane does not assign), stops go through it and a
+# kvm_fork of this VM freezes its file systems for the snapshot.
+resource "kvm_vm" "db" {
+  name        = "db-1"
+  image       = "debian-12"
+  vcpus       = 2
+  memory_mib  = 1024
+  disk_mib    = 8192
+  guest_agent = true
+  wait_for    = "agent"
+
+  network_interface {
+    network = "default"
+  }
+
+  timeouts {
+    create = "20m"
+  }
+}
+
+output "db_addresses" {
+  value = kvm_vm.db.network_interface[0].ipv4_addresses
+}
+
 output "web_placement" {
   value = kvm_vm.web.placement_summary
 }

@@ -38,7 +38,7 @@ type netAgent struct {
 	client *agentapi.Client
 }
 
-func startNetAgent(t *testing.T, dir string) *netAgent {
+func startNetAgent(t *testing.T, dir string, tune ...func(*agent.Config)) *netAgent {
 	t.Helper()
 	ctx := context.Background()
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
@@ -49,7 +49,11 @@ func startNetAgent(t *testing.T, dir string) *netAgent {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, err := agent.New(ctx, agent.Config{StateDir: dir, Driver: d, Token: "agent-token", Logger: log})
+	cfg := agent.Config{StateDir: dir, Driver: d, Token: "agent-token", Logger: log}
+	for _, f := range tune {
+		f(&cfg)
+	}
+	a, err := agent.New(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

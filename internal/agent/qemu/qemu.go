@@ -13,6 +13,8 @@
 //	qemu.log     QEMU's own output (its errors)
 //	qemu.uid     the uid QEMU runs as (sandbox.go)
 //	qmp.sock     the QMP monitor socket
+//	qga.sock     the guest agent channel's socket, for a VM with guest_agent
+//	             (qga.go)
 //	qemu.pid     QEMU's pid file; its path on QEMU's command line names the VM
 package qemu
 
@@ -117,6 +119,11 @@ type Driver struct {
 	consoleMu sync.Mutex
 	consoles  map[int]consoleWatch
 	trimming  bool
+	// qgaLocks hold one guest agent session per VM at a time (qga_vm.go),
+	// under qgaMu; qga counts what the guest agents did.
+	qgaMu    sync.Mutex
+	qgaLocks map[string]*sync.Mutex
+	qga      guestAgentStats
 }
 
 var _ agent.Driver = (*Driver)(nil)
@@ -331,6 +338,9 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, chil
 		args = append(args, "-drive", drive, "-device", blk+",drive=seed")
 	}
 	args = append(args, nics...)
+	if m.GuestAgent {
+		args = append(args, qgaArgs(img.Machine == "microvm")...)
+	}
 	if opts.Paused || opts.Incoming != "" {
 		args = append(args, "-S")
 	}
@@ -399,6 +409,9 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	// Leftovers of an earlier run would confuse the checks below.
 	_ = os.Remove(qmpPathOf(m))
 	_ = os.Remove(pidfileOf(m))
+	_ = os.Remove(qgaPathOf(m))
+	// A new boot is not frozen, whatever the last one was.
+	_ = os.Remove(filepath.Join(m.Dir, frozenMarkerName))
 
 	nics, netns, files, err := d.attachNICs(m, img)
 	if err != nil {
@@ -500,13 +513,23 @@ func (d *Driver) killLeftovers(m *agent.Machine) {
 	}
 }
 
-// Shutdown asks the guest to power off (ACPI power button), waits up to
-// grace, then tells QEMU to quit, then kills it. A guest that ignores ACPI
-// (a busybox init without a handler) ends by the quit after grace.
+// Shutdown asks the guest to power off, waits up to grace, then tells QEMU
+// to quit, then kills it. A VM with the guest agent channel is asked
+// through its guest agent first (guest-shutdown) when it answers, and
+// given grace to power off; the ACPI power button follows when it answers
+// not, or when the guest still runs after grace. A guest that ignores
+// ACPI (a busybox init without a handler) ends by the quit after grace.
 func (d *Driver) Shutdown(ctx context.Context, m *agent.Machine, grace time.Duration) error {
 	pidfile := pidfileOf(m)
 	if alive, _ := checkProcess(m.Process, pidfile); !alive {
 		return d.Kill(ctx, m) // only leftovers found by command line, if any
+	}
+	if m.GuestAgent && d.running(ctx, m) && d.shutdownThroughAgent(ctx, m) {
+		if waitGone(m.Process, pidfile, grace) {
+			d.log.Info("guest powered off", "vm", m.ID, "through", "guest agent")
+			return nil
+		}
+		d.log.Warn("guest still runs after its guest agent took the shutdown; pressing the acpi power button", "vm", m.ID, "grace", grace)
 	}
 	var st qmpStatus
 	qerr := d.withMonitor(ctx, m, func(q *monitor) error {
@@ -566,9 +589,23 @@ func (d *Driver) Pause(ctx context.Context, m *agent.Machine) error {
 	return d.withMonitor(ctx, m, func(q *monitor) error { return q.stop(ctx) })
 }
 
-// Resume continues the vCPUs (QMP cont).
+// Resume continues the vCPUs (QMP cont), and thaws the guest's file
+// systems when a snapshot that kept the VM paused froze them.
 func (d *Driver) Resume(ctx context.Context, m *agent.Machine) error {
-	return d.withMonitor(ctx, m, func(q *monitor) error { return q.cont(ctx) })
+	if err := d.withMonitor(ctx, m, func(q *monitor) error { return q.cont(ctx) }); err != nil {
+		return err
+	}
+	if m.GuestAgent {
+		d.thawIfMarked(ctx, m)
+	}
+	return nil
+}
+
+// running says whether m's QEMU runs its guest (QMP query-status).
+func (d *Driver) running(ctx context.Context, m *agent.Machine) bool {
+	var st qmpStatus
+	err := d.withMonitor(ctx, m, func(q *monitor) (err error) { st, err = q.queryStatus(ctx); return err })
+	return err == nil && st.Running
 }
 
 // Observe checks that the VM's QEMU is alive and is that VM's (pid, start

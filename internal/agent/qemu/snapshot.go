@@ -219,14 +219,28 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 		}
 	}
 
+	// A guest with the guest agent channel syncs and freezes its file
+	// systems before the pause, so that the frozen disk is consistent on
+	// its own (qga_vm.go freeze: a guest agent that does not answer
+	// leaves the snapshot unfrozen, with a warning). The memory state is
+	// saved frozen too: a VM started from it is thawed (Finish).
+	tfreeze := time.Now()
+	frozen := m.GuestAgent && wasRunning && d.freeze(ctx, m)
+	files.FSFrozen = frozen
+	tf := time.Now()
 	d.snapshotPauses.Add(1)
 	t0 := time.Now()
-	// From here the VM is stopped; every failure continues it if it ran.
+	// From here the VM is stopped; every failure continues it if it ran,
+	// and thaws it if it froze.
 	fail := func(err error) (agent.SnapshotFiles, error) {
 		if wasRunning {
 			cctx := context.WithoutCancel(ctx)
 			if cerr := d.rescue(cctx, m, q, func(q *monitor) error { return q.cont(cctx) }); cerr != nil {
 				err = errors.Join(err, fmt.Errorf("continue the vm: %w", cerr))
+			} else if frozen {
+				if terr := d.thaw(cctx, m); terr != nil {
+					err = errors.Join(err, terr)
+				}
 			}
 		}
 		return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
@@ -281,12 +295,25 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 		files.RAM, files.RAMDigest = ramFileName, digest
 	}
 	t3 := time.Now()
-	if wasRunning && !opts.KeepPaused {
+	switch {
+	case wasRunning && !opts.KeepPaused:
 		if err := q.cont(ctx); err != nil {
 			return files, fmt.Errorf("snapshot vm %s: saved, but continuing the vm failed: %w", m.ID, err)
 		}
+		if frozen {
+			// The snapshot is whole either way: a thaw that fails every try
+			// is logged as an error and counted (ThawFailures), and the
+			// fork goes on; its children are thawed on their own.
+			_ = d.thaw(context.WithoutCancel(ctx), m)
+		}
+	case frozen:
+		// Paused, it cannot answer: its resume thaws it.
+		if err := markFrozen(m); err != nil {
+			return files, fmt.Errorf("snapshot vm %s: saved, kept paused with frozen file systems, but recording that failed: %w", m.ID, err)
+		}
 	}
-	d.log.Info("vm snapshotted", "vm", m.ID, "ram_mapped", memfd != "", "switch_ms", t1.Sub(t0).Milliseconds(),
+	d.log.Info("vm snapshotted", "vm", m.ID, "ram_mapped", memfd != "", "fs_frozen", frozen, "freeze_ms", tf.Sub(tfreeze).Milliseconds(),
+		"switch_ms", t1.Sub(t0).Milliseconds(),
 		"state_ms", t2.Sub(t1).Milliseconds(), "ram_ms", t3.Sub(t2).Milliseconds(), "cont_ms", time.Since(t3).Milliseconds())
 	return files, nil
 }
@@ -438,11 +465,14 @@ func (d *Driver) EarlyStarts() int64 { return d.earlyStarts.Load() }
 // pendingSpawn is a child's QEMU started with -incoming defer, waiting
 // for its state.
 type pendingSpawn struct {
-	d       *Driver
-	m       *agent.Machine
-	q       *monitor
-	state   string // the device state file in the snapshot's own directory
-	ram     bool
+	d     *Driver
+	m     *agent.Machine
+	q     *monitor
+	state string // the device state file in the snapshot's own directory
+	ram   bool
+	// frozen: the saved guest's file systems are frozen (a snapshot of a
+	// VM with the guest agent channel): Finish thaws them.
+	frozen  bool
 	t0, t1  time.Time
 	started time.Time
 }
@@ -481,7 +511,8 @@ func (d *Driver) startSpawn(ctx context.Context, m *agent.Machine, dir, at strin
 		d.killLeftovers(m)
 		return nil, fmt.Errorf("start vm %s: set the migration capabilities: %w", m.ID, err)
 	}
-	return &pendingSpawn{d: d, m: m, q: q, state: state, ram: child.ram != "", t0: t0, t1: t1, started: time.Now()}, nil
+	return &pendingSpawn{d: d, m: m, q: q, state: state, ram: child.ram != "", frozen: files.FSFrozen && m.GuestAgent,
+		t0: t0, t1: t1, started: time.Now()}, nil
 }
 
 // Abort implements agent.PendingSpawn.
@@ -518,7 +549,14 @@ func (p *pendingSpawn) Finish(ctx context.Context) error {
 		d.killLeftovers(m)
 		return fmt.Errorf("start vm %s: continue after loading the snapshot: %w", m.ID, err)
 	}
-	d.log.Info("vm continued from snapshot", "vm", m.ID, "ram_mapped", p.ram, "overlay_ms", p.t1.Sub(p.t0).Milliseconds(),
+	t4 := time.Now()
+	if p.frozen {
+		// The guest continues where its source froze: its writers wait
+		// until this thaw. A failure is logged (thaw) and the child runs
+		// on: the guest's own fsfreeze -u, or a restart, ends it.
+		_ = d.thaw(context.WithoutCancel(ctx), m)
+	}
+	d.log.Info("vm continued from snapshot", "vm", m.ID, "ram_mapped", p.ram, "thaw_ms", time.Since(t4).Milliseconds(), "overlay_ms", p.t1.Sub(p.t0).Milliseconds(),
 		"qemu_start_ms", p.started.Sub(p.t1).Milliseconds(), "files_wait_ms", t2.Sub(p.started).Milliseconds(),
 		"load_wait_ms", t3.Sub(t2).Milliseconds(), "cont_ms", time.Since(t3).Milliseconds())
 	return nil

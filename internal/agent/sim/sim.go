@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -256,3 +257,38 @@ var _ agent.DiskResizer = (*Driver)(nil)
 
 // ResizeDisk accepts any growth: a simulated VM has no disk file.
 func (d *Driver) ResizeDisk(context.Context, *agent.Machine, bool, int64) error { return nil }
+
+var _ agent.GuestAgentDriver = (*Driver)(nil)
+
+// userNetGuestAddress is a guest's address on a user-mode network.
+const userNetGuestAddress = "10.0.2.15"
+
+// GuestAddresses is a simulated guest agent: a running VM with the channel
+// reports each NIC's address as the control plane assigned it (by the MAC
+// its guest sees), as a guest configured by DHCP or by its seed would, and
+// 10.0.2.15 on a user-mode NIC (what passt gives a real guest). A
+// paused or stopped one does not answer, like a real guest agent.
+func (d *Driver) GuestAddresses(_ context.Context, m *agent.Machine) (map[string][]string, error) {
+	d.mu.Lock()
+	st := d.state[m.ID]
+	d.mu.Unlock()
+	if !m.GuestAgent || st != agentapi.StateRunning {
+		return nil, fmt.Errorf("vm %s: the simulated guest agent does not answer (guest_agent %v, state %q)", m.ID, m.GuestAgent, st)
+	}
+	nics := m.GuestNICs
+	if len(nics) == 0 {
+		nics = m.NICs
+	}
+	out := map[string][]string{}
+	for _, n := range nics {
+		addr := n.IPv4Address
+		if n.Mode == agentapi.NetworkUser {
+			addr = userNetGuestAddress
+		}
+		if addr != "" {
+			mac := strings.ToLower(n.MACAddress)
+			out[mac] = append(out[mac], addr)
+		}
+	}
+	return out, nil
+}
