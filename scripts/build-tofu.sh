@@ -44,7 +44,6 @@ work=
 trap '[ -z "$work" ] || rm -rf "$work"' EXIT
 build() {
 	local json dir
-	mkdir -p "$cache_root"
 	work=$(mktemp -d "$cache_root/.build-tofu.XXXXXX")
 	log "go mod download $MODULE@v$TOFU_VERSION"
 	# Outside any module, so the checkout's go.mod plays no part.
@@ -68,9 +67,14 @@ build() {
 	log "cached $cached/tofu"
 }
 
+# One build at a time per cache (a CI step and a developer's make may race).
+mkdir -p "$cache_root"
+exec 9>"$cache_root/.lock"
+flock 9
 if [ ! -x "$cached/tofu" ]; then
 	build
 fi
+flock -u 9
 cp "$cached/tofu" "$out/tofu.tmp"
 mv "$out/tofu.tmp" "$out/tofu"
 log "$out/tofu: $(version_of "$out/tofu")"
