@@ -7,7 +7,8 @@
 #   kvmd_<v>_linux_{amd64,arm64}.tar.gz                  kvmd, the systemd units and env files,
 #                                                        the alert rules and the dashboard
 #   kvmd_<v>_SHA256SUMS                                  checksums of the tarballs
-#   mirror/registry.terraform.io/kvmfleet/kvm/<zips>     a filesystem mirror (packed layout)
+#   mirror/registry.terraform.io/kvmfleet/kvm/<zips>     a filesystem mirror (packed layout) for
+#   mirror/registry.opentofu.org/kvmfleet/kvm/<zips>     Terraform and for OpenTofu
 #
 # The zip layout and names are what the Terraform registry and a filesystem
 # mirror expect. VERSION is semver without a leading v; Terraform selects a
@@ -61,9 +62,13 @@ cp "$root/terraform-registry-manifest.json" "$dist/${provider}_${version}_manife
 (cd "$dist" && sha256sum kvmd_"${version}"_*.tar.gz >"kvmd_${version}_SHA256SUMS")
 
 # A filesystem mirror in the packed layout, ready for provider_installation
-# { filesystem_mirror { path = ".../mirror" } }.
-mirror="$dist/mirror/registry.terraform.io/kvmfleet/kvm"
-mkdir -p "$mirror"
-cp "$dist/${provider}_${version}"_*.zip "$mirror/"
+# { filesystem_mirror { path = ".../mirror" } }. source = "kvmfleet/kvm"
+# names registry.terraform.io/kvmfleet/kvm to Terraform and
+# registry.opentofu.org/kvmfleet/kvm to OpenTofu: the mirror holds both.
+for host in registry.terraform.io registry.opentofu.org; do
+	mirror="$dist/mirror/$host/kvmfleet/kvm"
+	mkdir -p "$mirror"
+	cp "$dist/${provider}_${version}"_*.zip "$mirror/"
+done
 log "done: $dist"
 ls -l "$dist" >&2

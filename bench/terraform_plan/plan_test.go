@@ -147,7 +147,9 @@ provider "kvm" {
 `, proxy.URL, control.Token), n), `source = "kvmfleet/kvm"`, `source = "kvmfleet/kvmbase"`, 1))
 		copyFile(t, filepath.Join(vmDir, "terraform.tfstate"), filepath.Join(baseDir, "terraform.tfstate"))
 		terraform(baseDir, "state", "replace-provider", "-auto-approve", "-lock=false",
-			"registry.terraform.io/kvmfleet/kvm", "registry.terraform.io/kvmfleet/kvmbase")
+			// No host: each CLI resolves these against its own registry,
+			// as it did the configuration's sources.
+			"kvmfleet/kvm", "kvmfleet/kvmbase")
 	}
 	floorDirs := map[string]string{}
 	if withFloor {
@@ -226,14 +228,18 @@ provider "kvm" {
 	}
 }
 
-// terraformAndProvider finds the terraform CLI and builds the provider
-// into work/bin, work being a new temporary directory.
+// terraformAndProvider finds the CLI as the provider's acceptance tests do
+// (TF_ACC_TERRAFORM_PATH, a terraform or tofu binary, else terraform on
+// PATH) and builds the provider into work/bin, work being a new temporary
+// directory.
 func terraformAndProvider(t *testing.T) (tf, work, bin string) {
 	t.Helper()
-	tf, err := exec.LookPath("terraform")
+	cli, err := testenv.FindCLI()
 	if err != nil {
-		t.Fatalf("the terraform CLI is not on PATH: %v", err)
+		t.Fatal(err)
 	}
+	t.Logf("CLI: %s v%s (%s)", cli.Product, cli.Version, cli.Path)
+	tf = cli.Path
 	work = t.TempDir()
 	bin = filepath.Join(work, "bin")
 	goBuild(t, filepath.Join(bin, "terraform-provider-kvm"), "./provider")

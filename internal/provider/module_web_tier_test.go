@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
@@ -139,8 +138,8 @@ output "user_data_sha256" {
 	}
 }
 
-// terraformCLI runs the real terraform CLI in a directory of the test's on
-// one configuration, with this provider served in process (reattach), as
+// terraformCLI runs the real CLI (terraform or tofu: see cli_test.go) in a
+// directory of the test's on one configuration, with this provider served in process (reattach), as
 // terraform-plugin-testing does. It exists for configurations that call
 // modules, which terraform-plugin-testing does not support (its state shim
 // refuses child modules, and its init never installs them).
@@ -157,11 +156,10 @@ func newTerraformCLI(t *testing.T, cfg string) *terraformCLI {
 	if err := os.WriteFile(filepath.Join(dir, "main.tf"), []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	bin, err := exec.LookPath("terraform")
-	if err != nil {
-		t.Skip("terraform is not on PATH")
+	if cli.Path == "" {
+		t.Skip("acceptance test: set TF_ACC=1 (make testacc) to run it with the terraform CLI")
 	}
-	tf, err := tfexec.NewTerraform(dir, bin)
+	tf, err := tfexec.NewTerraform(dir, cli.Path)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -169,8 +167,10 @@ func newTerraformCLI(t *testing.T, cfg string) *terraformCLI {
 	reattachCh := make(chan *plugin.ReattachConfig, 1)
 	closed := make(chan struct{})
 	serveErr := make(chan error, 1)
+	// The address the CLI resolves kvmfleet/kvm to (see cli_test.go).
+	addr := cli.ProviderAddress()
 	go func() {
-		serveErr <- tf6server.Serve("registry.terraform.io/kvmfleet/kvm",
+		serveErr <- tf6server.Serve(addr,
 			providerserver.NewProtocol6(provider.New("test")()),
 			tf6server.WithDebug(ctx, reattachCh, closed), tf6server.WithoutLogStderrOverride(),
 			tf6server.WithGoPluginLogger(hclog.NewNullLogger()))
@@ -189,7 +189,7 @@ func newTerraformCLI(t *testing.T, cfg string) *terraformCLI {
 		cancel()
 		<-closed
 	})
-	c := &terraformCLI{Terraform: tf, info: tfexec.ReattachInfo{"registry.terraform.io/kvmfleet/kvm": tfexec.ReattachConfig{
+	c := &terraformCLI{Terraform: tf, info: tfexec.ReattachInfo{addr: tfexec.ReattachConfig{
 		Protocol: string(rc.Protocol), ProtocolVersion: rc.ProtocolVersion, Pid: rc.Pid, Test: true,
 		Addr: tfexec.ReattachConfigAddr{Network: rc.Addr.Network(), String: rc.Addr.String()},
 	}}}

@@ -82,7 +82,7 @@ func guestResourceAttributes() map[string]schema.Attribute {
 			// that an imported VM whose user data matches is not replaced.
 		},
 		"user_data_wo": schema.StringAttribute{
-			MarkdownDescription: "Write-only form of `user_data` (Terraform 1.11 or later): the same limit and " +
+			MarkdownDescription: "Write-only form of `user_data` (Terraform or OpenTofu 1.11 or later): the same limit and " +
 				"meaning, but the value is never stored in the plan or the state. State keeps only its " +
 				"`user_data_sha256` (which the control API reports as well), so a change of the value still " +
 				"shows as a replace; bump `user_data_wo_version` to replace the VM with the same value.",

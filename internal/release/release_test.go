@@ -40,16 +40,17 @@ func run(t *testing.T, ctx context.Context, dir string, env []string, name strin
 
 // TestReleaseInstallsFromAFilesystemMirror builds a release of this
 // machine's platform with scripts/release.sh (what make release runs),
-// checks the zip layout and the checksums, then has the terraform CLI
-// install the provider from the release's filesystem mirror (no
+// checks the zip layout and the checksums, then has the CLI (terraform, or
+// tofu: TF_ACC_TERRAFORM_PATH, see testenv.FindCLI) install the provider from the release's filesystem mirror (no
 // dev_overrides, no network: the CLI config allows the mirror only) and
 // plan examples/quickstart against a control API with a sim host.
 func TestReleaseInstallsFromAFilesystemMirror(t *testing.T) {
 	if os.Getenv("TF_ACC") == "" {
 		t.Skip("acceptance test: set TF_ACC=1 (make test does) to run it with the terraform CLI")
 	}
-	if _, err := exec.LookPath("terraform"); err != nil {
-		t.Skip("the terraform CLI is not on PATH")
+	cli, err := testenv.FindCLI()
+	if err != nil {
+		t.Skip(err.Error())
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
@@ -102,14 +103,15 @@ func TestReleaseInstallsFromAFilesystemMirror(t *testing.T) {
 		t.Errorf("kvmd checksums: %v\n%s", err, kvmdSums)
 	}
 
-	// terraform init from the mirror alone.
+	// init from the mirror alone, under the address the CLI resolves
+	// kvmfleet/kvm to.
 	work := t.TempDir()
 	cliConfig := filepath.Join(work, "terraformrc")
 	mirror := filepath.Join(dist, "mirror")
 	if err := os.WriteFile(cliConfig, []byte(`provider_installation {
   filesystem_mirror {
     path    = "`+mirror+`"
-    include = ["registry.terraform.io/kvmfleet/kvm"]
+    include = ["`+cli.ProviderAddress()+`"]
   }
 }
 `), 0o600); err != nil {
@@ -133,30 +135,30 @@ func TestReleaseInstallsFromAFilesystemMirror(t *testing.T) {
 	}
 	tfEnv = append(tfEnv, "TF_CLI_CONFIG_FILE="+cliConfig, "TF_IN_AUTOMATION=1", "CHECKPOINT_DISABLE=1", "HOME="+work,
 		"KVM_ENDPOINT="+c.URL, "KVM_TOKEN="+c.Token)
-	out := run(t, ctx, work, tfEnv, "terraform", "init", "-input=false", "-no-color")
+	out := run(t, ctx, work, tfEnv, cli.Path, "init", "-input=false", "-no-color")
 	if !strings.Contains(out, "Installed kvmfleet/kvm v"+version) {
-		t.Errorf("terraform init did not install kvmfleet/kvm v%s from the mirror:\n%s", version, out)
+		t.Errorf("%s init did not install kvmfleet/kvm v%s from the mirror:\n%s", cli.Product, version, out)
 	}
 	if strings.Contains(out, "dev_overrides") || strings.Contains(out, "Provider development overrides") {
-		t.Errorf("terraform init used dev_overrides:\n%s", out)
+		t.Errorf("%s init used dev_overrides:\n%s", cli.Product, out)
 	}
 	lock, err := os.ReadFile(filepath.Join(work, ".terraform.lock.hcl"))
-	if err != nil || !bytes.Contains(lock, []byte(`provider "registry.terraform.io/kvmfleet/kvm"`)) ||
+	if err != nil || !bytes.Contains(lock, []byte(`provider "`+cli.ProviderAddress()+`"`)) ||
 		!bytes.Contains(lock, []byte(`version = "`+version+`"`)) {
 		t.Errorf("lock file: %v\n%s", err, lock)
 	}
 
 	// terraform plan of the quickstart: two demo VMs and the cloud-init guest to add (exit code 2).
-	cmd := exec.CommandContext(ctx, "terraform", "plan", "-input=false", "-no-color", "-detailed-exitcode", "-var", "image=sim")
+	cmd := exec.CommandContext(ctx, cli.Path, "plan", "-input=false", "-no-color", "-detailed-exitcode", "-var", "image=sim")
 	cmd.Dir, cmd.Env = work, tfEnv
 	plan, err := cmd.CombinedOutput()
 	var exit *exec.ExitError
 	if err == nil || !errors.As(err, &exit) || exit.ExitCode() != 2 {
-		t.Fatalf("terraform plan: %v (want exit status 2: changes)\n%s", err, plan)
+		t.Fatalf("%s plan: %v (want exit status 2: changes)\n%s", cli.Product, err, plan)
 	}
 	for _, want := range []string{"kvm_vm.demo[0] will be created", "kvm_vm.demo[1] will be created", "kvm_vm.guest will be created", "Plan: 3 to add, 0 to change, 0 to destroy"} {
 		if !bytes.Contains(plan, []byte(want)) {
-			t.Errorf("terraform plan lacks %q:\n%s", want, plan)
+			t.Errorf("%s plan lacks %q:\n%s", cli.Product, want, plan)
 		}
 	}
 }

@@ -99,7 +99,7 @@ resource "kvm_vm" "app" {
   }
 }
 
-# Secret user data kept out of the plan and the state (Terraform 1.11+):
+# Secret user data kept out of the plan and the state (Terraform or OpenTofu 1.11+):
 # only its SHA-256 is kept. Bump user_data_wo_version to replace the VM with
 # the same secret (for example after rotating it elsewhere).
 variable "worker_user_data" {
