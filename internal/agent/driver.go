@@ -79,6 +79,9 @@ type Machine struct {
 	// own, at every boot and restore: a VM started from a snapshot of a VM
 	// with a seed has one too, so its devices match.
 	Seed string
+	// Volumes are the volumes attached to the VM (Volumer): a driver
+	// attaches them at every boot, after the seed, with their serials.
+	Volumes []MachineVolume
 }
 
 // Process identifies a VMM process. StartTime (field 22 of /proc/<pid>/stat)

@@ -42,7 +42,7 @@ func warmServes(nics []agentapi.NIC) bool {
 func (a *Agent) createWarm(ctx context.Context, e *vmEntry, r vmRecord, spec agentapi.VMSpec) (agentapi.VM, bool) {
 	p := a.pool
 	// A VM with a seed boots cold: a warm VM booted before its seed existed.
-	if p.wd == nil || spec.NoWarm || spec.Stopped || spec.Snapshot != nil || spec.Seed != nil || !warmServes(spec.NICs) {
+	if p.wd == nil || spec.NoWarm || spec.Stopped || spec.Snapshot != nil || spec.Seed != nil || len(spec.Volumes) > 0 || !warmServes(spec.NICs) {
 		return agentapi.VM{}, false
 	}
 	key := poolKey{spec.Image, spec.VCPUs, spec.MemoryMiB, spec.DiskMiB}

@@ -52,13 +52,15 @@ type vmRecord struct {
 	// Seed is the VM's NoCloud seed (guest.go), built into seed.iso in its
 	// directory and attached at every boot; nil: no seed disk.
 	Seed *agentapi.SeedSpec `json:"seed,omitempty"`
+	// Volumes are the volumes attached to the VM (volume_attach.go).
+	Volumes []vmVolume `json:"volumes,omitempty"`
 }
 
 func (r *vmRecord) wire() agentapi.VM {
 	return agentapi.VM{
 		ID: r.ID, Image: r.Image, VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB,
 		State: r.State, Reason: r.Reason, StartedFrom: r.StartedFrom, PID: r.Process.PID,
-		NICs: cloneNICs(r.NICs), CreatedAt: r.CreatedAt,
+		NICs: cloneNICs(r.NICs), CreatedAt: r.CreatedAt, Volumes: wireVolumes(r.Volumes),
 	}
 }
 

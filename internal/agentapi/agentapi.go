@@ -99,6 +99,9 @@ type VMSpec struct {
 	// the VM's directory and attaches it read-only as a virtio disk after
 	// the VM's own disk. Nil: no seed disk.
 	Seed *SeedSpec `json:"seed,omitempty"`
+	// Volumes are attached before the guest boots, as virtio-blk disks
+	// after the seed with serial VolumeSerial(id), in order.
+	Volumes []VolumeAttachment `json:"volumes,omitempty"`
 }
 
 // SeedSpec is what goes into a VM's NoCloud seed (internal/agent/seed).
@@ -195,6 +198,8 @@ type VM struct {
 	PID         int       `json:"pid,omitempty"`
 	NICs        []NIC     `json:"nics,omitempty"`
 	CreatedAt   time.Time `json:"created_at"`
+	// Volumes are the volumes attached to the VM.
+	Volumes []VolumeAttachment `json:"volumes,omitempty"`
 }
 
 // VMList is the answer of GET /v1/vms: every VM on the agent.

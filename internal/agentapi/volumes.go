@@ -1,0 +1,69 @@
+package agentapi
+
+import "strings"
+
+// Volume states on an agent.
+const VolumeReady = "ready"
+
+// VolumeSerial is the virtio-blk serial a guest sees volume id's disk by
+// (/dev/disk/by-id/virtio-<serial>): the first 20 hex digits of the id
+// with its dashes removed, the 20 bytes a virtio-blk serial holds. Volume
+// ids are random (UUIDv4), so 80 bits tell the volumes of one guest apart.
+func VolumeSerial(id string) string {
+	s := strings.ReplaceAll(id, "-", "")
+	if len(s) > 20 {
+		s = s[:20]
+	}
+	return s
+}
+
+// VolumeSource is where a new volume's content comes from: at most one of
+// Image (the disk content of an image on the agent, grown to the volume's
+// size) and Volume (a copy-on-write clone of another volume on the same
+// agent). Neither: an empty disk.
+type VolumeSource struct {
+	Image  string `json:"image,omitempty"`
+	Volume string `json:"volume,omitempty"`
+}
+
+// VolumeSpec is the body of PUT /v1/volumes/{id}: create the volume with
+// that id. The same id with the same spec again returns the volume.
+type VolumeSpec struct {
+	SizeMiB int64         `json:"size_mib"`
+	Source  *VolumeSource `json:"source,omitempty"`
+}
+
+// Volume is one volume on an agent: a qcow2 disk that outlives the VMs it
+// is attached to.
+type Volume struct {
+	ID      string `json:"id"`
+	SizeMiB int64  `json:"size_mib"`
+	Serial  string `json:"serial"`
+	State   string `json:"state"`
+	// AttachedTo is the VM the volume is attached to ("" when none; the
+	// first by id when it is attached read-only to several), ReadOnly how.
+	AttachedTo string `json:"attached_to"`
+	ReadOnly   bool   `json:"read_only"`
+	// AllocatedBytes is the host disk its own file takes now (not the
+	// frozen files it shares with its clones).
+	AllocatedBytes int64         `json:"allocated_bytes"`
+	Source         *VolumeSource `json:"source,omitempty"`
+}
+
+// VolumeList is the answer of GET /v1/volumes.
+type VolumeList struct {
+	Items []Volume `json:"items"`
+}
+
+// VolumeResize is the body of POST /v1/volumes/{id}/resize: the volume's
+// new size. Volumes grow, never shrink; the same size changes nothing.
+type VolumeResize struct {
+	SizeMiB int64 `json:"size_mib"`
+}
+
+// VolumeAttachment is one volume of a VM: VMSpec.Volumes, and the body of
+// PUT /v1/vms/{vm}/volumes/{volume} (where ID is the path's).
+type VolumeAttachment struct {
+	ID       string `json:"id,omitempty"`
+	ReadOnly bool   `json:"read_only"`
+}
