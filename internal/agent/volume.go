@@ -151,6 +151,10 @@ func (a *Agent) basePath(name string) string { return filepath.Join(a.basesDir()
 // can move.
 func baseRef(name string) string { return filepath.Join("..", basesDirName, name) }
 
+// ErrVolumeConflict is what a Volumer returns for a volume operation the VM
+// cannot take in its state (a 409 with the message).
+func ErrVolumeConflict(format string, args ...any) error { return errConflict(format, args...) }
+
 func checkVolumeID(id string) *Error {
 	if !idPattern.MatchString(id) {
 		return errInvalid("volume id %q is not valid: use 1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit", id)

@@ -331,6 +331,7 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, chil
 		args = append(args, "-drive", drive, "-device", blk+",drive=seed")
 	}
 	args = append(args, nics...)
+	args = append(args, volumeArgs(m, img)...)
 	if opts.Paused || opts.Incoming != "" {
 		args = append(args, "-S")
 	}
