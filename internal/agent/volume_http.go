@@ -15,6 +15,7 @@ import (
 //	GET    /v1/volumes/{id}              one volume (404 unknown)
 //	DELETE /v1/volumes/{id}              204 (unknown too); 409 volume_attached
 //	POST   /v1/volumes/{id}/resize       grow (online when attached); smaller: 400
+//	GET    /v1/volumes/{id}/content      the volume as one qcow2, sha256 in X-Volume-Sha256 (volume_content.go)
 //	PUT    /v1/vms/{vm}/volumes/{id}     attach {read_only} (hot when the vm runs)
 //	DELETE /v1/vms/{vm}/volumes/{id}     detach (hot); 204 also when not attached
 func (a *Agent) volumeRoutes(g *echo.Group) {
@@ -23,6 +24,7 @@ func (a *Agent) volumeRoutes(g *echo.Group) {
 	g.GET("/volumes/:id", a.getVolume)
 	g.DELETE("/volumes/:id", a.deleteVolume)
 	g.POST("/volumes/:id/resize", a.postVolumeResize)
+	g.GET("/volumes/:id/content", a.getVolumeContent)
 	g.PUT("/vms/:id/volumes/:volume", a.putVMVolume)
 	g.DELETE("/vms/:id/volumes/:volume", a.deleteVMVolume)
 }

@@ -3,6 +3,8 @@ package agent_test
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"io"
@@ -327,5 +329,43 @@ func TestVolumeAttachAtCreateAndHot(t *testing.T) {
 	}
 	if err := h2.client.DeleteVolume(ctx, volB); err != nil {
 		t.Fatalf("delete detached volume: %v", err)
+	}
+}
+
+// The source side of a move: the content comes with the sha256 of what is
+// sent, and a volume that a running VM has attached is refused.
+func TestVolumeContentStreamsWithItsDigest(t *testing.T) {
+	h := startHarness(t, t.TempDir(), 0)
+	ctx := context.Background()
+	if _, err := h.client.CreateVolume(ctx, volA, agentapi.VolumeSpec{SizeMiB: 1}); err != nil {
+		t.Fatal(err)
+	}
+	marker := []byte("kvm-marker:volume-content")
+	if err := os.WriteFile(filepath.Join(h.dir, "volumes", volA, "disk.qcow2"), marker, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	body, digest, size, err := h.client.OpenVolumeContent(ctx, volA)
+	if err != nil {
+		t.Fatalf("content: %v", err)
+	}
+	got, err := io.ReadAll(body)
+	_ = body.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := sha256.Sum256(got)
+	if !bytes.Equal(got, marker) || digest != hex.EncodeToString(sum[:]) || size != 1 {
+		t.Fatalf("content %q with sha256 %s, size_mib %d; want %q with its digest, 1", got, digest, size, marker)
+	}
+	if entries, _ := os.ReadDir(filepath.Join(h.dir, "volumes")); len(entries) != 2 {
+		t.Fatalf("volumes directory after an export has %d entries, want the volume and .bases", len(entries))
+	}
+	withVol := spec
+	withVol.Volumes = []agentapi.VolumeAttachment{{ID: volA}}
+	if _, err := h.client.CreateVM(ctx, "vm-1", withVol); err != nil {
+		t.Fatal(err)
+	}
+	if st, e, _ := call(t, h, http.MethodGet, "/v1/volumes/"+volA+"/content", nil); st != http.StatusConflict || e.Code != agent.CodeVolumeAttached {
+		t.Fatalf("content of an attached volume: %d %+v, want 409 volume_attached", st, e)
 	}
 }

@@ -410,3 +410,23 @@ func (c *Client) AttachVolume(ctx context.Context, vm, volume string, readOnly b
 func (c *Client) DetachVolume(ctx context.Context, vm, volume string) error {
 	return c.do(ctx, http.MethodDelete, "/v1/vms/"+url.PathEscape(vm)+"/volumes/"+url.PathEscape(volume), nil, nil, 6*c.timeout)
 }
+
+// OpenVolumeContent streams a volume as one qcow2 (for a move to another
+// agent) and returns the sha256 the source sent for it and its size_mib.
+// The caller closes the body and checks the digest as it reads.
+func (c *Client) OpenVolumeContent(ctx context.Context, id string) (body io.ReadCloser, sha256 string, sizeMiB int64, err error) {
+	req, err := c.newRequest(ctx, http.MethodGet, "/v1/volumes/"+url.PathEscape(id)+"/content", nil)
+	if err != nil {
+		return nil, "", 0, err
+	}
+	resp, err := c.core.HTTP.Do(req)
+	if err != nil {
+		return nil, "", 0, fmt.Errorf("agent volume %s content: %w: %v", id, ErrUnavailable, err)
+	}
+	if resp.StatusCode >= 300 {
+		defer func() { _ = resp.Body.Close() }()
+		return nil, "", 0, decodeError("volume content "+id, resp)
+	}
+	size, _ := strconv.ParseInt(resp.Header.Get("X-Volume-Size-Mib"), 10, 64)
+	return resp.Body, resp.Header.Get("X-Volume-Sha256"), size, nil
+}

@@ -281,3 +281,15 @@ func nodeGone(ctx context.Context, q *monitor, v agent.MachineVolume) bool {
 	_, node, err := volumePresence(ctx, q, v)
 	return err == nil && !node
 }
+
+// ExportVolumeDisk writes v as one qcow2 at dst, its frozen bases folded
+// in (qemu-img convert), so that another agent can take it alone.
+func (d *Driver) ExportVolumeDisk(ctx context.Context, v agent.MachineVolume, dst string) error {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, d.qemuImg, "convert", "-q", "-f", "qcow2", "-O", "qcow2", v.Path, dst).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("qemu-img convert %s: %w: %s", v.Path, err, bytes.TrimSpace(out))
+	}
+	return nil
+}

@@ -152,6 +152,17 @@ func TestVolumeReadOnlyAtBootSurvivesRestart(t *testing.T) {
 	if !re.Match(cmdline) {
 		t.Fatalf("qemu command line has no read-only volume node: %q", strings.ReplaceAll(string(cmdline), "\x00", " "))
 	}
+	// QEMU opened the volume as root before it dropped to its vm's uid:
+	// that uid (like any other vm's) can neither read nor write the file.
+	if os.Geteuid() == 0 {
+		id := readProcIdentity(t, vm.PID)
+		file := volumeFile(t, a.StateDir, volData)
+		for _, op := range []string{"-r", "-w"} {
+			if canAs(t, id, op, file) {
+				t.Errorf("vm ro's qemu uid %d passes test %s on its volume %s; want volumes reachable by no vm's uid", id.uids[0], op, file)
+			}
+		}
+	}
 	a.Restart(t)
 	if _, err := a.Client.Action(ctx, "ro", agentapi.ActionStop); err != nil {
 		t.Fatal(err)

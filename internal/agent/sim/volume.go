@@ -3,6 +3,7 @@ package sim
 import (
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"slices"
 	"sort"
@@ -69,4 +70,22 @@ func (d *Driver) Plugged(id string) []string {
 	}
 	sort.Strings(out)
 	return slices.Clip(out)
+}
+
+// ExportVolumeDisk copies the volume's file.
+func (d *Driver) ExportVolumeDisk(_ context.Context, v agent.MachineVolume, dst string) error {
+	in, err := os.Open(v.Path)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = in.Close() }()
+	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(out, in); err != nil {
+		_ = out.Close()
+		return err
+	}
+	return out.Close()
 }
