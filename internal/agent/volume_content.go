@@ -25,6 +25,10 @@ import (
 // self-contained file (no backing file), for a move to another agent.
 type VolumeExporter interface {
 	ExportVolumeDisk(ctx context.Context, v MachineVolume, dst string) error
+	// CheckPulledVolumeDisk refuses a file pulled from another agent that
+	// is not a plain disk of its own: one that names a backing or data
+	// file would make this host's VMs read files of the peer's choosing.
+	CheckPulledVolumeDisk(ctx context.Context, path string) error
 }
 
 // Header names of GET /v1/volumes/{id}/content.
@@ -101,4 +105,80 @@ func (a *Agent) getVolumeContent(c echo.Context) error {
 		a.log.Warn("send volume content", "volume", id, "err", err)
 	}
 	return nil
+}
+
+// pullVolume streams volume r from the agent its source names into disk
+// (a file of the new volume's partial directory), checking the sha256
+// while it writes: the one the control plane gave, else the one the
+// source sent. The driver then checks that the file is a plain disk that
+// names no other file, and it is grown to the size asked for.
+func (a *Agent) pullVolume(ctx context.Context, vd Volumer, r *volumeRecord, disk string) error {
+	ex, ok := vd.(VolumeExporter)
+	if !ok {
+		return errConflict("the %s driver of this agent cannot take volumes from other agents", a.cfg.Driver.Name())
+	}
+	src := r.Source.Peer
+	addr, err := agentapi.CheckAddress(src.Agent)
+	if err != nil {
+		return errInvalid("source.peer.agent: %v", err)
+	}
+	key, err := agentapi.DecodeKey(src.PublicKey)
+	if err != nil {
+		return errInvalid("source.peer.public_key (the identity key the control plane pinned for %s): %v", src.Agent, err)
+	}
+	if src.Digest != "" && !sha256Pattern.MatchString(src.Digest) {
+		return errInvalid("source.peer.digest %q is not a sha256 (64 hex digits)", src.Digest)
+	}
+	p := &peer{address: addr, key: key}
+	c, err := a.peerClient(ctx, p)
+	if err != nil {
+		return errVolumePull(r.ID, addr, err)
+	}
+	body, sent, sizeMiB, err := c.OpenVolumeContent(ctx, r.ID)
+	if err != nil {
+		return errVolumePull(r.ID, addr, err)
+	}
+	defer func() { _ = body.Close() }()
+	want := src.Digest
+	switch {
+	case want == "":
+		want = sent
+	case sent != want:
+		return errVolumePull(r.ID, addr, fmt.Errorf("it sends content with sha256 %s, the move expects %s", sent, want))
+	}
+	if sizeMiB > r.SizeMiB {
+		e := errInvalid("size_mib %d is smaller than the %d MiB of volume %s on %s", r.SizeMiB, sizeMiB, r.ID, addr)
+		e.Details = map[string]any{"size_mib": r.SizeMiB, "source_size_mib": sizeMiB}
+		return e
+	}
+	out, err := os.OpenFile(disk, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
+	if err != nil {
+		return err
+	}
+	h := sha256.New()
+	n, err := io.Copy(io.MultiWriter(out, h), body)
+	if cerr := out.Close(); err == nil {
+		err = cerr
+	}
+	got := hex.EncodeToString(h.Sum(nil))
+	switch {
+	case err != nil:
+		return errVolumePull(r.ID, addr, fmt.Errorf("transfer failed after %d bytes: %w", n, err))
+	case got != want:
+		return errVolumePull(r.ID, addr, fmt.Errorf("content has sha256 %s, want %s: corrupted in transit or changed at the source; refused", got, want))
+	}
+	if err := ex.CheckPulledVolumeDisk(ctx, disk); err != nil {
+		return errVolumePull(r.ID, addr, fmt.Errorf("refused: %w", err))
+	}
+	if r.SizeMiB > sizeMiB {
+		return vd.ResizeVolumeDisk(ctx, disk, r.SizeMiB)
+	}
+	return nil
+}
+
+// errVolumePull is the error of a volume pull that failed because of the
+// other agent or the transfer (a 502: retrying may help; nothing is kept).
+func errVolumePull(id, address string, err error) *Error {
+	return &Error{Status: http.StatusBadGateway, Code: CodeUnavailable,
+		Message: fmt.Sprintf("pull volume %s from agent %s failed", id, address), Err: err}
 }

@@ -31,10 +31,16 @@ func (a *Agent) CreateVolume(ctx context.Context, id string, spec agentapi.Volum
 		return agentapi.Volume{}, false, err
 	}
 	if s := spec.Source; s != nil {
+		given := 0
+		for _, set := range []bool{s.Image != "", s.Volume != "", s.Peer != nil} {
+			if set {
+				given++
+			}
+		}
 		switch {
-		case s.Image != "" && s.Volume != "":
-			return agentapi.Volume{}, false, errInvalid("source names both image %s and volume %s: give one", s.Image, s.Volume)
-		case s.Image == "" && s.Volume == "":
+		case given > 1:
+			return agentapi.Volume{}, false, errInvalid("source names more than one of image, volume and peer: give one")
+		case given == 0:
 			spec.Source = nil
 		case s.Volume == id:
 			return agentapi.Volume{}, false, errInvalid("volume %s cannot be a clone of itself", id)
@@ -90,13 +96,24 @@ func (a *Agent) CreateVolume(ctx context.Context, id string, spec agentapi.Volum
 
 func sameVolumeSpec(r *volumeRecord, spec agentapi.VolumeSpec) bool {
 	var have, want agentapi.VolumeSource
+	var havePeer, wantPeer agentapi.VolumePeer
 	if r.Source != nil {
 		have = *r.Source
+		if have.Peer != nil {
+			havePeer = *have.Peer
+		}
 	}
 	if spec.Source != nil {
 		want = *spec.Source
+		if want.Peer != nil {
+			wantPeer = *want.Peer
+		}
 	}
-	return have == want && r.SizeMiB == spec.SizeMiB
+	// A pulled volume is the same whatever digest the retry names: the
+	// first pull checked its own.
+	havePeer.Digest, wantPeer.Digest = "", ""
+	return have.Image == want.Image && have.Volume == want.Volume && (have.Peer == nil) == (want.Peer == nil) &&
+		havePeer == wantPeer && r.SizeMiB == spec.SizeMiB
 }
 
 func describeSource(s *agentapi.VolumeSource) string {
@@ -105,6 +122,8 @@ func describeSource(s *agentapi.VolumeSource) string {
 		return "empty"
 	case s.Image != "":
 		return "image " + s.Image
+	case s.Peer != nil:
+		return "agent " + s.Peer.Agent
 	default:
 		return "volume " + s.Volume
 	}
@@ -132,6 +151,10 @@ func (a *Agent) createVolumeLocked(ctx context.Context, vd Volumer, id string, s
 	}
 	disk := filepath.Join(partial, volumeDiskFile)
 	switch {
+	case spec.Source != nil && spec.Source.Peer != nil:
+		if err := a.pullVolume(ctx, vd, r, disk); err != nil {
+			return nil, err
+		}
 	case spec.Source != nil && spec.Source.Volume != "":
 		if err := a.cloneVolume(ctx, vd, r, partial); err != nil {
 			return nil, err

@@ -369,3 +369,48 @@ func TestVolumeContentStreamsWithItsDigest(t *testing.T) {
 		t.Fatalf("content of an attached volume: %d %+v, want 409 volume_attached", st, e)
 	}
 }
+
+// A move: the target pulls the volume from the source agent after the
+// source proved its pinned identity, with the digest checked while it
+// streams; a transfer whose digest is not the expected one is refused and
+// leaves nothing.
+func TestVolumePullFromPeer(t *testing.T) {
+	src := startHarness(t, t.TempDir(), 0)
+	dst := startHarness(t, t.TempDir(), 0)
+	ctx := context.Background()
+	if _, err := src.client.CreateVolume(ctx, volA, agentapi.VolumeSpec{SizeMiB: 1}); err != nil {
+		t.Fatal(err)
+	}
+	marker := []byte("kvm-marker:moved")
+	if err := os.WriteFile(filepath.Join(src.dir, "volumes", volA, "disk.qcow2"), marker, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	sum := sha256.Sum256(marker)
+	peer := &agentapi.VolumePeer{Agent: src.srv.URL, PublicKey: agentapi.EncodeKey(src.agent.PublicKey())}
+
+	peer.Digest = strings.Repeat("0", 64) // what a tampered transfer looks like to the puller
+	bad := agentapi.VolumeSpec{SizeMiB: 1, Source: &agentapi.VolumeSource{Peer: peer}}
+	if st, e, _ := call(t, dst, http.MethodPut, "/v1/volumes/"+volA, bad); st != http.StatusBadGateway || !strings.Contains(e.Message, "sha256") {
+		t.Fatalf("pull with another digest: %d %+v, want 502 naming the digest", st, e)
+	}
+	if entries, _ := os.ReadDir(filepath.Join(dst.dir, "volumes")); len(entries) != 1 {
+		t.Fatalf("target's volumes directory after a refused pull has %d entries, want only .bases", len(entries))
+	}
+
+	peer.Digest = hex.EncodeToString(sum[:])
+	v, err := dst.client.CreateVolume(ctx, volA, agentapi.VolumeSpec{SizeMiB: 2, Source: &agentapi.VolumeSource{Peer: peer}})
+	if err != nil || v.SizeMiB != 2 {
+		t.Fatalf("pull: %+v, %v", v, err)
+	}
+	got, err := os.ReadFile(filepath.Join(dst.dir, "volumes", volA, "disk.qcow2"))
+	if err != nil || !bytes.HasPrefix(got, marker) || len(got) != 2<<20 {
+		t.Fatalf("pulled file: %d bytes starting %q, %v; want the marker, grown to 2 MiB", len(got), got[:min(len(got), 16)], err)
+	}
+
+	// A source that is not the pinned agent gets no token and no pull.
+	other := startHarness(t, t.TempDir(), 0)
+	wrong := &agentapi.VolumePeer{Agent: src.srv.URL, PublicKey: agentapi.EncodeKey(other.agent.PublicKey())}
+	if _, err := other.client.CreateVolume(ctx, volA, agentapi.VolumeSpec{SizeMiB: 1, Source: &agentapi.VolumeSource{Peer: wrong}}); err == nil || !strings.Contains(err.Error(), "identity") {
+		t.Fatalf("pull from an agent that does not hold the pinned key: %v, want refused for its identity", err)
+	}
+}

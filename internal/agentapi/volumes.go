@@ -19,11 +19,25 @@ func VolumeSerial(id string) string {
 
 // VolumeSource is where a new volume's content comes from: at most one of
 // Image (the disk content of an image on the agent, grown to the volume's
-// size) and Volume (a copy-on-write clone of another volume on the same
-// agent). Neither: an empty disk.
+// size), Volume (a copy-on-write clone of another volume on the same
+// agent) and Peer (a move: the volume pulled from another agent). None:
+// an empty disk.
 type VolumeSource struct {
-	Image  string `json:"image,omitempty"`
-	Volume string `json:"volume,omitempty"`
+	Image  string      `json:"image,omitempty"`
+	Volume string      `json:"volume,omitempty"`
+	Peer   *VolumePeer `json:"peer,omitempty"`
+}
+
+// VolumePeer is the agent a moved volume is pulled from (the same volume
+// id there, detached): its address, its identity key as the control plane
+// pinned it (EncodeKey; the token goes only to an agent that proves it),
+// and optionally the sha256 of its GET /v1/volumes/{id}/content, which
+// the pull checks while it streams (without it: the digest the source
+// sends with the content).
+type VolumePeer struct {
+	Agent     string `json:"agent"`
+	PublicKey string `json:"public_key"`
+	Digest    string `json:"digest,omitempty"`
 }
 
 // VolumeSpec is the body of PUT /v1/volumes/{id}: create the volume with

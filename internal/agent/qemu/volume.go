@@ -36,6 +36,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/qcow2"
 )
 
 var _ agent.Volumer = (*Driver)(nil)
@@ -290,6 +291,20 @@ func (d *Driver) ExportVolumeDisk(ctx context.Context, v agent.MachineVolume, ds
 	out, err := exec.CommandContext(ctx, d.qemuImg, "convert", "-q", "-f", "qcow2", "-O", "qcow2", v.Path, dst).CombinedOutput()
 	if err != nil {
 		return fmt.Errorf("qemu-img convert %s: %w: %s", v.Path, err, bytes.TrimSpace(out))
+	}
+	return nil
+}
+
+// CheckPulledVolumeDisk refuses a pulled file that is not a plain qcow2
+// (qcow2.ReadHeader: no external data file, no encryption) or that names
+// a backing file: an export is one self-contained file.
+func (d *Driver) CheckPulledVolumeDisk(_ context.Context, path string) error {
+	h, err := qcow2.ReadHeader(path)
+	if err != nil {
+		return err
+	}
+	if h.BackingFilename != "" {
+		return fmt.Errorf("the pulled disk names backing file %q; an exported volume names none", h.BackingFilename)
 	}
 	return nil
 }

@@ -224,3 +224,37 @@ func TestVolumeCloneIsCopyOnWrite(t *testing.T) {
 		t.Fatalf("clone = %+v, %v", v, err)
 	}
 }
+
+// A move of a clone: the source agent sends one self-contained qcow2 (the
+// frozen base folded in), the target takes it after checking its digest
+// and that it names no backing file, and reads the clone's data.
+func TestVolumeMoveFlattensTheChain(t *testing.T) {
+	testenv.RequireQEMU(t)
+	src := testenv.StartAgent(t, testenv.AgentOptions{Driver: "qemu"})
+	dst := testenv.StartAgent(t, testenv.AgentOptions{Driver: "qemu", Token: src.Token})
+	ctx := context.Background()
+	if _, err := src.Client.CreateVolume(ctx, volData, agentapi.VolumeSpec{SizeMiB: 16}); err != nil {
+		t.Fatal(err)
+	}
+	qemuIO(t, volumeFile(t, src.StateDir, volData), "write -P 0x44 0 64k")
+	if _, err := src.Client.CreateVolume(ctx, volExtra, agentapi.VolumeSpec{SizeMiB: 16, Source: &agentapi.VolumeSource{Volume: volData}}); err != nil {
+		t.Fatal(err)
+	}
+	qemuIO(t, volumeFile(t, src.StateDir, volExtra), "write -P 0x55 64k 64k")
+	key := agentapi.EncodeKey(src.PublicKey)
+	v, err := dst.Client.CreateVolume(ctx, volExtra, agentapi.VolumeSpec{SizeMiB: 24,
+		Source: &agentapi.VolumeSource{Peer: &agentapi.VolumePeer{Agent: src.Address, PublicKey: key}}})
+	if err != nil || v.SizeMiB != 24 {
+		t.Fatalf("pull the clone: %+v, %v", v, err)
+	}
+	moved := volumeFile(t, dst.StateDir, volExtra)
+	out, err := exec.Command("qemu-img", "info", "--output=json", moved).Output()
+	if err != nil || strings.Contains(string(out), "backing-filename") || !strings.Contains(string(out), `"virtual-size": 25165824`) {
+		t.Fatalf("moved disk: %s, %v; want no backing file, 24 MiB", out, err)
+	}
+	for _, c := range []string{"read -P 0x44 0 64k", "read -P 0x55 64k 64k"} {
+		if out := qemuIO(t, moved, c); strings.Contains(out, "Pattern verification failed") {
+			t.Fatalf("moved disk %q: %s", c, out)
+		}
+	}
+}
