@@ -6,7 +6,10 @@
 # vmgenid device, the disk it sees ("disk vda <bytes>"), the marker at the
 # start of that disk if there is one, its memory and vCPUs, then "tick N"
 # every second on the serial console (and "disk vda <bytes>" again when the
-# disk grows while the guest runs). With a NIC (virtio-net) it brings eth0
+# disk grows while the guest runs). Each disk with a virtio serial (a volume;
+# the VM's own disk and the seed have none) is printed as "kvm-guest-disk
+# <serial> <bytes>" at boot and again whenever one appears or changes size
+# (hot attach, online grow), and "kvm-guest-disk-gone <serial>" when it goes. With a NIC (virtio-net) it brings eth0
 # up by DHCP (udhcpc), prints "kvm-guest-ip <address>" once it has a lease,
 # and serves HTTP on port 80 (busybox httpd) with a page that names its
 # hostname, and /cgi-bin/get?<host[:port]>, which fetches
@@ -26,7 +29,7 @@
 set -euo pipefail
 
 # Bump when the init, the module list or the manifest changes.
-SCRIPT_VERSION=13
+SCRIPT_VERSION=14
 NAME=busybox
 # Modules the guest loads, in dependency order after resolution: virtio-mmio
 # (microvm) and virtio-pci (q35) transports, the disk, and the ACPI power
@@ -215,6 +218,28 @@ for d in /sys/block/vd*; do
 	echo "kvm-guest-userdata-sha256 $(sha256sum /seed/user-data | cut -d' ' -f1)"
 	break
 done
+# Volumes: every disk with a virtio serial, polled five times a second (the
+# kernel binds a hot-plugged virtio disk by itself; polling /sys needs no
+# mdev and sees detaches and growth the same way).
+(
+	prev=""
+	while :; do
+		cur=""
+		for d in /sys/block/vd*; do
+			s=$(cat "$d/serial" 2>/dev/null)
+			[ -n "$s" ] || continue
+			cur="$cur $s:$(($(cat "$d/size") * 512))"
+		done
+		for e in $cur; do
+			case " $prev " in *" $e "*) ;; *) echo "kvm-guest-disk ${e%%:*} ${e##*:}" ;; esac
+		done
+		for e in $prev; do
+			case " $cur " in *" ${e%%:*}:"*) ;; *) echo "kvm-guest-disk-gone ${e%%:*}" ;; esac
+		done
+		prev=$cur
+		sleep 0.2
+	done
+) &
 # The shape the guest sees (resizes change it).
 echo "kvm-guest-memory $(sed -n 's/^MemTotal: *\([0-9]*\) kB$/\1/p' /proc/meminfo) kB"
 echo "kvm-guest-cpus $(grep -c ^processor /proc/cpuinfo)"

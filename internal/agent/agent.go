@@ -64,6 +64,10 @@ type Config struct {
 	// identity challenges for beside the IP and port a challenge arrives
 	// on: its DNS names, or a proxy in front of it (identity.go).
 	Addresses []string
+
+	// volumeHook runs once a new volume's files are complete, before they
+	// are renamed into place (tests: a crash there).
+	volumeHook func(id string) error
 }
 
 // Agent is one host agent. VM states are observed when they are asked for;
@@ -77,6 +81,10 @@ type Agent struct {
 
 	vms   *registry[vmRecord]        // VMs by id
 	snaps *registry[*snapshotRecord] // snapshots by id (snapshot_registry.go); a nil record until complete
+	vols  *registry[*volumeRecord]   // volumes by id (volume.go); a nil record until complete
+	// basesMu keeps a clone's new base and the removal of unused bases
+	// apart (volume.go).
+	basesMu sync.Mutex
 	// pulls are the snapshot pulls under way, by snapshot id, and
 	// pullWaiters the children that wait for one to get ready
 	// (snapshot_pull.go), under pullsMu.
@@ -133,7 +141,8 @@ func New(ctx context.Context, cfg Config) (*Agent, error) {
 	}
 	cfg.StateDir = abs
 	a := &Agent{cfg: cfg, log: cfg.Logger.With("driver", cfg.Driver.Name()), started: time.Now().UTC(),
-		vms: newRegistry[vmRecord]("vm"), snaps: newRegistry[*snapshotRecord]("snapshot"), closing: make(chan struct{})}
+		vms: newRegistry[vmRecord]("vm"), snaps: newRegistry[*snapshotRecord]("snapshot"),
+		vols: newRegistry[*volumeRecord]("volume"), closing: make(chan struct{})}
 	if err := os.MkdirAll(a.vmsDir(), 0o750); err != nil {
 		return nil, fmt.Errorf("agent: create state directory %s: %w", a.vmsDir(), err)
 	}
@@ -150,6 +159,9 @@ func New(ctx context.Context, cfg Config) (*Agent, error) {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
 	if err := a.loadSnapshots(); err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+	if err := a.loadVolumes(); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
 	if cfg.ImageCacheDir != "" {
@@ -241,7 +253,7 @@ func machineOf(a *Agent, r vmRecord) *Machine {
 	return &Machine{ID: r.ID, Dir: a.vmDir(r.ID), Image: r.Image, VCPUs: r.VCPUs,
 		MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB, Disk: r.Disk, Process: r.Process,
 		NICs: cloneNICs(r.NICs), GuestNICs: cloneNICs(r.GuestNICs), Seed: seedOf(r),
-		GuestAgent: r.GuestAgent}
+		GuestAgent: r.GuestAgent, Volumes: a.machineVolumes(r)}
 }
 
 // seedOf is Machine.Seed of VM r.
@@ -424,6 +436,9 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 				if err := checkSeed(id, spec); err != nil {
 					return agentapi.VM{}, false, err
 				}
+				if err := a.checkCreateVolumes(spec); err != nil {
+					return agentapi.VM{}, false, err
+				}
 				validated = true
 				timing.Since(ctx, "checks", start)
 			}
@@ -446,9 +461,9 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 			return agentapi.VM{}, false, errConflict("vm %s exists but its metadata is corrupt (%s); delete it and create it again", id, r.Reason)
 		}
 		if r.Image != spec.Image || r.VCPUs != spec.VCPUs || r.MemoryMiB != spec.MemoryMiB || r.DiskMiB != spec.DiskMiB ||
-			!sameNICs(r.askedNICs(), spec.NICs) || r.GuestAgent != spec.GuestAgent {
-			err := errConflict("vm %s already exists with a different shape (image %s, %d vcpus, %d MiB memory, %d MiB disk, %d nics, guest agent %v)",
-				id, r.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, len(r.NICs), r.GuestAgent)
+			!sameNICs(r.askedNICs(), spec.NICs) || r.GuestAgent != spec.GuestAgent || !sameVolumes(r.Volumes, spec.Volumes) {
+			err := errConflict("vm %s already exists with a different shape (image %s, %d vcpus, %d MiB memory, %d MiB disk, %d nics, guest agent %v, %d volumes)",
+				id, r.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, len(r.NICs), r.GuestAgent, len(r.Volumes))
 			err.Details = map[string]any{"id": id}
 			return agentapi.VM{}, false, err
 		}
@@ -465,6 +480,18 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 		DiskMiB: spec.DiskMiB, State: agentapi.StateCreating, StartedFrom: agentapi.StartedCold,
 		CreatedAt: time.Now().UTC().Truncate(time.Millisecond), NICs: requestedNICs(spec.NICs), Seed: spec.Seed,
 		GuestAgent: spec.GuestAgent,
+	}
+	if len(spec.Volumes) > 0 {
+		// Claimed and recorded in the entry under the volumes' locks, so
+		// that no other VM takes them meanwhile.
+		held, vols, err := a.claimVolumes(ctx, e.id, spec.Volumes)
+		if err != nil {
+			a.vms.drop(e)
+			return agentapi.VM{}, err
+		}
+		r.Volumes = vols
+		e.set(r)
+		held.unlock()
 	}
 	e.set(r)
 	// A matching warm VM first (pool_acquire.go); a miss boots cold below.
@@ -745,6 +772,7 @@ func (a *Agent) allocated() (agentapi.Resources, int) {
 		alloc.MemoryMiB += r.MemoryMiB
 		alloc.DiskMiB += a.vmDiskMiB(r.DiskMiB)
 	}
+	alloc.DiskMiB += a.volumesDiskMiB()
 	return alloc, count
 }
 

@@ -82,6 +82,9 @@ type Machine struct {
 	// GuestAgent: the VM has the QEMU guest agent channel (a driver that
 	// implements GuestAgentDriver talks to the guest through it).
 	GuestAgent bool
+	// Volumes are the volumes attached to the VM (Volumer): a driver
+	// attaches them at every boot, after the seed, with their serials.
+	Volumes []MachineVolume
 }
 
 // Process identifies a VMM process. StartTime (field 22 of /proc/<pid>/stat)

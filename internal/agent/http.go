@@ -71,6 +71,7 @@ func (a *Agent) routes() http.Handler {
 	v1.POST("/vms/:id/:action", a.postAction)
 	v1.PUT("/vms/:id/disk", a.putDisk)
 	a.snapshotRoutes(v1)
+	a.volumeRoutes(v1)
 	a.imageRoutes(v1)
 	v1.GET("/pool", a.getPool)
 	v1.PUT("/pool/:image", a.putPool)

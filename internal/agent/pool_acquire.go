@@ -42,9 +42,10 @@ func warmServes(nics []agentapi.NIC) bool {
 func (a *Agent) createWarm(ctx context.Context, e *vmEntry, r vmRecord, spec agentapi.VMSpec) (agentapi.VM, bool) {
 	p := a.pool
 	// A VM with a seed boots cold: a warm VM booted before its seed existed;
-	// so does one with the guest agent channel, which warm VMs lack.
+	// so does one with the guest agent channel, which warm VMs lack, and one
+	// with volumes.
 	if p.wd == nil || spec.NoWarm || spec.Stopped || spec.Snapshot != nil || spec.Seed != nil || spec.GuestAgent ||
-		!warmServes(spec.NICs) {
+		len(spec.Volumes) > 0 || !warmServes(spec.NICs) {
 		return agentapi.VM{}, false
 	}
 	key := poolKey{spec.Image, spec.VCPUs, spec.MemoryMiB, spec.DiskMiB}

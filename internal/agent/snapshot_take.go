@@ -87,6 +87,11 @@ func (a *Agent) takeSnapshot(ctx context.Context, sn Snapshotter, id string, spe
 		err.Details = map[string]any{"vm_id": r.ID, "state": r.State}
 		return nil, err
 	}
+	if len(r.Volumes) > 0 {
+		err := errConflict("vm %s has volumes attached: snapshots of vms with volumes are not supported yet (issue 26); detach them first", r.ID)
+		err.Details = map[string]any{"vm_id": r.ID}
+		return nil, err
+	}
 	partial, err := os.MkdirTemp(a.snapsDir(), partialPrefix+id+"-")
 	if err != nil {
 		return nil, fmt.Errorf("snapshot %s: %w", id, err)

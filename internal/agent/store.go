@@ -54,13 +54,15 @@ type vmRecord struct {
 	Seed *agentapi.SeedSpec `json:"seed,omitempty"`
 	// GuestAgent: the VM has the QEMU guest agent channel (guest.go).
 	GuestAgent bool `json:"guest_agent,omitempty"`
+	// Volumes are the volumes attached to the VM (volume_attach.go).
+	Volumes []vmVolume `json:"volumes,omitempty"`
 }
 
 func (r *vmRecord) wire() agentapi.VM {
 	return agentapi.VM{
 		ID: r.ID, Image: r.Image, VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB,
 		State: r.State, Reason: r.Reason, StartedFrom: r.StartedFrom, PID: r.Process.PID,
-		NICs: cloneNICs(r.NICs), CreatedAt: r.CreatedAt, GuestAgent: r.GuestAgent,
+		NICs: cloneNICs(r.NICs), CreatedAt: r.CreatedAt, GuestAgent: r.GuestAgent, Volumes: wireVolumes(r.Volumes),
 	}
 }
 

@@ -99,7 +99,8 @@ type VMSpec struct {
 	// the VM's directory and attaches it read-only as a virtio disk after
 	// the VM's own disk. Nil: no seed disk.
 	Seed *SeedSpec `json:"seed,omitempty"`
-	// Volumes are attached before the guest boots (volumes.go).
+	// Volumes are attached before the guest boots, as virtio-blk disks
+	// after the seed with serial VolumeSerial(id), in order.
 	Volumes []VolumeAttachment `json:"volumes,omitempty"`
 	// GuestAgent adds the QEMU guest agent channel (a virtio-serial port
 	// named org.qemu.guest_agent.0): when the guest runs qemu-guest-agent,
@@ -220,6 +221,8 @@ type VM struct {
 	CreatedAt   time.Time `json:"created_at"`
 	// GuestAgent says the VM has the QEMU guest agent channel.
 	GuestAgent bool `json:"guest_agent,omitempty"`
+	// Volumes are the volumes attached to the VM.
+	Volumes []VolumeAttachment `json:"volumes,omitempty"`
 }
 
 // VMList is the answer of GET /v1/vms: every VM on the agent.

@@ -360,3 +360,73 @@ func boundMessage(m string) string {
 	}
 	return m[:cut] + "..."
 }
+
+// CreateVolume creates the volume with this id, or returns it when it
+// exists with the same spec (ErrConflict with another).
+func (c *Client) CreateVolume(ctx context.Context, id string, spec VolumeSpec) (Volume, error) {
+	var out Volume
+	err := c.do(ctx, http.MethodPut, "/v1/volumes/"+url.PathEscape(id), spec, &out, 6*c.timeout)
+	return out, err
+}
+
+// GetVolume returns one volume; ErrNotFound when the agent does not have it.
+func (c *Client) GetVolume(ctx context.Context, id string) (Volume, error) {
+	var out Volume
+	err := c.do(ctx, http.MethodGet, "/v1/volumes/"+url.PathEscape(id), nil, &out, c.timeout)
+	return out, err
+}
+
+// ListVolumes returns every volume on the agent.
+func (c *Client) ListVolumes(ctx context.Context) ([]Volume, error) {
+	var out VolumeList
+	err := c.do(ctx, http.MethodGet, "/v1/volumes", nil, &out, c.timeout)
+	return out.Items, err
+}
+
+// DeleteVolume removes a volume and its file; deleting an unknown id
+// succeeds, an attached volume is ErrConflict (code volume_attached).
+func (c *Client) DeleteVolume(ctx context.Context, id string) error {
+	return c.do(ctx, http.MethodDelete, "/v1/volumes/"+url.PathEscape(id), nil, nil, 3*c.timeout)
+}
+
+// ResizeVolume grows a volume (online when it is attached to a running VM).
+func (c *Client) ResizeVolume(ctx context.Context, id string, sizeMiB int64) (Volume, error) {
+	var out Volume
+	err := c.do(ctx, http.MethodPost, "/v1/volumes/"+url.PathEscape(id)+"/resize", VolumeResize{SizeMiB: sizeMiB}, &out, 6*c.timeout)
+	return out, err
+}
+
+// AttachVolume attaches a volume to a VM (hot when the VM runs) and
+// returns the VM; attaching it again the same way changes nothing.
+func (c *Client) AttachVolume(ctx context.Context, vm, volume string, readOnly bool) (VM, error) {
+	var out VM
+	err := c.do(ctx, http.MethodPut, "/v1/vms/"+url.PathEscape(vm)+"/volumes/"+url.PathEscape(volume),
+		VolumeAttachment{ReadOnly: readOnly}, &out, 6*c.timeout)
+	return out, err
+}
+
+// DetachVolume detaches a volume from a VM (hot when the VM runs); a
+// volume that is not attached is no error.
+func (c *Client) DetachVolume(ctx context.Context, vm, volume string) error {
+	return c.do(ctx, http.MethodDelete, "/v1/vms/"+url.PathEscape(vm)+"/volumes/"+url.PathEscape(volume), nil, nil, 6*c.timeout)
+}
+
+// OpenVolumeContent streams a volume as one qcow2 (for a move to another
+// agent) and returns the sha256 the source sent for it and its size_mib.
+// The caller closes the body and checks the digest as it reads.
+func (c *Client) OpenVolumeContent(ctx context.Context, id string) (body io.ReadCloser, sha256 string, sizeMiB int64, err error) {
+	req, err := c.newRequest(ctx, http.MethodGet, "/v1/volumes/"+url.PathEscape(id)+"/content", nil)
+	if err != nil {
+		return nil, "", 0, err
+	}
+	resp, err := c.core.HTTP.Do(req)
+	if err != nil {
+		return nil, "", 0, fmt.Errorf("agent volume %s content: %w: %v", id, ErrUnavailable, err)
+	}
+	if resp.StatusCode >= 300 {
+		defer func() { _ = resp.Body.Close() }()
+		return nil, "", 0, decodeError("volume content "+id, resp)
+	}
+	size, _ := strconv.ParseInt(resp.Header.Get("X-Volume-Size-Mib"), 10, 64)
+	return resp.Body, resp.Header.Get("X-Volume-Sha256"), size, nil
+}

@@ -32,7 +32,7 @@ func TestConcurrentVolumeAndVMCreatesShareHostDisk(t *testing.T) {
 	agents := map[string]*testenv.Agent{}
 	for i := range hosts {
 		name := fmt.Sprintf("host-%02d", i)
-		agents[name] = testenv.StartAgent(t, testenv.AgentOptions{VCPUs: 64, MemoryMiB: 64 * 1024, DiskMiB: perHost * unit, SimVolumes: true})
+		agents[name] = testenv.StartAgent(t, testenv.AgentOptions{VCPUs: 64, MemoryMiB: 64 * 1024, DiskMiB: perHost * unit})
 		r1.RegisterHost(t, name, agents[name].Address)
 	}
 	ctx := ctxT(t)
@@ -87,7 +87,7 @@ func TestConcurrentVolumeAndVMCreatesShareHostDisk(t *testing.T) {
 		rows[v.HostName]++
 	}
 	for name, a := range agents {
-		if got := len(a.Volumes.IDs()); got != rows[name] {
+		if got := len(a.VolumeIDs(t)); got != rows[name] {
 			t.Errorf("agent of %s holds %d volumes, its rows say %d", name, got, rows[name])
 		}
 	}

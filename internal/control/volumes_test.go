@@ -32,7 +32,6 @@ func startVolumeFleet(t *testing.T, databaseURL string, hosts map[string]testenv
 		}
 	}) {
 		opts := hosts[name]
-		opts.SimVolumes = true
 		a := testenv.StartAgent(t, opts)
 		f.c.RegisterHost(t, name, a.Address)
 		f.agents[name] = a
@@ -89,7 +88,7 @@ func (f volumeFleet) state(t *testing.T) fleetState {
 	}
 	st.VMs = len(vms)
 	for name, a := range f.agents {
-		st.OnAgents[name] = a.Volumes.IDs()
+		st.OnAgents[name] = a.VolumeIDs(t)
 	}
 	return st
 }
@@ -123,7 +122,7 @@ func TestVolumeLifecycle(t *testing.T) {
 		if v.Serial != agentapi.VolumeSerial(v.ID) || len(v.Serial) != 20 || v.Device != "/dev/disk/by-id/virtio-"+v.Serial {
 			t.Errorf("serial %q and device %q of volume %s", v.Serial, v.Device, v.ID)
 		}
-		if ids := f.agents[v.Host].Volumes.IDs(); !slices.Equal(ids, []string{v.ID}) {
+		if ids := f.agents[v.Host].VolumeIDs(t); !slices.Equal(ids, []string{v.ID}) {
 			t.Errorf("agent of %s has volumes %v, want [%s]", v.Host, ids, v.ID)
 		}
 		if a := hostAllocated(t, f.c, v.Host); a.DiskMiB != 2048 {
@@ -163,7 +162,7 @@ func TestVolumeLifecycle(t *testing.T) {
 				t.Fatalf("delete %s: %d %+v", ref, status, e)
 			}
 		}
-		if ids := f.agents[v.Host].Volumes.IDs(); len(ids) != 0 {
+		if ids := f.agents[v.Host].VolumeIDs(t); len(ids) != 0 {
 			t.Errorf("after the deletes the agent still has %v", ids)
 		}
 		if a := hostAllocated(t, f.c, v.Host); a != (api.Resources{}) {
@@ -321,7 +320,7 @@ func TestVMIsPlacedOnItsVolumesHost(t *testing.T) {
 func TestVolumeStepsLeftByADeadReplicaAreFinished(t *testing.T) {
 	eachDatabase(t, func(t *testing.T, databaseURL string) {
 		c := testenv.StartControl(t, testenv.ControlOptions{DatabaseURL: databaseURL, NoMonitor: true})
-		a := testenv.StartAgent(t, testenv.AgentOptions{SimVolumes: true})
+		a := testenv.StartAgent(t, testenv.AgentOptions{})
 		c.RegisterHost(t, "h1", a.Address)
 		ctx := context.Background()
 		dead := "r-dead-replica"
@@ -380,7 +379,7 @@ func TestVolumeStepsLeftByADeadReplicaAreFinished(t *testing.T) {
 		if _, err := c.Client.GetVolume(ctx, gone.ID); apiCode(err) != api.CodeNotFound {
 			t.Errorf("volume left deleting: %v; want it gone", err)
 		}
-		if ids := a.Volumes.IDs(); !slices.Equal(ids, []string{never.ID, made.ID, attached.ID}) {
+		if ids := a.VolumeIDs(t); !slices.Equal(ids, []string{never.ID, made.ID, attached.ID}) {
 			t.Errorf("agent has %v, want [%s %s %s]", ids, never.ID, made.ID, attached.ID)
 		}
 		if got := hostAllocated(t, c, "h1"); got != (api.Resources{DiskMiB: 350}) {

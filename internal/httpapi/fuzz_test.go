@@ -40,7 +40,7 @@ const fuzzToken = "fuzz-control-token"
 func newFuzzControl(f testing.TB, opts ...func(*httpapi.Options)) *fuzzControl {
 	f.Helper()
 	ctx := context.Background()
-	ag := testenv.StartAgent(f, testenv.AgentOptions{SimVolumes: true})
+	ag := testenv.StartAgent(f, testenv.AgentOptions{})
 	st, err := store.Open(ctx, store.Config{DataDir: f.TempDir()})
 	if err != nil {
 		f.Fatal(err)

@@ -28,7 +28,7 @@ func newVolumeFleet(t *testing.T, hostNames ...string) *fleet {
 	f := newFleet(t)
 	for _, name := range hostNames {
 		f.addHostWith(t, name, testenv.AgentOptions{VCPUs: testHostVCPUs, MemoryMiB: testHostMemoryMiB,
-			DiskMiB: testHostDiskMiB, SimVolumes: true})
+			DiskMiB: testHostDiskMiB})
 	}
 	return f
 }
@@ -48,8 +48,12 @@ func (f *fleet) checkVolumesGone(s *terraform.State) error {
 		errs = append(errs, fmt.Errorf("volume %s (%q) still exists after destroy", v.ID, v.Name))
 	}
 	for name, a := range f.Agents {
-		if ids := a.Volumes.IDs(); len(ids) > 0 {
-			errs = append(errs, fmt.Errorf("agent %s still has volumes %v after destroy", name, ids))
+		vols, err := a.Client.ListVolumes(context.Background())
+		if err != nil {
+			return fmt.Errorf("list volumes of agent %s: %w", name, err)
+		}
+		for _, v := range vols {
+			errs = append(errs, fmt.Errorf("agent %s still has volume %s after destroy", name, v.ID))
 		}
 	}
 	return errors.Join(errs...)

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"syscall"
 	"testing"
@@ -44,9 +45,6 @@ type AgentOptions struct {
 	// driver's.
 	ConsoleLogBytes     int64
 	ConsoleTrimInterval time.Duration
-	// SimVolumes puts the sim driver's volume simulation (sim.Volumes) in
-	// front of the agent: the volume calls of the agent contract.
-	SimVolumes bool
 }
 
 // Agent is a host agent running in the test process with real HTTP.
@@ -58,8 +56,6 @@ type Agent struct {
 	Token     string
 	Client    *agentapi.Client
 	StateDir  string
-	// Volumes is the volume simulation (with SimVolumes; nil otherwise).
-	Volumes *sim.Volumes
 
 	opts     AgentOptions
 	hostport string // "127.0.0.1:port", where it listens
@@ -151,17 +147,6 @@ func (a *Agent) start(t testing.TB, ln net.Listener) {
 	}
 	a.PublicKey = ag.PublicKey()
 	handler := ag.Handler()
-	if d, ok := driver.(*sim.Driver); ok && a.opts.SimVolumes {
-		vols, err := sim.NewVolumes(a.opts.StateDir, a.opts.Token, d)
-		if err != nil {
-			_ = ln.Close()
-			t.Fatalf("testenv: start agent: %v", err)
-		}
-		handler = vols.Wrap(handler)
-		a.mu.Lock()
-		a.Volumes = vols
-		a.mu.Unlock()
-	}
 	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second}
 	done := make(chan struct{})
 	go func() {
@@ -272,3 +257,21 @@ func killQEMUProcesses(t testing.TB, stateDir string) {
 
 // CacheDir is the folder of the agent's image cache.
 func (a *Agent) CacheDir() string { return a.opts.CacheDir }
+
+// VolumeIDs lists the ids of the volumes the agent has, sorted, through
+// its own API (GET /v1/volumes).
+func (a *Agent) VolumeIDs(t testing.TB) []string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	vols, err := a.Client.ListVolumes(ctx)
+	if err != nil {
+		t.Fatalf("testenv: list volumes of agent %s: %v", a.URL, err)
+	}
+	ids := make([]string, 0, len(vols))
+	for _, v := range vols {
+		ids = append(ids, v.ID)
+	}
+	slices.Sort(ids)
+	return ids
+}

@@ -341,6 +341,7 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, chil
 	if m.GuestAgent {
 		args = append(args, qgaArgs(img.Machine == "microvm")...)
 	}
+	args = append(args, volumeArgs(m, img)...)
 	if opts.Paused || opts.Incoming != "" {
 		args = append(args, "-S")
 	}

@@ -53,13 +53,16 @@ type Driver struct {
 	// port -> VM id; cursor is where the next search starts.
 	ports  map[int]string
 	cursor int
+	// plugged are the volumes in each running VM (volume.go).
+	plugged map[string]map[string]bool
 }
 
 var _ agent.Driver = (*Driver)(nil)
 
 // New returns a simulated driver.
 func New(opts Options) *Driver {
-	return &Driver{opts: opts, state: map[string]string{}, booted: map[string]time.Time{}, ports: map[int]string{}, cursor: firstSimPort}
+	return &Driver{opts: opts, state: map[string]string{}, booted: map[string]time.Time{}, ports: map[int]string{}, cursor: firstSimPort,
+		plugged: map[string]map[string]bool{}}
 }
 
 // Name is "sim".
@@ -139,6 +142,10 @@ func (d *Driver) Boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	d.mu.Lock()
 	d.state[m.ID] = st
 	d.booted[m.ID] = time.Now().UTC()
+	d.plugged[m.ID] = map[string]bool{}
+	for _, v := range m.Volumes {
+		d.plugged[m.ID][v.ID] = true
+	}
 	d.mu.Unlock()
 	return nil
 }
@@ -146,6 +153,7 @@ func (d *Driver) Boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 func (d *Driver) forget(id string) {
 	d.mu.Lock()
 	delete(d.state, id)
+	delete(d.plugged, id)
 	d.mu.Unlock()
 }
 
