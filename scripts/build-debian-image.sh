@@ -20,8 +20,10 @@ NAME=debian-12
 SUITE=bookworm
 # Packages on top of minbase. ifupdown + isc-dhcp-client is what cloud-init's
 # ENI renderer drives on Debian; e2fsprogs lets cloud-init grow the root file
-# system when the VM's disk is larger than the image.
-PACKAGES="systemd-sysv,udev,dbus,cloud-init,openssh-server,linux-image-cloud-amd64,initramfs-tools,ifupdown,isc-dhcp-client,iproute2,iputils-ping,netbase,sudo,e2fsprogs,ca-certificates,procps,less,locales"
+# system when the VM's disk is larger than the image, and cloud-guest-utils
+# (growpart) its partition first in the partitioned images that
+# build-debian-cloud-image.sh derives from this one.
+PACKAGES="systemd-sysv,udev,dbus,cloud-init,cloud-guest-utils,openssh-server,linux-image-cloud-amd64,initramfs-tools,ifupdown,isc-dhcp-client,iproute2,iputils-ping,netbase,sudo,e2fsprogs,ca-certificates,procps,less,locales"
 # Size of the root file system (the VM's disk may be larger; it grows).
 ROOT_MIB=2048
 
@@ -79,7 +81,9 @@ build() {
 		source /etc/network/interfaces.d/*
 	EOF
 	mkdir -p "$root/etc/network/interfaces.d"
-	echo '/dev/vda / ext4 defaults,errors=remount-ro 0 1' >"$root/etc/fstab"
+	# By label: /dev/vda here, a partition of the disk in the cloud images
+	# derived from this one (build-debian-cloud-image.sh).
+	echo 'LABEL=root / ext4 defaults,errors=remount-ro 0 1' >"$root/etc/fstab"
 	# NoCloud only; C.UTF-8 needs no locale-gen, so cloud-init's locale
 	# module succeeds without generating locales at every first boot.
 	printf 'datasource_list: [ NoCloud, None ]\nlocale: C.UTF-8\n' >"$root/etc/cloud/cloud.cfg.d/90_kvmfleet.cfg"

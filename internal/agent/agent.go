@@ -240,7 +240,8 @@ func (a *Agent) Close() error {
 func machineOf(a *Agent, r vmRecord) *Machine {
 	return &Machine{ID: r.ID, Dir: a.vmDir(r.ID), Image: r.Image, VCPUs: r.VCPUs,
 		MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB, Disk: r.Disk, Process: r.Process,
-		NICs: cloneNICs(r.NICs), GuestNICs: cloneNICs(r.GuestNICs), Seed: seedOf(r)}
+		NICs: cloneNICs(r.NICs), GuestNICs: cloneNICs(r.GuestNICs), Seed: seedOf(r),
+		Firmware: r.firmware(), SecureBoot: r.SecureBoot}
 }
 
 // seedOf is Machine.Seed of VM r.
@@ -379,10 +380,56 @@ func (a *Agent) checkSpec(spec agentapi.VMSpec) (Image, error) {
 	if img.BaseDiskMiB > 0 && spec.DiskMiB < img.BaseDiskMiB {
 		return Image{}, errInvalid("disk_mib %d is smaller than the %d MiB disk of image %s", spec.DiskMiB, img.BaseDiskMiB, img.Name)
 	}
+	if err := checkFirmware(spec, img); err != nil {
+		return Image{}, err
+	}
 	if err := a.cfg.Driver.CheckSpec(spec, img); err != nil {
 		return Image{}, err
 	}
 	return img, nil
+}
+
+// ImageName is the image of a spec as its user knows it: a registered
+// image's name, not the cache's reference.
+func ImageName(spec agentapi.VMSpec) string {
+	if spec.ImageSource != nil && spec.ImageSource.Name != "" {
+		return spec.ImageSource.Name
+	}
+	return spec.Image
+}
+
+// checkFirmwareField refuses a firmware the agent does not know, and
+// Secure Boot without UEFI where the spec says so itself.
+func checkFirmwareField(spec agentapi.VMSpec) error {
+	switch spec.Firmware {
+	case "", agentapi.FirmwareBIOS, agentapi.FirmwareUEFI:
+	default:
+		return errInvalid("firmware %q is not one of bios, uefi", spec.Firmware)
+	}
+	if spec.SecureBoot && spec.Firmware == agentapi.FirmwareBIOS {
+		return errInvalid("secure_boot needs firmware uefi; vm firmware is bios (use an image with firmware = \"uefi\")")
+	}
+	return nil
+}
+
+// checkFirmware checks the VM's firmware against its image: UEFI boots a
+// disk, and Secure Boot needs UEFI. A VM started from a snapshot takes its
+// source's (spawnLocked checks it against the snapshot).
+func checkFirmware(spec agentapi.VMSpec, img Image) error {
+	if spec.Snapshot != nil {
+		return nil
+	}
+	fw := spec.Firmware
+	if fw == "" {
+		fw = img.Firmware
+	}
+	switch {
+	case fw == agentapi.FirmwareUEFI && img.Kind != ImageDisk:
+		return errInvalid("image %s is a kernel image, booted by QEMU directly: firmware uefi boots disk images only", ImageName(spec))
+	case spec.SecureBoot && fw != agentapi.FirmwareUEFI:
+		return errInvalid("secure_boot needs a uefi image; image %s boots with firmware bios (set firmware = \"uefi\" on an image that has an EFI system partition)", ImageName(spec))
+	}
+	return nil
 }
 
 // CreateVM creates and boots VM id, or returns it when it exists with the
@@ -401,6 +448,9 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 	if err != nil {
 		return agentapi.VM{}, false, err
 	}
+	if err := checkFirmwareField(spec); err != nil {
+		return agentapi.VM{}, false, err
+	}
 	validated := false
 	for {
 		e := a.lookup(id)
@@ -410,6 +460,12 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 			if !validated {
 				if err := a.ensureImage(ctx, src); err != nil {
 					return agentapi.VM{}, false, err
+				}
+				if spec.Firmware == "" && spec.Snapshot == nil {
+					// The image's, fixed for the VM's life at its create.
+					if img, err := a.cfg.Driver.Image(spec.Image); err == nil {
+						spec.Firmware = img.Firmware
+					}
 				}
 				if _, err := a.checkSpec(spec); err != nil {
 					return agentapi.VM{}, false, err
@@ -439,7 +495,7 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 			return agentapi.VM{}, false, errConflict("vm %s exists but its metadata is corrupt (%s); delete it and create it again", id, r.Reason)
 		}
 		if r.Image != spec.Image || r.VCPUs != spec.VCPUs || r.MemoryMiB != spec.MemoryMiB || r.DiskMiB != spec.DiskMiB ||
-			!sameNICs(r.askedNICs(), spec.NICs) {
+			!sameNICs(r.askedNICs(), spec.NICs) || (spec.Firmware != "" && spec.Firmware != r.firmware()) || (spec.Snapshot == nil && spec.SecureBoot != r.SecureBoot) {
 			err := errConflict("vm %s already exists with a different shape (image %s, %d vcpus, %d MiB memory, %d MiB disk, %d nics)",
 				id, r.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, len(r.NICs))
 			err.Details = map[string]any{"id": id}
@@ -457,6 +513,7 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 		Version: metaVersion, ID: e.id, Image: spec.Image, VCPUs: spec.VCPUs, MemoryMiB: spec.MemoryMiB,
 		DiskMiB: spec.DiskMiB, State: agentapi.StateCreating, StartedFrom: agentapi.StartedCold,
 		CreatedAt: time.Now().UTC().Truncate(time.Millisecond), NICs: requestedNICs(spec.NICs), Seed: spec.Seed,
+		Firmware: spec.Firmware, SecureBoot: spec.SecureBoot,
 	}
 	e.set(r)
 	// A matching warm VM first (pool_acquire.go); a miss boots cold below.

@@ -124,6 +124,9 @@ type SnapshotFiles struct {
 	RAM, RAMDigest string
 	Disk           string   // frozen disk that children's overlays sit on; "" without a disk
 	Backing        []string // files below Disk in its backing chain, also in the directory
+	// Vars is a uefi VM's UEFI variable store as it was at the snapshot;
+	// each child starts with a copy of its own. "" for a bios VM.
+	Vars string
 }
 
 // ErrSnapshotConflict is what a driver returns when the VM is in a state in
@@ -154,13 +157,25 @@ type snapshotRecord struct {
 	NICs []agentapi.NIC `json:"nics,omitempty"`
 	// SeedDisk says the source VM ran with a seed disk (guest.go).
 	SeedDisk bool `json:"seed_disk,omitempty"`
+	// Firmware and SecureBoot are the source VM's, which its children
+	// boot with ("" from an older agent: bios).
+	Firmware   string `json:"firmware,omitempty"`
+	SecureBoot bool   `json:"secure_boot,omitempty"`
+}
+
+// firmware is the snapshot's firmware, bios when it names none.
+func (r *snapshotRecord) firmware() string {
+	if r.Firmware == "" {
+		return agentapi.FirmwareBIOS
+	}
+	return r.Firmware
 }
 
 func (r *snapshotRecord) wire() agentapi.Snapshot {
 	s := agentapi.Snapshot{
 		ID: r.ID, VMID: r.VMID, Image: r.Image, VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB,
 		CreatedAt: r.CreatedAt, Files: slices.Clone(r.Files), Parent: r.Parent, NICs: cloneNICs(r.NICs),
-		SeedDisk: r.SeedDisk,
+		SeedDisk: r.SeedDisk, Firmware: r.firmware(), SecureBoot: r.SecureBoot,
 	}
 	h := sha256.New()
 	for _, f := range r.Files {
@@ -184,6 +199,8 @@ func (r *snapshotRecord) files() SnapshotFiles {
 			out.Disk = f.Name
 		case agentapi.SnapshotFileBacking:
 			out.Backing = append(out.Backing, f.Name)
+		case agentapi.SnapshotFileVars:
+			out.Vars = f.Name
 		}
 	}
 	return out
@@ -229,7 +246,8 @@ func (r *snapshotRecord) validate(id string) error {
 			return fmt.Errorf("file %s: bad size or digest (want size_bytes >= 0 and one digest: blake3 for a ram file, or sha256)", f.Name)
 		}
 		switch f.Kind {
-		case agentapi.SnapshotFileMemory, agentapi.SnapshotFileRAM, agentapi.SnapshotFileDisk, agentapi.SnapshotFileBacking:
+		case agentapi.SnapshotFileMemory, agentapi.SnapshotFileRAM, agentapi.SnapshotFileDisk, agentapi.SnapshotFileBacking,
+			agentapi.SnapshotFileVars:
 			kinds[f.Kind]++
 		default:
 			return fmt.Errorf("file %s: unknown kind %q", f.Name, f.Kind)
@@ -244,6 +262,12 @@ func (r *snapshotRecord) validate(id string) error {
 		return errors.New("more than one frozen disk")
 	case kinds[agentapi.SnapshotFileBacking] > 0 && kinds[agentapi.SnapshotFileDisk] == 0:
 		return errors.New("backing files without a frozen disk")
+	case kinds[agentapi.SnapshotFileVars] > 1:
+		return errors.New("more than one uefi variable store")
+	case r.Firmware != "" && r.Firmware != agentapi.FirmwareBIOS && r.Firmware != agentapi.FirmwareUEFI:
+		return fmt.Errorf("firmware %q: want bios or uefi", r.Firmware)
+	case (kinds[agentapi.SnapshotFileVars] == 1) != (r.Firmware == agentapi.FirmwareUEFI):
+		return errors.New("a uefi snapshot has one uefi variable store, a bios one none")
 	}
 	return nil
 }

@@ -52,13 +52,25 @@ type vmRecord struct {
 	// Seed is the VM's NoCloud seed (guest.go), built into seed.iso in its
 	// directory and attached at every boot; nil: no seed disk.
 	Seed *agentapi.SeedSpec `json:"seed,omitempty"`
+	// Firmware is what the VM boots with, fixed at its create (a record
+	// of an older agent has none: bios); SecureBoot says Secure Boot is on.
+	Firmware   string `json:"firmware,omitempty"`
+	SecureBoot bool   `json:"secure_boot,omitempty"`
+}
+
+// firmware is the VM's firmware, bios for a record that names none.
+func (r *vmRecord) firmware() string {
+	if r.Firmware == "" {
+		return agentapi.FirmwareBIOS
+	}
+	return r.Firmware
 }
 
 func (r *vmRecord) wire() agentapi.VM {
 	return agentapi.VM{
 		ID: r.ID, Image: r.Image, VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB,
 		State: r.State, Reason: r.Reason, StartedFrom: r.StartedFrom, PID: r.Process.PID,
-		NICs: cloneNICs(r.NICs), CreatedAt: r.CreatedAt,
+		NICs: cloneNICs(r.NICs), CreatedAt: r.CreatedAt, Firmware: r.firmware(), SecureBoot: r.SecureBoot,
 	}
 }
 
