@@ -27,8 +27,8 @@ import (
 	"path/filepath"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
-	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	imagecache "github.com/kvmfleet/terraform-provider-kvm/internal/agent/image"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 )
 
 // DefaultOVMFDir is where Debian's ovmf package installs OVMF.
