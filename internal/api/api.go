@@ -139,6 +139,10 @@ type VMCreate struct {
 	// NetworkConfig is cloud-init network-config (v1 or v2, YAML or JSON),
 	// at most MaxNetworkConfigBytes; empty: generated from the VM's NICs.
 	NetworkConfig string `json:"network_config,omitempty"`
+	// SecureBoot boots the VM with Secure Boot on, the Microsoft keys
+	// enrolled: its image must boot with firmware uefi (and a signed
+	// bootloader, e.g. shim). Immutable.
+	SecureBoot bool `json:"secure_boot,omitempty"`
 }
 
 // Limits of a VM's guest configuration.
@@ -222,8 +226,9 @@ type VM struct {
 	NetworkConfig string `json:"network_config"`
 	// Hostname is the guest's effective local-hostname ("" for a VM
 	// without guest configuration).
-	Hostname  string    `json:"hostname"`
-	CreatedAt time.Time `json:"created_at"`
+	Hostname   string    `json:"hostname"`
+	SecureBoot bool      `json:"secure_boot"`
+	CreatedAt  time.Time `json:"created_at"`
 }
 
 // Cloud-init states of GuestStatus.
@@ -526,7 +531,17 @@ type ImageCreate struct {
 	MinDiskMiB int64 `json:"min_disk_mib,omitempty"`
 	// Prefetch asks every host to fetch the image now, not on first use.
 	Prefetch bool `json:"prefetch,omitempty"`
+	// Firmware boots VMs of a disk image (qcow2, raw): FirmwareBIOS
+	// (default) or FirmwareUEFI. A UEFI-only disk (an EFI system partition
+	// and no BIOS boot code) is refused under bios at the VM's create.
+	Firmware string `json:"firmware,omitempty"`
 }
+
+// Firmware of an image.
+const (
+	FirmwareBIOS = "bios"
+	FirmwareUEFI = "uefi"
+)
 
 // ImagePatch is the body of PATCH /v1/images/{name}: what changes in place.
 type ImagePatch struct {
@@ -550,6 +565,7 @@ type Image struct {
 	Format         string      `json:"format"`
 	MinDiskMiB     int64       `json:"min_disk_mib"`
 	Prefetch       bool        `json:"prefetch"`
+	Firmware       string      `json:"firmware"`
 	SizeBytes      int64       `json:"size_bytes"`
 	VirtualSizeMiB int64       `json:"virtual_size_mib"`
 	Hosts          []ImageHost `json:"hosts"`

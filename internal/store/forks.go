@@ -41,9 +41,11 @@ type Fork struct {
 	Owner *string `gorm:"column:owner_replica"`
 	// Guest is the source VM's guest configuration when the fork was made:
 	// each child gets a seed of its own from it (nil: none).
-	Guest     *Guest    `gorm:"column:guest;serializer:json"`
-	CreatedAt time.Time `gorm:"column:created_at"`
-	UpdatedAt time.Time `gorm:"column:updated_at"`
+	Guest *Guest `gorm:"column:guest;serializer:json"`
+	// SecureBoot is the source's, which its children keep.
+	SecureBoot bool      `gorm:"column:secure_boot"`
+	CreatedAt  time.Time `gorm:"column:created_at"`
+	UpdatedAt  time.Time `gorm:"column:updated_at"`
 }
 
 // TableName is the table of Fork.
