@@ -289,4 +289,3 @@ func TestQEMUBIOSCloudImageBootsToSSH(t *testing.T) {
 		t.Fatal(err)
 	}
 }
-
