@@ -169,8 +169,10 @@ func TestQEMUUEFICloudImageBootsForksAndRefusesBIOS(t *testing.T) {
 	folder := cloudImageDir(t, "debian-12-cloud-uefi")
 	key := newGuestKey(t)
 	c := testenv.StartControl(t, testenv.ControlOptions{})
-	h1 := testenv.StartAgent(t, testenv.AgentOptions{Driver: "qemu", ImageDir: t.TempDir()})
-	h2 := testenv.StartAgent(t, testenv.AgentOptions{Driver: "qemu", ImageDir: t.TempDir()})
+	// Room for the source and a child on h1 and a child on h2, whatever
+	// this machine's own cores (the children only resume).
+	h1 := testenv.StartAgent(t, testenv.AgentOptions{Driver: "qemu", ImageDir: t.TempDir(), VCPUs: 8})
+	h2 := testenv.StartAgent(t, testenv.AgentOptions{Driver: "qemu", ImageDir: t.TempDir(), VCPUs: 8})
 	c.RegisterHost(t, "h1", h1.Address)
 	c.RegisterHost(t, "h2", h2.Address)
 	registerCloudImage(t, c, folder, map[string]string{"debian-uefi": api.FirmwareUEFI, "debian-uefi-as-bios": ""})
