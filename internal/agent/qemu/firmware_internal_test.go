@@ -164,3 +164,46 @@ func TestCreateCopiesTheVarsTemplate(t *testing.T) {
 		}
 	}
 }
+
+// CheckSpec reads the image's disk: a UEFI-only disk (a GPT with an EFI
+// system partition, no boot code in its protective MBR) is refused under
+// bios with the registered name and what to set, accepted under uefi; a
+// uefi VM on a host without OVMF is refused naming the package.
+func TestCheckSpecRefusesAUEFIOnlyDiskUnderBIOS(t *testing.T) {
+	qemuImg, err := exec.LookPath("qemu-img")
+	if err != nil {
+		t.Skip("qemu-img is not installed")
+	}
+	disk := make([]byte, 1<<20)
+	disk[446+4], disk[510], disk[511] = 0xee, 0x55, 0xaa // protective MBR, no code
+	copy(disk[512:], "EFI PART")
+	disk[512+72], disk[512+80], disk[512+84] = 2, 128, 128 // entries at LBA 2: 128 of 128 bytes
+	copy(disk[1024:], []byte{0x28, 0x73, 0x2a, 0xc1, 0x1f, 0xf8, 0xd2, 0x11, 0xba, 0x4b, 0x00, 0xa0, 0xc9, 0x3e, 0xc9, 0x3b})
+	imageDir := t.TempDir()
+	folder := filepath.Join(imageDir, "gpt")
+	if err := os.MkdirAll(folder, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(folder, "disk.raw"), disk, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(folder, "image.json"), []byte(`{"kind": "disk", "disk": "disk.raw", "disk_format": "raw"}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	d := &Driver{opts: Options{OVMFDir: fakeOVMF(t), ImageDir: imageDir}, qemuImg: qemuImg, accel: "tcg", log: slog.Default()}
+	img := agent.Image{Name: "gpt", Kind: agent.ImageDisk}
+	spec := agentapi.VMSpec{Image: "gpt", VCPUs: 1, MemoryMiB: 128, DiskMiB: 8,
+		ImageSource: &agentapi.ImageSource{Name: "debian-uefi"}}
+	err = d.CheckSpec(spec, img)
+	if err == nil || !strings.Contains(err.Error(), "image debian-uefi is UEFI-only") || !strings.Contains(err.Error(), `set firmware = "uefi"`) {
+		t.Fatalf("bios: %v; want the UEFI-only refusal naming debian-uefi", err)
+	}
+	spec.Firmware = agentapi.FirmwareUEFI
+	if err := d.CheckSpec(spec, img); err != nil {
+		t.Fatalf("uefi: %v", err)
+	}
+	d.opts.OVMFDir = t.TempDir()
+	if err := d.CheckSpec(spec, img); err == nil || !strings.Contains(err.Error(), "apt-get install ovmf") {
+		t.Fatalf("uefi without OVMF: %v; want a refusal naming the ovmf package", err)
+	}
+}
