@@ -83,7 +83,9 @@ build() {
 		source /etc/network/interfaces.d/*
 	EOF
 	mkdir -p "$root/etc/network/interfaces.d"
-	echo '/dev/vda / ext4 defaults,errors=remount-ro 0 1' >"$root/etc/fstab"
+	# By label: /dev/vda here, a partition of the disk in the cloud images
+	# derived from this one (build-debian-cloud-image.sh).
+	echo 'LABEL=root / ext4 defaults,errors=remount-ro 0 1' >"$root/etc/fstab"
 	# NoCloud only; C.UTF-8 needs no locale-gen, so cloud-init's locale
 	# module succeeds without generating locales at every first boot.
 	printf 'datasource_list: [ NoCloud, None ]\nlocale: C.UTF-8\n' >"$root/etc/cloud/cloud.cfg.d/90_kvmfleet.cfg"

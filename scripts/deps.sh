@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# deps.sh [demo|test|debian|ci]: make sure the Debian packages a target needs are
+# deps.sh [demo|test|debian|cloud|ci]: make sure the Debian packages a target needs are
 # here. It checks for the commands on PATH; when some are missing and it runs
 # as root on a machine with apt-get, it installs their packages; otherwise it
 # prints the one command to run and exits 1, so that the caller can fall back
@@ -10,7 +10,10 @@
 #   test: the same (PostgreSQL is optional: the tests start their own from
 #         the system's binaries, or use KVM_TEST_DATABASE_URL)
 #   debian: mmdebstrap and mkfs.ext4 for the Debian guest (make image-debian)
-#   ci:   the same plus PostgreSQL, chromium (the fleet page test),
+#   cloud: the tools scripts/build-debian-cloud-image.sh uses (sfdisk,
+#         mkfs.vfat, mtools, syslinux, grub-mkstandalone with its x86_64-efi
+#         modules) and OVMF, the firmware of uefi guests (make image-debian-cloud)
+#   ci:   debian and cloud plus PostgreSQL, chromium (the fleet page test),
 #         promtool (prometheus) and systemd-analyze (systemd)
 #
 # KVM_DEPS_INSTALL=no never installs (only checks and prints).
@@ -39,6 +42,16 @@ debian_image() {
 	pkg_of[mkfs.ext4]=e2fsprogs
 	cmds+=(mmdebstrap mkfs.ext4)
 }
+# The cloud images' tools, and OVMF (uefi guests; the agent needs it too).
+cloud_image() {
+	pkg_of[sfdisk]=fdisk
+	pkg_of[mkfs.vfat]=dosfstools
+	pkg_of[mcopy]=mtools
+	pkg_of[syslinux]=syslinux
+	pkg_of[grub-mkstandalone]=grub-common
+	cmds+=(sfdisk mkfs.vfat mcopy syslinux grub-mkstandalone)
+	extra_pkgs+=(syslinux-common grub-efi-amd64-bin ovmf)
+}
 case "$what" in
 demo | test) ;;
 debian)
@@ -46,8 +59,14 @@ debian)
 	extra_pkgs=()
 	debian_image
 	;;
+cloud)
+	cmds=()
+	extra_pkgs=()
+	cloud_image
+	;;
 ci)
 	debian_image
+	cloud_image
 	pkg_of[chromium]=chromium
 	pkg_of[promtool]=prometheus
 	pkg_of[systemd-analyze]=systemd
@@ -56,7 +75,7 @@ ci)
 	cmds+=(chromium promtool systemd-analyze pg_ctlcluster curl)
 	;;
 *)
-	log "usage: deps.sh demo|test|debian|ci"
+	log "usage: deps.sh demo|test|debian|cloud|ci"
 	exit 2
 	;;
 esac

@@ -253,7 +253,8 @@ func machineOf(a *Agent, r vmRecord) *Machine {
 	return &Machine{ID: r.ID, Dir: a.vmDir(r.ID), Image: r.Image, VCPUs: r.VCPUs,
 		MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB, Disk: r.Disk, Process: r.Process,
 		NICs: cloneNICs(r.NICs), GuestNICs: cloneNICs(r.GuestNICs), Seed: seedOf(r),
-		GuestAgent: r.GuestAgent, Volumes: a.machineVolumes(r)}
+		GuestAgent: r.GuestAgent, Volumes: a.machineVolumes(r),
+		Firmware: r.firmware(), SecureBoot: r.SecureBoot}
 }
 
 // seedOf is Machine.Seed of VM r.
@@ -398,10 +399,56 @@ func (a *Agent) checkSpec(spec agentapi.VMSpec) (Image, error) {
 	if img.BaseDiskMiB > 0 && spec.DiskMiB < img.BaseDiskMiB {
 		return Image{}, errInvalid("disk_mib %d is smaller than the %d MiB disk of image %s", spec.DiskMiB, img.BaseDiskMiB, img.Name)
 	}
+	if err := checkFirmware(spec, img); err != nil {
+		return Image{}, err
+	}
 	if err := a.cfg.Driver.CheckSpec(spec, img); err != nil {
 		return Image{}, err
 	}
 	return img, nil
+}
+
+// ImageName is the image of a spec as its user knows it: a registered
+// image's name, not the cache's reference.
+func ImageName(spec agentapi.VMSpec) string {
+	if spec.ImageSource != nil && spec.ImageSource.Name != "" {
+		return spec.ImageSource.Name
+	}
+	return spec.Image
+}
+
+// checkFirmwareField refuses a firmware the agent does not know, and
+// Secure Boot without UEFI where the spec says so itself.
+func checkFirmwareField(spec agentapi.VMSpec) error {
+	switch spec.Firmware {
+	case "", agentapi.FirmwareBIOS, agentapi.FirmwareUEFI:
+	default:
+		return errInvalid("firmware %q is not one of bios, uefi", spec.Firmware)
+	}
+	if spec.SecureBoot && spec.Firmware == agentapi.FirmwareBIOS {
+		return errInvalid("secure_boot needs firmware uefi; vm firmware is bios (use an image with firmware = \"uefi\")")
+	}
+	return nil
+}
+
+// checkFirmware checks the VM's firmware against its image: UEFI boots a
+// disk, and Secure Boot needs UEFI. A VM started from a snapshot takes its
+// source's (spawnLocked checks it against the snapshot).
+func checkFirmware(spec agentapi.VMSpec, img Image) error {
+	if spec.Snapshot != nil {
+		return nil
+	}
+	fw := spec.Firmware
+	if fw == "" {
+		fw = img.Firmware
+	}
+	switch {
+	case fw == agentapi.FirmwareUEFI && img.Kind != ImageDisk:
+		return errInvalid("image %s is a kernel image, booted by QEMU directly: firmware uefi boots disk images only", ImageName(spec))
+	case spec.SecureBoot && fw != agentapi.FirmwareUEFI:
+		return errInvalid("secure_boot needs a uefi image; image %s boots with firmware bios (set firmware = \"uefi\" on an image that has an EFI system partition)", ImageName(spec))
+	}
+	return nil
 }
 
 // CreateVM creates and boots VM id, or returns it when it exists with the
@@ -420,6 +467,9 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 	if err != nil {
 		return agentapi.VM{}, false, err
 	}
+	if err := checkFirmwareField(spec); err != nil {
+		return agentapi.VM{}, false, err
+	}
 	validated := false
 	for {
 		e := a.lookup(id)
@@ -429,6 +479,12 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 			if !validated {
 				if err := a.ensureImage(ctx, src); err != nil {
 					return agentapi.VM{}, false, err
+				}
+				if spec.Firmware == "" && spec.Snapshot == nil {
+					// The image's, fixed for the VM's life at its create.
+					if img, err := a.cfg.Driver.Image(spec.Image); err == nil {
+						spec.Firmware = img.Firmware
+					}
 				}
 				if _, err := a.checkSpec(spec); err != nil {
 					return agentapi.VM{}, false, err
@@ -461,9 +517,10 @@ func (a *Agent) CreateVM(ctx context.Context, id string, spec agentapi.VMSpec) (
 			return agentapi.VM{}, false, errConflict("vm %s exists but its metadata is corrupt (%s); delete it and create it again", id, r.Reason)
 		}
 		if r.Image != spec.Image || r.VCPUs != spec.VCPUs || r.MemoryMiB != spec.MemoryMiB || r.DiskMiB != spec.DiskMiB ||
-			!sameNICs(r.askedNICs(), spec.NICs) || r.GuestAgent != spec.GuestAgent || !sameVolumes(r.Volumes, spec.Volumes) {
-			err := errConflict("vm %s already exists with a different shape (image %s, %d vcpus, %d MiB memory, %d MiB disk, %d nics, guest agent %v, %d volumes)",
-				id, r.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, len(r.NICs), r.GuestAgent, len(r.Volumes))
+			!sameNICs(r.askedNICs(), spec.NICs) || r.GuestAgent != spec.GuestAgent || !sameVolumes(r.Volumes, spec.Volumes) ||
+			(spec.Firmware != "" && spec.Firmware != r.firmware()) || (spec.Snapshot == nil && spec.SecureBoot != r.SecureBoot) {
+			err := errConflict("vm %s already exists with a different shape (image %s, %d vcpus, %d MiB memory, %d MiB disk, %d nics, guest agent %v, %d volumes, firmware %s, secure boot %v)",
+				id, r.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB, len(r.NICs), r.GuestAgent, len(r.Volumes), r.firmware(), r.SecureBoot)
 			err.Details = map[string]any{"id": id}
 			return agentapi.VM{}, false, err
 		}
@@ -480,6 +537,7 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 		DiskMiB: spec.DiskMiB, State: agentapi.StateCreating, StartedFrom: agentapi.StartedCold,
 		CreatedAt: time.Now().UTC().Truncate(time.Millisecond), NICs: requestedNICs(spec.NICs), Seed: spec.Seed,
 		GuestAgent: spec.GuestAgent,
+		Firmware:   spec.Firmware, SecureBoot: spec.SecureBoot,
 	}
 	if len(spec.Volumes) > 0 {
 		// Claimed and recorded in the entry under the volumes' locks, so

@@ -176,6 +176,10 @@ func TestBadInputIsRejectedAndStartsNothing(t *testing.T) {
 		{"wrong token", "a", `{"image":"sim","vcpus":1,"memory_mib":64,"disk_mib":1}`, "wrong", 401},
 		{"no token", "a", `{"image":"sim","vcpus":1,"memory_mib":64,"disk_mib":1}`, "", 401},
 		{"too large", "a", `{"image":"` + strings.Repeat("x", 2<<20) + `"}`, token, 413},
+		{"unknown firmware", "a", `{"image":"sim","vcpus":1,"memory_mib":64,"disk_mib":1,"firmware":"efi"}`, token, 400},
+		{"secure boot under bios", "a", `{"image":"sim","vcpus":1,"memory_mib":64,"disk_mib":1,"firmware":"bios","secure_boot":true}`, token, 400},
+		{"secure boot on a bios image", "a", `{"image":"sim","vcpus":1,"memory_mib":64,"disk_mib":1,"secure_boot":true}`, token, 400},
+		{"uefi for a kernel image", "a", `{"image":"sim","vcpus":1,"memory_mib":64,"disk_mib":1,"firmware":"uefi"}`, token, 400},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

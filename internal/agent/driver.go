@@ -85,7 +85,17 @@ type Machine struct {
 	// Volumes are the volumes attached to the VM (Volumer): a driver
 	// attaches them at every boot, after the seed, with their serials.
 	Volumes []MachineVolume
+	// Firmware boots the VM: agentapi.FirmwareBIOS or FirmwareUEFI, ""
+	// for the image's. A uefi VM keeps its own UEFI variable store in Dir
+	// (VarsFileName). SecureBoot enforces Secure Boot (uefi only).
+	Firmware   string
+	SecureBoot bool
 }
+
+// VarsFileName is a uefi VM's UEFI variable store in its directory: a
+// copy of the firmware's template made at its first boot, which moves
+// with the VM (a warm VM handed over, a snapshot's children).
+const VarsFileName = "efivars.fd"
 
 // Process identifies a VMM process. StartTime (field 22 of /proc/<pid>/stat)
 // tells a reused pid from the VM's own process.
@@ -124,6 +134,9 @@ type Image struct {
 	// BaseDiskMiB is the size of the image's disk (0 when it has none): a
 	// VM's disk cannot be smaller.
 	BaseDiskMiB int64
+	// Firmware is what the image boots with unless a VM says otherwise
+	// (agentapi.FirmwareBIOS or FirmwareUEFI).
+	Firmware string
 }
 
 // Image kinds.

@@ -127,11 +127,22 @@ type warmVM struct {
 	MACAddress string    `json:"mac_address,omitempty"`
 	Process    Process   `json:"process"`
 	CreatedAt  time.Time `json:"created_at"`
+	// Firmware is what the warm VM boots with: its image's, read when
+	// its boot starts ("" until then).
+	Firmware string `json:"firmware,omitempty"`
 
 	// cancel stops the boot of a booting warm VM (evicted: makeRoom).
 	cancel context.CancelFunc
 	// evicted: its boot was stopped to make room, not a failure.
 	evicted bool
+}
+
+// firmware is the warm VM's firmware (bios when it names none).
+func (w *warmVM) firmware() string {
+	if w.Firmware == "" {
+		return agentapi.FirmwareBIOS
+	}
+	return w.Firmware
 }
 
 func (w *warmVM) key() poolKey { return poolKey{w.Image, w.VCPUs, w.MemoryMiB, w.DiskMiB} }
@@ -251,7 +262,7 @@ func (p *pool) warmDir(id string) string { return filepath.Join(p.dir, id) }
 
 func (p *pool) machine(w *warmVM) *Machine {
 	return &Machine{ID: w.ID, Dir: p.warmDir(w.ID), Image: w.Image, VCPUs: w.VCPUs,
-		MemoryMiB: w.MemoryMiB, DiskMiB: w.DiskMiB, Process: w.Process, NICs: w.nics()}
+		MemoryMiB: w.MemoryMiB, DiskMiB: w.DiskMiB, Process: w.Process, NICs: w.nics(), Firmware: w.Firmware}
 }
 
 // poolNetwork is the network name of a warm VM's NIC until it is handed
@@ -453,6 +464,11 @@ func (p *pool) sortedTargets() []poolKey {
 func (p *pool) boot(w *warmVM) {
 	defer p.boots.Done()
 	defer p.kick()
+	if img, err := p.a.cfg.Driver.Image(w.Image); err == nil {
+		p.mu.Lock()
+		w.Firmware = img.Firmware
+		p.mu.Unlock()
+	}
 	m := p.machine(w)
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(p.ctx, p.opts.BootTimeout)
@@ -650,14 +666,17 @@ func (p *pool) sortedByAge(state string) []*warmVM {
 	return out
 }
 
-// take removes the oldest ready warm VM of key from the pool and the
-// registry, and returns it; nil when there is none.
-func (p *pool) take(key poolKey, needNIC bool) *warmVM {
+// take removes the oldest ready warm VM of key that booted with firmware
+// from the pool and the registry, and returns it; nil when there is none.
+func (p *pool) take(key poolKey, needNIC bool, firmware string) *warmVM {
 	p.mu.Lock()
 	var w *warmVM
 	for _, c := range p.sortedEntries(key, warmReady, false) {
 		if needNIC && c.MACAddress == "" {
 			continue // booted without a NIC by an older agent
+		}
+		if c.firmware() != firmware {
+			continue
 		}
 		w = c
 		delete(p.entries, w.ID)

@@ -42,16 +42,18 @@ func warmServes(nics []agentapi.NIC) bool {
 func (a *Agent) createWarm(ctx context.Context, e *vmEntry, r vmRecord, spec agentapi.VMSpec) (agentapi.VM, bool) {
 	p := a.pool
 	// A VM with a seed boots cold: a warm VM booted before its seed existed;
-	// so does one with the guest agent channel, which warm VMs lack, and one
-	// with volumes.
+	// so does one with the guest agent channel, which warm VMs lack, one
+	// with volumes, and one with Secure Boot: warm VMs boot without it.
 	if p.wd == nil || spec.NoWarm || spec.Stopped || spec.Snapshot != nil || spec.Seed != nil || spec.GuestAgent ||
-		len(spec.Volumes) > 0 || !warmServes(spec.NICs) {
+		spec.SecureBoot || len(spec.Volumes) > 0 || !warmServes(spec.NICs) {
 		return agentapi.VM{}, false
 	}
 	key := poolKey{spec.Image, spec.VCPUs, spec.MemoryMiB, spec.DiskMiB}
 	for {
 		start := time.Now()
-		w := p.take(key, len(spec.NICs) == 1)
+		// Only a warm VM that booted with the VM's firmware: the firmware
+		// is part of its shape.
+		w := p.take(key, len(spec.NICs) == 1, r.firmware())
 		if w == nil {
 			return agentapi.VM{}, false
 		}

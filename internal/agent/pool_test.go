@@ -52,6 +52,18 @@ type poolDriver struct {
 	warmNICs  map[string][]agentapi.NIC // the NICs each warm VM booted with
 	inFlight  atomic.Int32
 	boots     atomic.Int32
+	// firmware, when set, makes the images disk images that boot with it.
+	firmware string
+	// bootFirmware is the firmware each VM booted with, by id.
+	bootFirmware map[string]string
+}
+
+func (d *poolDriver) Image(name string) (agent.Image, error) {
+	img, err := d.Driver.Image(name)
+	if err == nil && d.firmware != "" {
+		img.Kind, img.Firmware = agent.ImageDisk, d.firmware
+	}
+	return img, err
 }
 
 func newPoolDriver() *poolDriver {
@@ -83,6 +95,10 @@ func (d *poolDriver) Boot(ctx context.Context, m *agent.Machine, o agent.BootOpt
 	defer d.inFlight.Add(-1)
 	d.boots.Add(1)
 	d.mu.Lock()
+	if d.bootFirmware == nil {
+		d.bootFirmware = map[string]string{}
+	}
+	d.bootFirmware[m.ID] = m.Firmware
 	block := d.blockUser
 	kind := "user"
 	if isWarm(m) {
@@ -916,5 +932,47 @@ func TestWarmVMsStayWithinTheControlPlanesCapacity(t *testing.T) {
 	}
 	if r := poolRow(t, h.client, "sim"); r.Ready != 1 || r.Booting != 0 {
 		t.Fatalf("pool after the create: %+v; want one warm vm left and none booting", r)
+	}
+}
+
+// The firmware is part of a warm VM's shape: warm VMs boot with their
+// image's firmware, and serve only creates that boot with it; a create
+// with another firmware, or with Secure Boot, boots cold and leaves the
+// pool be.
+func TestWarmVMsServeOnlyCreatesOfTheirFirmware(t *testing.T) {
+	d := newPoolDriver()
+	d.firmware = agentapi.FirmwareUEFI
+	h := startPoolAgent(t, t.TempDir(), d, agent.PoolOptions{})
+	ctx := context.Background()
+	if _, err := h.client.SetPool(ctx, "sim", poolShape(1)); err != nil {
+		t.Fatal(err)
+	}
+	waitReady(t, h, 1)
+	warm := warmDirs(t, h.dir)[0]
+	d.mu.Lock()
+	warmFW := d.bootFirmware[warm]
+	d.mu.Unlock()
+	if warmFW != agentapi.FirmwareUEFI {
+		t.Fatalf("warm vm %s booted with firmware %q, want its image's uefi", warm, warmFW)
+	}
+	bios := poolSpec
+	bios.Firmware = agentapi.FirmwareBIOS
+	secure := poolSpec
+	secure.SecureBoot = true
+	for id, s := range map[string]agentapi.VMSpec{"bios": bios, "secure": secure} {
+		vm, err := h.client.CreateVM(ctx, id, s)
+		if err != nil || vm.StartedFrom != agentapi.StartedCold {
+			t.Fatalf("create %s = %+v, %v; want a cold start", id, vm, err)
+		}
+		if vm.Firmware != map[string]string{"bios": "bios", "secure": "uefi"}[id] || vm.SecureBoot != (id == "secure") {
+			t.Fatalf("create %s: firmware %q secure boot %v", id, vm.Firmware, vm.SecureBoot)
+		}
+	}
+	if r := poolRow(t, h.client, "sim"); r.Ready != 1 {
+		t.Fatalf("creates of another firmware took from the pool: %+v", r)
+	}
+	vm, err := h.client.CreateVM(ctx, "w1", poolSpec)
+	if err != nil || vm.StartedFrom != agentapi.StartedWarm || vm.Firmware != agentapi.FirmwareUEFI {
+		t.Fatalf("create w1 = %+v, %v; want started warm, firmware uefi", vm, err)
 	}
 }

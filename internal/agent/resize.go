@@ -37,7 +37,8 @@ func (a *Agent) ResizeVM(ctx context.Context, id string, shape agentapi.VMShape)
 	if r.State == agentapi.StateCreating {
 		return agentapi.VM{}, errConflict("vm %s is still being created; resize it once it is up", id)
 	}
-	spec := agentapi.VMSpec{Image: r.Image, VCPUs: shape.VCPUs, MemoryMiB: shape.MemoryMiB, DiskMiB: r.DiskMiB}
+	spec := agentapi.VMSpec{Image: r.Image, VCPUs: shape.VCPUs, MemoryMiB: shape.MemoryMiB, DiskMiB: r.DiskMiB,
+		Firmware: r.firmware(), SecureBoot: r.SecureBoot}
 	if err := a.checkShape(spec); err != nil {
 		return agentapi.VM{}, err
 	}

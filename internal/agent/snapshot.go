@@ -128,6 +128,9 @@ type SnapshotFiles struct {
 	// agent while the snapshot was taken, so the saved guest is frozen
 	// too and a VM started from it is thawed by the driver.
 	FSFrozen bool
+	// Vars is a uefi VM's UEFI variable store as it was at the snapshot;
+	// each child starts with a copy of its own. "" for a bios VM.
+	Vars string
 }
 
 // ErrSnapshotConflict is what a driver returns when the VM is in a state in
@@ -162,13 +165,25 @@ type snapshotRecord struct {
 	// file systems were frozen for the snapshot (SnapshotFiles.FSFrozen).
 	GuestAgent bool `json:"guest_agent,omitempty"`
 	FSFrozen   bool `json:"fs_frozen,omitempty"`
+	// Firmware and SecureBoot are the source VM's, which its children
+	// boot with ("" from an older agent: bios).
+	Firmware   string `json:"firmware,omitempty"`
+	SecureBoot bool   `json:"secure_boot,omitempty"`
+}
+
+// firmware is the snapshot's firmware, bios when it names none.
+func (r *snapshotRecord) firmware() string {
+	if r.Firmware == "" {
+		return agentapi.FirmwareBIOS
+	}
+	return r.Firmware
 }
 
 func (r *snapshotRecord) wire() agentapi.Snapshot {
 	s := agentapi.Snapshot{
 		ID: r.ID, VMID: r.VMID, Image: r.Image, VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB,
 		CreatedAt: r.CreatedAt, Files: slices.Clone(r.Files), Parent: r.Parent, NICs: cloneNICs(r.NICs),
-		SeedDisk: r.SeedDisk, GuestAgent: r.GuestAgent, FSFrozen: r.FSFrozen,
+		SeedDisk: r.SeedDisk, GuestAgent: r.GuestAgent, FSFrozen: r.FSFrozen, Firmware: r.firmware(), SecureBoot: r.SecureBoot,
 	}
 	h := sha256.New()
 	for _, f := range r.Files {
@@ -192,6 +207,8 @@ func (r *snapshotRecord) files() SnapshotFiles {
 			out.Disk = f.Name
 		case agentapi.SnapshotFileBacking:
 			out.Backing = append(out.Backing, f.Name)
+		case agentapi.SnapshotFileVars:
+			out.Vars = f.Name
 		}
 	}
 	return out
@@ -237,7 +254,8 @@ func (r *snapshotRecord) validate(id string) error {
 			return fmt.Errorf("file %s: bad size or digest (want size_bytes >= 0 and one digest: blake3 for a ram file, or sha256)", f.Name)
 		}
 		switch f.Kind {
-		case agentapi.SnapshotFileMemory, agentapi.SnapshotFileRAM, agentapi.SnapshotFileDisk, agentapi.SnapshotFileBacking:
+		case agentapi.SnapshotFileMemory, agentapi.SnapshotFileRAM, agentapi.SnapshotFileDisk, agentapi.SnapshotFileBacking,
+			agentapi.SnapshotFileVars:
 			kinds[f.Kind]++
 		default:
 			return fmt.Errorf("file %s: unknown kind %q", f.Name, f.Kind)
@@ -252,6 +270,12 @@ func (r *snapshotRecord) validate(id string) error {
 		return errors.New("more than one frozen disk")
 	case kinds[agentapi.SnapshotFileBacking] > 0 && kinds[agentapi.SnapshotFileDisk] == 0:
 		return errors.New("backing files without a frozen disk")
+	case kinds[agentapi.SnapshotFileVars] > 1:
+		return errors.New("more than one uefi variable store")
+	case r.Firmware != "" && r.Firmware != agentapi.FirmwareBIOS && r.Firmware != agentapi.FirmwareUEFI:
+		return fmt.Errorf("firmware %q: want bios or uefi", r.Firmware)
+	case (kinds[agentapi.SnapshotFileVars] == 1) != (r.Firmware == agentapi.FirmwareUEFI):
+		return errors.New("a uefi snapshot has one uefi variable store, a bios one none")
 	}
 	return nil
 }

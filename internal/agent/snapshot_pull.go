@@ -282,6 +282,10 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 		MemoryMiB: meta.MemoryMiB, DiskMiB: meta.DiskMiB, Files: meta.Files, Parent: meta.Parent,
 		Origin: address, CreatedAt: meta.CreatedAt, NICs: meta.NICs, SeedDisk: meta.SeedDisk,
 		GuestAgent: meta.GuestAgent, FSFrozen: meta.FSFrozen,
+		SecureBoot: meta.SecureBoot,
+	}
+	if meta.Firmware == agentapi.FirmwareUEFI {
+		rec.Firmware = meta.Firmware
 	}
 	if err := rec.validate(id); err != nil {
 		return nil, errPull(id, address, fmt.Errorf("its metadata is not usable: %w", err))
@@ -339,7 +343,10 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 		}
 		return n, nil
 	}
-	isState := func(f agentapi.SnapshotFile) bool { return !isDiskFile(f) && !isRAM(f) }
+	// A uefi VM's variables come with the disks: a child started early
+	// boots with its copy of them.
+	isEarly := func(f agentapi.SnapshotFile) bool { return isDiskFile(f) || f.Kind == agentapi.SnapshotFileVars }
+	isState := func(f agentapi.SnapshotFile) bool { return !isEarly(f) && !isRAM(f) }
 	// The RAM image, by far the largest file, streams while the disk chain
 	// arrives and is checked: nothing reads it before the whole pull is
 	// verified. The device state, small, comes once the pull is ready and
@@ -360,7 +367,7 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 		stopRAM()
 		<-ramDone
 	}()
-	bytes, err := pull(ctx, isDiskFile)
+	bytes, err := pull(ctx, isEarly)
 	if err != nil {
 		return nil, err
 	}

@@ -73,6 +73,15 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 		// Likewise the guest agent channel: the child has it exactly when
 		// its source had it, whatever the create asked.
 		r.GuestAgent = rec.GuestAgent
+		// The firmware too: the child continues a guest that runs on its
+		// source's firmware, with a copy of its variables.
+		switch {
+		case spec.Firmware != "" && spec.Firmware != rec.firmware():
+			return nil, errInvalid("snapshot %s is of a vm with firmware %s: a vm started from it boots with that firmware, not %s", src.ID, rec.firmware(), spec.Firmware)
+		case spec.SecureBoot && !rec.SecureBoot:
+			return nil, errInvalid("snapshot %s is of a vm without secure boot: a vm started from it cannot have it", src.ID)
+		}
+		r.Firmware, r.SecureBoot = rec.firmware(), rec.SecureBoot
 		r.GuestNICs = cloneNICs(rec.NICs)
 		e.set(r)
 		a.pool.makeRoom(e.id)

@@ -131,7 +131,10 @@ func (a *Agent) takeSnapshot(ctx context.Context, sn Snapshotter, id string, spe
 	rec := &snapshotRecord{
 		Version: snapshotVersion, ID: id, VMID: r.ID, Image: r.Image, VCPUs: r.VCPUs,
 		MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB, CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
-		NICs: guestView(r), SeedDisk: r.Seed != nil, GuestAgent: r.GuestAgent, FSFrozen: files.FSFrozen,
+		NICs: guestView(r), SeedDisk: r.Seed != nil, GuestAgent: r.GuestAgent, FSFrozen: files.FSFrozen, SecureBoot: r.SecureBoot,
+	}
+	if r.firmware() == agentapi.FirmwareUEFI {
+		rec.Firmware = agentapi.FirmwareUEFI
 	}
 	if files.Disk != "" {
 		// The frozen disk sits on the disk of the snapshot the VM came from.
@@ -164,6 +167,9 @@ func (a *Agent) describeFiles(dir string, files SnapshotFiles) ([]agentapi.Snaps
 	}
 	for _, b := range files.Backing {
 		list = append(list, agentapi.SnapshotFile{Name: b, Kind: agentapi.SnapshotFileBacking})
+	}
+	if files.Vars != "" {
+		list = append(list, agentapi.SnapshotFile{Name: files.Vars, Kind: agentapi.SnapshotFileVars})
 	}
 	for i := range list {
 		_, known := ramHash(list[i])

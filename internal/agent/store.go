@@ -56,6 +56,18 @@ type vmRecord struct {
 	GuestAgent bool `json:"guest_agent,omitempty"`
 	// Volumes are the volumes attached to the VM (volume_attach.go).
 	Volumes []vmVolume `json:"volumes,omitempty"`
+	// Firmware is what the VM boots with, fixed at its create (a record
+	// of an older agent has none: bios); SecureBoot says Secure Boot is on.
+	Firmware   string `json:"firmware,omitempty"`
+	SecureBoot bool   `json:"secure_boot,omitempty"`
+}
+
+// firmware is the VM's firmware, bios for a record that names none.
+func (r *vmRecord) firmware() string {
+	if r.Firmware == "" {
+		return agentapi.FirmwareBIOS
+	}
+	return r.Firmware
 }
 
 func (r *vmRecord) wire() agentapi.VM {
@@ -63,6 +75,7 @@ func (r *vmRecord) wire() agentapi.VM {
 		ID: r.ID, Image: r.Image, VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB,
 		State: r.State, Reason: r.Reason, StartedFrom: r.StartedFrom, PID: r.Process.PID,
 		NICs: cloneNICs(r.NICs), CreatedAt: r.CreatedAt, GuestAgent: r.GuestAgent, Volumes: wireVolumes(r.Volumes),
+		Firmware: r.firmware(), SecureBoot: r.SecureBoot,
 	}
 }
 

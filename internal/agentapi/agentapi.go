@@ -108,7 +108,21 @@ type VMSpec struct {
 	// through it and freezes its file systems around a snapshot. Part of
 	// the VM's shape: a warm VM (booted without it) never serves it.
 	GuestAgent bool `json:"guest_agent,omitempty"`
+	// Firmware boots the VM's disk: FirmwareBIOS or FirmwareUEFI; ""
+	// takes the image's (its image.json; bios when it says none). The
+	// control plane sets it from a registered image. A VM started from a
+	// snapshot has its source's firmware.
+	Firmware string `json:"firmware,omitempty"`
+	// SecureBoot boots a uefi VM with Secure Boot enforced, with the
+	// Microsoft keys enrolled (OVMF's .ms variables).
+	SecureBoot bool `json:"secure_boot,omitempty"`
 }
+
+// Firmware of a VM (VMSpec.Firmware).
+const (
+	FirmwareBIOS = "bios"
+	FirmwareUEFI = "uefi"
+)
 
 // SeedSpec is what goes into a VM's NoCloud seed (internal/agent/seed).
 type SeedSpec struct {
@@ -223,6 +237,10 @@ type VM struct {
 	GuestAgent bool `json:"guest_agent,omitempty"`
 	// Volumes are the volumes attached to the VM.
 	Volumes []VolumeAttachment `json:"volumes,omitempty"`
+	// Firmware is what the VM boots with (bios or uefi); SecureBoot says
+	// that Secure Boot is on.
+	Firmware   string `json:"firmware,omitempty"`
+	SecureBoot bool   `json:"secure_boot,omitempty"`
 }
 
 // VMList is the answer of GET /v1/vms: every VM on the agent.
@@ -269,6 +287,11 @@ type Snapshot struct {
 	// from it thaws them first thing.
 	GuestAgent bool `json:"guest_agent,omitempty"`
 	FSFrozen   bool `json:"fs_frozen,omitempty"`
+	// Firmware and SecureBoot are the source VM's: a VM started from the
+	// snapshot boots with the same (its devices must match the saved
+	// state), with its own copy of the snapshot's UEFI variables.
+	Firmware   string `json:"firmware,omitempty"`
+	SecureBoot bool   `json:"secure_boot,omitempty"`
 }
 
 // Kinds of snapshot files.
@@ -281,6 +304,9 @@ const (
 	SnapshotFileRAM     = "ram"
 	SnapshotFileDisk    = "disk"    // the frozen disk a child's overlay sits on
 	SnapshotFileBacking = "backing" // a file below the frozen disk in its backing chain
+	// SnapshotFileVars is a uefi VM's UEFI variable store at the snapshot:
+	// each child starts with a copy of its own.
+	SnapshotFileVars = "vars"
 )
 
 // SnapshotFile is one file of a snapshot, with its digest: SHA256 (hex),

@@ -149,6 +149,10 @@ type VMCreate struct {
 	// guest's file systems. Like the guest configuration it is fixed at
 	// create (the VM boots cold; a fork's children inherit it).
 	GuestAgent bool `json:"guest_agent,omitempty"`
+	// SecureBoot boots the VM with Secure Boot on, the Microsoft keys
+	// enrolled: its image must boot with firmware uefi (and a signed
+	// bootloader, e.g. shim). Immutable.
+	SecureBoot bool `json:"secure_boot,omitempty"`
 }
 
 // Limits of a VM's guest configuration.
@@ -237,6 +241,7 @@ type VM struct {
 	Volumes []VMVolume `json:"volumes"`
 	// GuestAgent says the VM has the QEMU guest agent channel.
 	GuestAgent bool      `json:"guest_agent"`
+	SecureBoot bool      `json:"secure_boot"`
 	CreatedAt  time.Time `json:"created_at"`
 }
 
@@ -557,7 +562,17 @@ type ImageCreate struct {
 	MinDiskMiB int64 `json:"min_disk_mib,omitempty"`
 	// Prefetch asks every host to fetch the image now, not on first use.
 	Prefetch bool `json:"prefetch,omitempty"`
+	// Firmware boots VMs of a disk image (qcow2, raw): FirmwareBIOS
+	// (default) or FirmwareUEFI. A UEFI-only disk (an EFI system partition
+	// and no BIOS boot code) is refused under bios at the VM's create.
+	Firmware string `json:"firmware,omitempty"`
 }
+
+// Firmware of an image.
+const (
+	FirmwareBIOS = "bios"
+	FirmwareUEFI = "uefi"
+)
 
 // ImagePatch is the body of PATCH /v1/images/{name}: what changes in place.
 type ImagePatch struct {
@@ -581,6 +596,7 @@ type Image struct {
 	Format         string      `json:"format"`
 	MinDiskMiB     int64       `json:"min_disk_mib"`
 	Prefetch       bool        `json:"prefetch"`
+	Firmware       string      `json:"firmware"`
 	SizeBytes      int64       `json:"size_bytes"`
 	VirtualSizeMiB int64       `json:"virtual_size_mib"`
 	Hosts          []ImageHost `json:"hosts"`

@@ -50,6 +50,8 @@ type agentConfig struct {
 	// QEMUUIDCount are the uids QEMU runs as (qemu.Options).
 	ConsoleLogKiB             int64
 	QEMUUIDBase, QEMUUIDCount uint
+	// OVMFDir holds the UEFI firmware of uefi VMs (qemu.Options).
+	OVMFDir string
 }
 
 // runAgent runs the host agent (kvmd agent) until ctx ends. Its VMs keep
@@ -76,6 +78,8 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 	fs.UintVar(&cfg.QEMUUIDBase, "qemu-uid-base", qemu.DefaultUIDBase,
 		"qemu: first uid (and gid) of the range the agent, when root, runs each VM's QEMU as, one per VM; no user or group of the host may have one")
 	fs.UintVar(&cfg.QEMUUIDCount, "qemu-uid-count", qemu.DefaultUIDCount, "qemu: how many uids from --qemu-uid-base the agent may give VMs")
+	fs.StringVar(&cfg.OVMFDir, "ovmf-dir", qemu.DefaultOVMFDir, "qemu: folder of the UEFI firmware of uefi VMs (Debian's ovmf package): "+
+		"OVMF_CODE_4M.fd and OVMF_VARS_4M.fd, and OVMF_CODE_4M.secboot.fd and OVMF_VARS_4M.ms.fd for Secure Boot")
 	fs.DurationVar(&cfg.StopTimeout, "stop-timeout", 10*time.Second, "how long a stop waits for the guest's ACPI power-off before ending QEMU")
 	fs.IntVar(&cfg.Pool.Concurrency, "pool-concurrency", 1, "warm pool: how many warm VMs boot at once")
 	fs.IntVar(&cfg.Pool.Nice, "pool-nice", 10, "warm pool: nice value warm VMs boot at, below user VMs (0: the default 10; negative: the agent's own priority)")
@@ -172,7 +176,7 @@ func newDriver(ctx context.Context, cfg agentConfig, log *slog.Logger) (agent.Dr
 	}
 	d, err := qemu.New(ctx, qemu.Options{ImageDir: cfg.ImageDir, Accel: cfg.Accel, Logger: log,
 		ConsoleLogBytes: cfg.ConsoleLogKiB << 10, UIDBase: uint32(cfg.QEMUUIDBase), UIDCount: uint32(cfg.QEMUUIDCount),
-		UserNetUser: cfg.UserNetUser, UserNetAllow: cfg.UserNetAllow})
+		UserNetUser: cfg.UserNetUser, UserNetAllow: cfg.UserNetAllow, OVMFDir: cfg.OVMFDir})
 	if err != nil {
 		return nil, fmt.Errorf("kvmd agent: %w", err)
 	}

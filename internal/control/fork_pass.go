@@ -210,7 +210,7 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 	vm := store.VM{
 		ID: newID(), Name: childName(f.ID, slot), Project: f.Project, Image: f.Image, Resources: f.Resources,
 		PowerState: api.PowerRunning, ObservedState: api.StateCreating, ForkID: &forkID, ForkSlot: &slotN,
-		Labels: map[string]string{}, Constraints: f.Constraints, GuestAgent: f.GuestAgent,
+		Labels: map[string]string{}, Constraints: f.Constraints, GuestAgent: f.GuestAgent, SecureBoot: f.SecureBoot,
 	}
 	// A child is a new instance: a seed of its own (its id, its name), read
 	// by cloud-init at the child's next boot.

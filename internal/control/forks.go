@@ -107,7 +107,7 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 		ID: newID(), SourceVMID: src.ID, SourceHost: src.HostName, Image: src.Image, Resources: src.Resources,
 		Count: in.Count, PauseSource: in.PauseSource, Placement: in.Placement, Phase: api.ForkPending,
 		NICs: src.NICs, Constraints: constraintsText(in.Constraints), Owner: &s.replicaID, Guest: src.Guest,
-		Project: src.Project, GuestAgent: src.GuestAgent,
+		Project: src.Project, GuestAgent: src.GuestAgent, SecureBoot: src.SecureBoot,
 	}
 	if key != "" {
 		f.IdempotencyKey, f.IdempotencyCaller = &key, callerOf(ctx)

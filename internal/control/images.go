@@ -46,6 +46,15 @@ func validateImageCreate(in api.ImageCreate) error {
 	default:
 		return invalidf("format %q is not one of qcow2, raw, kernel", in.Format)
 	}
+	switch in.Firmware {
+	case "", api.FirmwareBIOS:
+	case api.FirmwareUEFI:
+		if in.Format == api.ImageFormatKernel {
+			return invalidf("firmware uefi boots a disk image (qcow2 or raw); a kernel bundle is booted by QEMU directly: leave firmware unset")
+		}
+	default:
+		return invalidf("firmware %q is not one of bios, uefi", in.Firmware)
+	}
 	u, err := url.Parse(in.SourceURL)
 	if err != nil {
 		return invalidf("source_url %q is not a URL: %v", in.SourceURL, err)
@@ -78,15 +87,19 @@ func (s *Service) CreateImage(ctx context.Context, in api.ImageCreate) (api.Imag
 	if err := validateImageCreate(in); err != nil {
 		return api.Image{}, err
 	}
+	firmware := in.Firmware
+	if firmware == "" {
+		firmware = api.FirmwareBIOS
+	}
 	img, err := s.store.InsertImage(ctx, store.Image{Name: in.Name, SourceURL: in.SourceURL, SHA256: in.SHA256,
-		Format: in.Format, MinDiskMiB: in.MinDiskMiB, Prefetch: in.Prefetch})
+		Format: in.Format, MinDiskMiB: in.MinDiskMiB, Prefetch: in.Prefetch, Firmware: firmware})
 	if errors.Is(err, store.ErrDuplicateName) {
 		return api.Image{}, conflictf("an image named %q is already registered; choose another name or import it", in.Name)
 	}
 	if err != nil {
 		return api.Image{}, fromStore(err, "register image "+in.Name)
 	}
-	s.log.Info("image registered", "image", img.Name, "sha256", img.SHA256, "format", img.Format, "prefetch", img.Prefetch)
+	s.log.Info("image registered", "image", img.Name, "sha256", img.SHA256, "format", img.Format, "firmware", img.Firmware, "prefetch", img.Prefetch)
 	if img.Prefetch {
 		s.prefetchEverywhere(ctx, img)
 	}
@@ -316,7 +329,7 @@ func (s *Service) registeredImage(ctx context.Context, name string, diskMiB int6
 // last reports.
 func (s *Service) apiImage(img store.Image) api.Image {
 	out := api.Image{Name: img.Name, SourceURL: img.SourceURL, SHA256: img.SHA256, Format: img.Format,
-		MinDiskMiB: img.MinDiskMiB, Prefetch: img.Prefetch, Hosts: []api.ImageHost{}, CreatedAt: img.CreatedAt}
+		MinDiskMiB: img.MinDiskMiB, Prefetch: img.Prefetch, Firmware: img.Firmware, Hosts: []api.ImageHost{}, CreatedAt: img.CreatedAt}
 	hosts := s.view.imageHosts(img.SHA256)
 	for _, h := range slices.Sorted(maps.Keys(hosts)) {
 		st := hosts[h]

@@ -183,6 +183,8 @@ func TestImageBadInput(t *testing.T) {
 		{api.ImageCreate{Name: "x", SourceURL: url, SHA256: strings.ToUpper(sha), Format: "qcow2"}, "is not a sha256 digest"},
 		{api.ImageCreate{Name: "x", SourceURL: url, SHA256: sha, Format: "vmdk"}, `format "vmdk" is not one of`},
 		{api.ImageCreate{Name: "x", SourceURL: "file://relative/x", SHA256: sha, Format: "qcow2"}, "absolute path"},
+		{api.ImageCreate{Name: "x", SourceURL: url, SHA256: sha, Format: "qcow2", Firmware: "efi"}, `firmware "efi" is not one of bios, uefi`},
+		{api.ImageCreate{Name: "x", SourceURL: url, SHA256: sha, Format: "kernel", Firmware: "uefi"}, "firmware uefi boots a disk image"},
 	} {
 		_, err := c.Client.CreateImage(ctx, tc.in)
 		var e *client.Error
@@ -227,6 +229,18 @@ func TestImageBadInput(t *testing.T) {
 	_, err = c.Client.CreateVM(ctx, imageVM("small", "big", ""), "")
 	if !errors.As(err, &e) || e.Status != 400 || !strings.Contains(e.Message, "below the min_disk_mib 4096 of image big") {
 		t.Fatalf("create below min_disk_mib: %v", err)
+	}
+	// secure_boot on an image that boots with bios: 400 at VM create,
+	// naming the image and its firmware; nothing fetched.
+	img, err = c.Client.CreateImage(ctx, api.ImageCreate{Name: "plain", SourceURL: url, SHA256: sha, Format: "qcow2"})
+	if err != nil || img.Firmware != api.FirmwareBIOS {
+		t.Fatalf("image without firmware: %+v, %v; want firmware bios", img, err)
+	}
+	sb := imageVM("sb", "plain", "")
+	sb.SecureBoot = true
+	_, err = c.Client.CreateVM(ctx, sb, "")
+	if !errors.As(err, &e) || e.Status != 400 || !strings.Contains(e.Message, "secure_boot needs an image with firmware uefi; image plain boots with firmware bios") {
+		t.Fatalf("secure boot on a bios image: %v", err)
 	}
 	if n := srv.Requests(); n != 0 {
 		t.Fatalf("the source was asked %d times for refused creates", n)

@@ -53,6 +53,9 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	if err != nil {
 		return api.VM{}, err
 	}
+	if in.SecureBoot && img != nil && img.Firmware != api.FirmwareUEFI {
+		return api.VM{}, invalidf("secure_boot needs an image with firmware uefi; image %s boots with firmware %s", img.Name, img.Firmware)
+	}
 	builtin := in.Image
 	if img != nil {
 		builtin = "" // any host fetches a registered image
@@ -75,7 +78,7 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 		Resources:  store.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB},
 		PowerState: in.PowerState, ObservedState: api.StateCreating, Constraints: constraintsText(in.Constraints),
 		CreatedAt: time.Now().UTC().Truncate(time.Microsecond), Owner: &s.replicaID, Guest: guestOf(in),
-		GuestAgent: in.GuestAgent,
+		GuestAgent: in.GuestAgent, SecureBoot: in.SecureBoot,
 	}
 	var volumeHost string
 	if vm.Volumes, _, volumeHost, err = s.vmVolumes(ctx, project.Name, in.Volumes); err != nil {
@@ -112,11 +115,12 @@ func (s *Service) createVM(ctx context.Context, in api.VMCreate) (api.VM, error)
 	})
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Stopped: in.PowerState == api.PowerStopped,
-		NICs: agentNICs(nics), NoWarm: !warmCapable(nics) || vm.Guest != nil || vm.GuestAgent, Seed: seedSpec(vm.ID, vm.Guest),
-		HostCapacity: s.view.hostCapacity(vm.HostName), Volumes: agentVolumes(vm.Volumes), GuestAgent: vm.GuestAgent}
+		NICs: agentNICs(nics), NoWarm: !warmCapable(nics) || vm.Guest != nil || vm.GuestAgent || vm.SecureBoot, Seed: seedSpec(vm.ID, vm.Guest),
+		HostCapacity: s.view.hostCapacity(vm.HostName), Volumes: agentVolumes(vm.Volumes), GuestAgent: vm.GuestAgent, SecureBoot: vm.SecureBoot}
 	if img != nil {
 		src := s.imageSource(*img, vm.HostName)
 		spec.ImageSource = &src
+		spec.Firmware = img.Firmware
 		// The fetch may outlast one agent call: wait for it here, with the
 		// create's own deadline, so the create call itself only boots.
 		if err := s.awaitImage(ctx, agent, vm.HostName, src); err != nil {
@@ -465,7 +469,7 @@ func apiVM(vm store.VM, hostAlive bool) api.VM {
 		ID:      vm.ID, Name: vm.Name, Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Host: vm.HostName, PowerState: vm.PowerState, ObservedState: vm.ObservedState,
 		Reason: vm.Reason, StartedFrom: vm.StartedFrom, Labels: vm.Labels, CreatedAt: vm.CreatedAt,
-		NetworkInterfaces: apiNICs(vm.NICs), Volumes: apiVMVolumes(vm.Volumes, nil),
+		NetworkInterfaces: apiNICs(vm.NICs), Volumes: apiVMVolumes(vm.Volumes, nil), SecureBoot: vm.SecureBoot,
 	}
 	withGuest(&out, vm.Guest)
 	out.GuestAgent = vm.GuestAgent

@@ -40,6 +40,7 @@ func (d *imageDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, 
 			"format":           schema.StringAttribute{MarkdownDescription: "`qcow2`, `raw` or `kernel`.", Computed: true},
 			"min_disk_mib":     schema.Int64Attribute{MarkdownDescription: "Smallest `disk_mib` a VM of this image may have.", Computed: true},
 			"prefetch":         schema.BoolAttribute{MarkdownDescription: "Whether every host fetches the image at once.", Computed: true},
+			"firmware":         schema.StringAttribute{MarkdownDescription: descImageFirmware, Computed: true},
 			"size_bytes":       schema.Int64Attribute{MarkdownDescription: descImageSize, Computed: true},
 			"virtual_size_mib": schema.Int64Attribute{MarkdownDescription: descImageVirtualSize, Computed: true},
 			"hosts": schema.ListNestedAttribute{

@@ -15,6 +15,7 @@ import (
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/booldefault"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/int64default"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/planmodifier"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringdefault"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/stringplanmodifier"
 	"github.com/hashicorp/terraform-plugin-framework/schema/validator"
 	"github.com/hashicorp/terraform-plugin-framework/types"
@@ -45,6 +46,7 @@ type imageModel struct {
 	Format         types.String `tfsdk:"format"`
 	MinDiskMiB     types.Int64  `tfsdk:"min_disk_mib"`
 	Prefetch       types.Bool   `tfsdk:"prefetch"`
+	Firmware       types.String `tfsdk:"firmware"`
 	SizeBytes      types.Int64  `tfsdk:"size_bytes"`
 	VirtualSizeMiB types.Int64  `tfsdk:"virtual_size_mib"`
 	Hosts          types.List   `tfsdk:"hosts"`
@@ -61,6 +63,10 @@ func (m *imageModel) fromAPI(img api.Image) {
 	m.Format = types.StringValue(img.Format)
 	m.MinDiskMiB = types.Int64Value(img.MinDiskMiB)
 	m.Prefetch = types.BoolValue(img.Prefetch)
+	m.Firmware = types.StringValue(img.Firmware)
+	if img.Firmware == "" {
+		m.Firmware = types.StringValue(api.FirmwareBIOS)
+	}
 	m.SizeBytes = types.Int64Value(img.SizeBytes)
 	m.VirtualSizeMiB = types.Int64Value(img.VirtualSizeMiB)
 	hosts := make([]attr.Value, 0, len(img.Hosts))
@@ -78,6 +84,10 @@ const (
 	descImageHosts = "The image on each host that has fetched it, is fetching it or failed to: `host`, `status` " +
 		"(`ready`, `fetching` or `failed`) and `reason` (why it failed, e.g. both digests of a mismatch). A host " +
 		"that never needed the image is not listed. As last reported by the hosts' agents."
+	descImageFirmware = "What VMs of the image boot with: `bios` (SeaBIOS) or `uefi` (OVMF, each VM with its own " +
+		"UEFI variable store). A UEFI-only disk (an EFI system partition and no BIOS boot code in its first sector, " +
+		"as a GPT cloud image made for UEFI) is refused under `bios` when a VM is created, with a message that says " +
+		"to set `firmware = \"uefi\"`; the agent never switches the firmware by itself."
 	descImageSize        = "Size in bytes of the file at `source_url`; 0 until a host has fetched it."
 	descImageVirtualSize = "Size in MiB of the disk the image holds (a qcow2's virtual size; a raw file's size; a " +
 		"kernel bundle's disk, if any); 0 until a host has fetched it. A VM's `disk_mib` cannot be smaller."
@@ -144,6 +154,15 @@ func (r *imageResource) Schema(_ context.Context, _ resource.SchemaRequest, resp
 				Computed: true,
 				Default:  booldefault.StaticBool(false),
 			},
+			"firmware": schema.StringAttribute{
+				MarkdownDescription: descImageFirmware + " `uefi` needs format `qcow2` or `raw`. Defaults to `bios`. " +
+					"Changing it replaces the image (delete its VMs first).",
+				Optional:      true,
+				Computed:      true,
+				Default:       stringdefault.StaticString(api.FirmwareBIOS),
+				Validators:    []validator.String{stringvalidator.OneOf(api.FirmwareBIOS, api.FirmwareUEFI)},
+				PlanModifiers: []planmodifier.String{stringplanmodifier.RequiresReplace()},
+			},
 			"size_bytes":       schema.Int64Attribute{MarkdownDescription: descImageSize, Computed: true},
 			"virtual_size_mib": schema.Int64Attribute{MarkdownDescription: descImageVirtualSize, Computed: true},
 			"hosts": schema.ListNestedAttribute{
@@ -173,6 +192,7 @@ func (r *imageResource) Create(ctx context.Context, req resource.CreateRequest, 
 	img, err := r.data.client.CreateImage(ctx, api.ImageCreate{
 		Name: name, SourceURL: plan.SourceURL.ValueString(), SHA256: plan.SHA256.ValueString(),
 		Format: plan.Format.ValueString(), MinDiskMiB: plan.MinDiskMiB.ValueInt64(), Prefetch: plan.Prefetch.ValueBool(),
+		Firmware: plan.Firmware.ValueString(),
 	})
 	r.data.wrote()
 	if errors.Is(err, client.ErrConflict) {

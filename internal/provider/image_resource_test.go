@@ -93,6 +93,7 @@ func TestAccImage_basic(t *testing.T) {
 					statecheck.ExpectKnownValue(imageAddr, tfjsonpath.New("format"), knownvalue.StringExact("qcow2")),
 					statecheck.ExpectKnownValue(imageAddr, tfjsonpath.New("min_disk_mib"), knownvalue.Int64Exact(0)),
 					statecheck.ExpectKnownValue(imageAddr, tfjsonpath.New("prefetch"), knownvalue.Bool(false)),
+					statecheck.ExpectKnownValue(imageAddr, tfjsonpath.New("firmware"), knownvalue.StringExact("bios")),
 					statecheck.ExpectKnownValue(imageAddr, tfjsonpath.New("hosts"), knownvalue.ListSizeExact(0)),
 				},
 			},
@@ -116,6 +117,18 @@ func TestAccImage_basic(t *testing.T) {
 				},
 				ConfigStateChecks: []statecheck.StateCheck{
 					statecheck.ExpectKnownValue(imageAddr, tfjsonpath.New("sha256"), knownvalue.StringExact(imgs.sha2)),
+				},
+			},
+			{
+				// The firmware is part of what VMs of the image are: a new one
+				// replaces the image.
+				Config: imageConfig(f, "tiny", imgs.url2, imgs.sha2, "  min_disk_mib = 128\n  prefetch = true\n  firmware = \"uefi\"\n"),
+				ConfigPlanChecks: resource.ConfigPlanChecks{
+					PreApply:             []plancheck.PlanCheck{plancheck.ExpectResourceAction(imageAddr, plancheck.ResourceActionDestroyBeforeCreate)},
+					PostApplyPostRefresh: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
+				},
+				ConfigStateChecks: []statecheck.StateCheck{
+					statecheck.ExpectKnownValue(imageAddr, tfjsonpath.New("firmware"), knownvalue.StringExact("uefi")),
 				},
 			},
 			{

@@ -100,6 +100,7 @@ type vmAttributes struct {
 	NetworkConfig     types.String `tfsdk:"network_config"`
 	Hostname          types.String `tfsdk:"hostname"`
 	UserDataSHA256    types.String `tfsdk:"user_data_sha256"`
+	SecureBoot        types.Bool   `tfsdk:"secure_boot"`
 }
 
 // fromAPI fills the attributes from vm, with powerState as the value of
@@ -129,6 +130,7 @@ func (m *vmAttributes) fromAPI(vm api.VM, powerState string) {
 	}
 	m.CreatedAt = timestamp(vm.CreatedAt)
 	m.IPv4Address = optionalString(vm.IPv4Address)
+	m.SecureBoot = types.BoolValue(vm.SecureBoot)
 	m.guestFromAPI(vm)
 }
 

@@ -14,6 +14,8 @@ import (
 	"github.com/hashicorp/terraform-plugin-framework/path"
 	"github.com/hashicorp/terraform-plugin-framework/resource"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/booldefault"
+	"github.com/hashicorp/terraform-plugin-framework/resource/schema/boolplanmodifier"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/float64planmodifier"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/mapdefault"
 	"github.com/hashicorp/terraform-plugin-framework/resource/schema/planmodifier"
@@ -125,6 +127,17 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 				Required:      true,
 				Validators:    []validator.String{stringvalidator.LengthAtLeast(1)},
 				PlanModifiers: []planmodifier.String{stringplanmodifier.RequiresReplace()},
+			},
+			"secure_boot": schema.BoolAttribute{
+				MarkdownDescription: "Boot with UEFI Secure Boot enforced, the Microsoft keys enrolled (OVMF's " +
+					"Microsoft-keyed variables, on a q35 machine with SMM): the image must have `firmware = \"uefi\"` " +
+					"and a bootloader signed for those keys (shim, as Debian's and Ubuntu's cloud images have); an " +
+					"unsigned one is refused by the firmware. Defaults to `false` (a uefi VM boots without Secure " +
+					"Boot). Such a VM boots cold, never from a warm pool. Changing it replaces the VM.",
+				Optional:      true,
+				Computed:      true,
+				Default:       booldefault.StaticBool(false),
+				PlanModifiers: []planmodifier.Bool{boolplanmodifier.RequiresReplace()},
 			},
 			"vcpus": schema.Int64Attribute{
 				MarkdownDescription: "Number of virtual CPUs. Changed in place: **a running guest restarts** (clean " +
@@ -364,6 +377,7 @@ func (r *vmResource) Create(ctx context.Context, req resource.CreateRequest, res
 		Host:              plan.Host.ValueString(), // "" when unknown: the control API chooses
 		PowerState:        plan.PowerState.ValueString(),
 		Labels:            labels,
+		SecureBoot:        plan.SecureBoot.ValueBool(),
 	}
 	resp.Diagnostics.Append(guestCreate(ctx, &in, &plan, userDataWO)...)
 	if resp.Diagnostics.HasError() {

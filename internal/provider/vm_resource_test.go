@@ -72,6 +72,7 @@ func TestAccVM_basic(t *testing.T) {
 					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("power_state"), knownvalue.StringExact("running")),
 					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("observed_state"), knownvalue.StringExact("running")),
 					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("started_from"), knownvalue.StringExact("cold")),
+					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("secure_boot"), knownvalue.Bool(false)),
 					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("placement_score"), knownvalue.NotNull()),
 					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("placement_summary"),
 						knownvalue.StringRegexp(regexp.MustCompile(`^placed on h1 \(score \d+\.\d{5}\)`))),
@@ -755,5 +756,20 @@ func TestAccVM_readErrorKeepsState(t *testing.T) {
 				Check:             f.checkAgentVMCount("h1", 1),
 			},
 		},
+	})
+}
+
+// secure_boot on a VM whose image boots with bios is refused at create,
+// with what to set, and nothing is left.
+func TestAccVM_secureBootNeedsAUEFIImage(t *testing.T) {
+	f := newFleet(t, "h1")
+	resource.Test(t, resource.TestCase{
+		ProtoV6ProviderFactories: factories(),
+		CheckDestroy:             f.checkFleetEmpty,
+		Steps: []resource.TestStep{{
+			Config:      vmConfig(f, "sb-1", "sim", 1, "  secure_boot = true\n"),
+			ExpectError: regexp.MustCompile(`secure_boot needs a uefi image`),
+			Check:       f.checkFleetEmpty,
+		}},
 	})
 }

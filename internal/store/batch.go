@@ -246,8 +246,8 @@ func undoReservation(tx *gorm.DB, vm VM) error {
 
 const insertVMSQL = `INSERT INTO vms (id, name, project, host_name, image, vcpus, memory_mib, disk_mib, power_state,
 	observed_state, reason, started_from, holds_capacity, fork_id, fork_slot, labels, nics, placement,
-	constraints, group_name, spread_by, spread_domain, group_cap, owner_replica, guest, guest_agent, created_at, updated_at)
-	VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`
+	constraints, group_name, spread_by, spread_domain, group_cap, owner_replica, guest, guest_agent, secure_boot, created_at, updated_at)
+	VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`
 
 // insertVMPrepared writes the VM row the way gorm's Create would (labels as
 // JSON text), with a statement prepared once per batch.
@@ -278,5 +278,5 @@ func vmRowArgs(vm VM) ([]any, error) {
 	return []any{vm.ID, vm.Name, vm.Project, vm.HostName, vm.Image, r.VCPUs, r.MemoryMiB, r.DiskMiB,
 		vm.PowerState, vm.ObservedState, vm.Reason, vm.StartedFrom, vm.HoldsCapacity, vm.ForkID, vm.ForkSlot,
 		labels, nics, vm.Placement, vm.Constraints, vm.Group.Name, vm.Group.SpreadBy, vm.Group.Domain, vm.Group.Cap,
-		vm.Owner, guest, vm.GuestAgent, vm.CreatedAt, vm.UpdatedAt}, nil
+		vm.Owner, guest, vm.GuestAgent, vm.SecureBoot, vm.CreatedAt, vm.UpdatedAt}, nil
 }

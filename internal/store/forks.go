@@ -44,7 +44,9 @@ type Fork struct {
 	Guest *Guest `gorm:"column:guest;serializer:json"`
 	// GuestAgent: the source VM had the QEMU guest agent channel; its
 	// children have it too.
-	GuestAgent bool      `gorm:"column:guest_agent"`
+	GuestAgent bool `gorm:"column:guest_agent"`
+	// SecureBoot is the source's, which its children keep.
+	SecureBoot bool      `gorm:"column:secure_boot"`
 	CreatedAt  time.Time `gorm:"column:created_at"`
 	UpdatedAt  time.Time `gorm:"column:updated_at"`
 }

@@ -11,14 +11,16 @@ import (
 
 // Image is a row of images: a registered image.
 type Image struct {
-	Name       string    `gorm:"column:name;primaryKey"`
-	SourceURL  string    `gorm:"column:source_url"`
-	SHA256     string    `gorm:"column:sha256"`
-	Format     string    `gorm:"column:format"`
-	MinDiskMiB int64     `gorm:"column:min_disk_mib"`
-	Prefetch   bool      `gorm:"column:prefetch"`
-	CreatedAt  time.Time `gorm:"column:created_at"`
-	UpdatedAt  time.Time `gorm:"column:updated_at"`
+	Name       string `gorm:"column:name;primaryKey"`
+	SourceURL  string `gorm:"column:source_url"`
+	SHA256     string `gorm:"column:sha256"`
+	Format     string `gorm:"column:format"`
+	MinDiskMiB int64  `gorm:"column:min_disk_mib"`
+	Prefetch   bool   `gorm:"column:prefetch"`
+	// Firmware is what VMs of the image boot with: bios or uefi.
+	Firmware  string    `gorm:"column:firmware"`
+	CreatedAt time.Time `gorm:"column:created_at"`
+	UpdatedAt time.Time `gorm:"column:updated_at"`
 }
 
 // TableName is the table of Image.
@@ -31,6 +33,9 @@ var ErrImageInUse = errors.New("image is used by VMs")
 func (s *Store) InsertImage(ctx context.Context, img Image) (Image, error) {
 	t := now()
 	img.CreatedAt, img.UpdatedAt = t, t
+	if img.Firmware == "" {
+		img.Firmware = "bios"
+	}
 	err := s.db.WithContext(ctx).Create(&img).Error
 	if isDuplicate(err) {
 		return Image{}, fmt.Errorf("image %s: %w", img.Name, ErrDuplicateName)

@@ -55,7 +55,9 @@ type VM struct {
 	Guest *Guest `gorm:"column:guest;serializer:json"`
 	// GuestAgent: the VM has the QEMU guest agent channel. Set at create
 	// (a fork child: its source's), never changed.
-	GuestAgent bool      `gorm:"column:guest_agent"`
+	GuestAgent bool `gorm:"column:guest_agent"`
+	// SecureBoot says the VM boots with Secure Boot on (a uefi image).
+	SecureBoot bool      `gorm:"column:secure_boot"`
 	CreatedAt  time.Time `gorm:"column:created_at"`
 	UpdatedAt  time.Time `gorm:"column:updated_at"`
 	// ProjectGeneration is the generation of the project that the caller
@@ -474,7 +476,7 @@ func reserveStatement(vm VM, how reservation) (string, []any, error) {
 	sql.WriteString(`, vm AS (
 		INSERT INTO vms (id, name, project, host_name, image, vcpus, memory_mib, disk_mib, power_state, observed_state,
 			reason, started_from, holds_capacity, fork_id, fork_slot, labels, nics, placement,
-			constraints, group_name, spread_by, spread_domain, group_cap, owner_replica, guest, guest_agent, created_at, updated_at)
+			constraints, group_name, spread_by, spread_domain, group_cap, owner_replica, guest, guest_agent, secure_boot, created_at, updated_at)
 		SELECT `)
 	args.add(&sql, []string{"text", "text"}, vm.ID, vm.Name)
 	sql.WriteString(", $5::text, name, ")
@@ -482,9 +484,9 @@ func reserveStatement(vm VM, how reservation) (string, []any, error) {
 	sql.WriteString(", $1, $2, $3, ")
 	args.add(&sql, []string{"text", "text", "text", "text"}, vm.PowerState, vm.ObservedState, vm.Reason, vm.StartedFrom)
 	sql.WriteString(", TRUE, ")
-	args.add(&sql, []string{"text", "integer", "text", "text", "text", "text", "text", "text", "text", "integer", "text", "text", "boolean", "timestamp", "timestamp"},
+	args.add(&sql, []string{"text", "integer", "text", "text", "text", "text", "text", "text", "text", "integer", "text", "text", "boolean", "boolean", "timestamp", "timestamp"},
 		vm.ForkID, vm.ForkSlot, labels, nics, vm.Placement,
-		vm.Constraints, g.Name, g.SpreadBy, g.Domain, g.Cap, vm.Owner, guest, vm.GuestAgent, vm.CreatedAt, vm.UpdatedAt)
+		vm.Constraints, g.Name, g.SpreadBy, g.Domain, g.Cap, vm.Owner, guest, vm.GuestAgent, vm.SecureBoot, vm.CreatedAt, vm.UpdatedAt)
 	// FROM the usage's CTE too: PostgreSQL runs a data-modifying CTE
 	// whether or not it is read, but reading it keeps its place in the
 	// plan plain (after the host's UPDATE, before the VM's row).

@@ -9,6 +9,17 @@ resource "kvm_image" "debian" {
   min_disk_mib = 4096
 }
 
+# A UEFI-only cloud image (GPT, an EFI system partition, no BIOS boot
+# code): its VMs boot with OVMF, each with its own UEFI variable store.
+resource "kvm_image" "debian_uefi" {
+  name         = "debian-12-uefi"
+  source_url   = "https://images.example.com/debian-12-uefi-amd64.qcow2"
+  sha256       = "3a7bd3e2360a3d29eea436fcfb7e44c735d117c42d1c1835420b6b9942dd4f1b"
+  format       = "qcow2"
+  firmware     = "uefi"
+  min_disk_mib = 4096
+}
+
 # A kernel bundle (a tar of image.json, the kernel and the initrd) already
 # on every host's disk, fetched by all hosts at once.
 resource "kvm_image" "busybox" {

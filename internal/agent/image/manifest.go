@@ -17,6 +17,7 @@ import (
 //	{"kind": "kernel", "kernel": "vmlinux", "initrd": "initrd.img",
 //	 "cmdline": "console=ttyS0", "machine": "q35", "min_memory_mib": 64}
 //	{"kind": "disk", "disk": "disk.qcow2"}
+//	{"kind": "disk", "disk": "disk.qcow2", "firmware": "uefi"}
 //
 // File names are plain names of files in the folder. A kernel image may
 // also have a base disk; a VM's disk is a qcow2 overlay on it (or a blank
@@ -38,6 +39,17 @@ type Manifest struct {
 	Build        string `json:"build,omitempty"`
 	// DiskFormat is the format of Disk: qcow2 (default) or raw.
 	DiskFormat string `json:"disk_format,omitempty"`
+	// Firmware boots a disk image: bios (default, SeaBIOS) or uefi
+	// (OVMF). A kernel image is booted by QEMU itself.
+	Firmware string `json:"firmware,omitempty"`
+}
+
+// EffectiveFirmware is the firmware of the image, bios unless uefi is said.
+func (m Manifest) EffectiveFirmware() string {
+	if m.Firmware == "" {
+		return FirmwareBIOS
+	}
+	return m.Firmware
 }
 
 // EffectiveDiskFormat is the format of Disk, qcow2 unless raw is said.
@@ -104,6 +116,12 @@ func ParseManifest(b []byte) (Manifest, error) {
 	}
 	if m.DiskFormat != "" && m.DiskFormat != "qcow2" && m.DiskFormat != "raw" {
 		return Manifest{}, fmt.Errorf("disk_format %q: want qcow2 or raw", m.DiskFormat)
+	}
+	if err := CheckFirmware(m.Firmware); err != nil {
+		return Manifest{}, err
+	}
+	if m.Firmware == FirmwareUEFI && m.Kind != KindDisk {
+		return Manifest{}, errors.New(`firmware "uefi" boots a disk image (kind disk); a kernel image is booted by QEMU directly`)
 	}
 	for _, k := range []string{"kernel", "initrd", "disk"} {
 		if v, ok := m.Files()[k]; ok {

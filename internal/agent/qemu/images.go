@@ -127,5 +127,5 @@ func (d *Driver) Image(name string) (agent.Image, error) {
 	if err != nil {
 		return agent.Image{}, err
 	}
-	return agent.Image{Name: name, Kind: img.Kind, BaseDiskMiB: img.baseDiskMiB}, nil
+	return agent.Image{Name: name, Kind: img.Kind, BaseDiskMiB: img.baseDiskMiB, Firmware: img.EffectiveFirmware()}, nil
 }

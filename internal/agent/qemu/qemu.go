@@ -16,6 +16,7 @@
 //	qga.sock     the guest agent channel's socket, for a VM with guest_agent
 //	             (qga.go)
 //	qemu.pid     QEMU's pid file; its path on QEMU's command line names the VM
+//	efivars.fd   a uefi VM's UEFI variables (firmware.go)
 package qemu
 
 import (
@@ -80,6 +81,9 @@ type Options struct {
 	// trims the logs that outgrew it; default 1s.
 	ConsoleLogBytes     int64
 	ConsoleTrimInterval time.Duration
+	// OVMFDir holds the UEFI firmware of uefi VMs (firmware.go); default
+	// DefaultOVMFDir, where Debian's ovmf package puts it.
+	OVMFDir string
 }
 
 // Driver runs VMs with QEMU.
@@ -141,6 +145,9 @@ func New(ctx context.Context, opts Options) (*Driver, error) {
 	}
 	if d.opts.ConsoleTrimInterval <= 0 {
 		d.opts.ConsoleTrimInterval = defaultTrimInterval
+	}
+	if d.opts.OVMFDir == "" {
+		d.opts.OVMFDir = DefaultOVMFDir
 	}
 	if d.opts.UIDCount == 0 {
 		d.opts.UIDBase, d.opts.UIDCount = DefaultUIDBase, DefaultUIDCount
@@ -208,7 +215,8 @@ func (d *Driver) Isolation() string { return d.cg.note }
 // Accel is kvm or tcg, and why.
 func (d *Driver) Accel() (string, string) { return d.accel, d.accelNote }
 
-// CheckSpec refuses less memory than the image needs to boot.
+// CheckSpec refuses less memory than the image needs to boot, and a
+// firmware that cannot boot the image's disk (firmware.go).
 func (d *Driver) CheckSpec(spec agentapi.VMSpec, img agent.Image) error {
 	m, err := d.loadImage(img.Name)
 	if err != nil {
@@ -220,6 +228,9 @@ func (d *Driver) CheckSpec(spec agentapi.VMSpec, img agent.Image) error {
 	}
 	if spec.MemoryMiB < min {
 		return agent.ErrInvalidSpec("memory_mib %d is too small for image %s: it needs at least %d", spec.MemoryMiB, img.Name, min)
+	}
+	if err := d.checkBootFirmware(spec, m); err != nil {
+		return err
 	}
 	return d.checkNICs(spec.NICs)
 }
@@ -238,6 +249,16 @@ func qmpPathOf(m *agent.Machine) string { return filepath.Join(m.Dir, qmpFileNam
 // Create makes the VM's disk: a qcow2 overlay of disk_mib on the image's
 // disk, or a blank qcow2 when the image has none. An existing disk is kept.
 func (d *Driver) Create(ctx context.Context, m *agent.Machine) error {
+	img, err := d.loadImage(m.Image)
+	if err != nil {
+		return err
+	}
+	if firmwareOf(m, img) == agentapi.FirmwareUEFI {
+		_, template := d.ovmf(m.SecureBoot)
+		if err := ensureVars(m, template); err != nil {
+			return err
+		}
+	}
 	if m.DiskMiB == 0 {
 		return nil
 	}
@@ -246,10 +267,6 @@ func (d *Driver) Create(ctx context.Context, m *agent.Machine) error {
 		return nil
 	} else if m.Disk != "" {
 		return fmt.Errorf("disk %s of vm %s: %w; its disk chain is broken", disk, m.ID, err)
-	}
-	img, err := d.loadImage(m.Image)
-	if err != nil {
-		return err
 	}
 	tmp := disk + ".tmp"
 	args := []string{"create", "-q", "-f", "qcow2"}
@@ -283,10 +300,11 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, chil
 	if d.accel == "kvm" {
 		cpu = "host"
 	}
+	fwMachine, fwArgs := d.firmwareArgs(m, img)
 	args := []string{
 		// The VM id in -name lets an operator find its process with ps.
 		"-name", "guest=" + m.ID + ",debug-threads=on",
-		"-machine", img.Machine + ",memory-backend=" + ramObjectID, "-accel", d.accel, "-cpu", cpu,
+		"-machine", img.Machine + ",memory-backend=" + ramObjectID + fwMachine, "-accel", d.accel, "-cpu", cpu,
 		"-smp", strconv.FormatInt(m.VCPUs, 10), "-m", strconv.FormatInt(m.MemoryMiB, 10) + "M",
 		"-object", ramObject(m.MemoryMiB, child.ram),
 		"-nodefaults", "-no-user-config", "-display", "none",
@@ -299,6 +317,7 @@ func (d *Driver) args(m *agent.Machine, img *image, opts agent.BootOptions, chil
 		"-pidfile", pidfileOf(m),
 	}
 	args = append(args, sandboxArgs(uid)...)
+	args = append(args, fwArgs...)
 	blk := "virtio-blk-pci"
 	if img.Machine == "microvm" {
 		blk = "virtio-blk-device"

@@ -37,6 +37,9 @@ import (
 //	                       of another VM's, and creates nothing (its
 //	                       metadata stays the agent's)
 //	the disk QEMU writes   U:U 0600
+//	efivars.fd             U:U 0600: a uefi VM's variables, which QEMU
+//	                       writes (firmware.go); the firmware's code is
+//	                       read-only in /usr/share/OVMF
 //	frozen disks           root 0444 once a snapshot holds them
 //	console.log, seed.iso  root: opened by QEMU before the drop
 //	qemu.uid               root 0644: U, the VM's identity (below)
@@ -177,6 +180,9 @@ func (d *Driver) prepareFiles(m *agent.Machine, uid uint32) error {
 		if err := chownWritable(diskPath(m), uid); err != nil {
 			return fmt.Errorf("vm %s: give its disk to its qemu's uid: %w", m.ID, err)
 		}
+	}
+	if err := chownWritable(varsPath(m), uid); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("vm %s: give its uefi variables to its qemu's uid: %w", m.ID, err)
 	}
 	return nil
 }

@@ -282,6 +282,17 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 			}
 		}
 	}
+	if _, err := os.Stat(varsPath(m)); err == nil {
+		// A uefi VM's variables as they are while it is stopped: each
+		// child gets a copy (QEMU writes the flash through at once).
+		if err := copyFile(varsPath(m), filepath.Join(dir, agent.VarsFileName)); err != nil {
+			return fail(fmt.Errorf("copy the uefi variables into the snapshot: %w", err))
+		}
+		if err := os.Chmod(filepath.Join(dir, agent.VarsFileName), 0o444); err != nil {
+			return fail(err)
+		}
+		files.Vars = agent.VarsFileName
+	}
 	t1 := time.Now()
 	if err := d.saveMemory(ctx, q, m, filepath.Join(dir, memoryFileName)); err != nil {
 		return fail(err)
@@ -495,6 +506,12 @@ func (d *Driver) startSpawn(ctx context.Context, m *agent.Machine, dir, at strin
 		}
 		if at != dir {
 			child.backing = filepath.Join(at, files.Disk)
+		}
+	}
+	if files.Vars != "" {
+		// The child's own copy of its source's UEFI variables.
+		if err := ensureVars(m, filepath.Join(at, files.Vars)); err != nil {
+			return nil, fmt.Errorf("start vm %s: %w", m.ID, err)
 		}
 	}
 	t1 := time.Now()
