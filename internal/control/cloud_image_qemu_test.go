@@ -23,7 +23,8 @@ import (
 
 // cloudImageDir is the folder of a partitioned cloud image that make
 // image-debian-cloud builds (debian-12-cloud-bios, debian-12-cloud-uefi),
-// looked up like debianImageDir. Without it the test skips, or fails when
+// looked up in $KVM_DEBIAN_IMAGE_DIR, $KVM_IMAGE_DIR, then
+// <repo>/.cache/images. Without it the test skips, or fails when
 // KVM_REQUIRE_DEBIAN=1 (CI builds it).
 func cloudImageDir(t *testing.T, name string) string {
 	t.Helper()
@@ -290,4 +291,14 @@ func TestQEMUBIOSCloudImageBootsToSSH(t *testing.T) {
 	if err := c.Client.DeleteVM(ctx, vm.ID); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// hostAccel is the accelerator of the test's one host (kvm or tcg).
+func hostAccel(t *testing.T, c *testenv.Control) string {
+	t.Helper()
+	hosts, err := c.Client.AllHosts(context.Background())
+	if err != nil || len(hosts) == 0 {
+		return "unknown"
+	}
+	return hosts[0].Accel
 }
