@@ -315,8 +315,9 @@ func TestVMIsPlacedOnItsVolumesHost(t *testing.T) {
 }
 
 // A volume create or delete that a replica left half done (killed between
-// the reservation and the agent's answer) is finished by the host monitor:
-// afterwards rows, allocation and the agent's volumes agree.
+// the reservation and the agent's answer) is settled by the host monitor
+// (a create undone, a delete finished): afterwards rows, allocation and
+// the agent's volumes agree, and a retry of the create completes.
 func TestVolumeStepsLeftByADeadReplicaAreFinished(t *testing.T) {
 	eachDatabase(t, func(t *testing.T, databaseURL string) {
 		c := testenv.StartControl(t, testenv.ControlOptions{DatabaseURL: databaseURL, NoMonitor: true})
@@ -370,20 +371,28 @@ func TestVolumeStepsLeftByADeadReplicaAreFinished(t *testing.T) {
 		if _, err := c.Client.GetVM(ctx, vm.ID); apiCode(err) != api.CodeNotFound {
 			t.Errorf("VM create left unfinished: %v; want its row gone", err)
 		}
+		// A create left creating was never acknowledged: it is undone (on
+		// the agent too), so its name is free for the caller's retry.
 		for _, v := range []store.Volume{never, made} {
-			got, err := c.Client.GetVolume(ctx, v.ID)
-			if err != nil || got.State != api.VolumeReady {
-				t.Errorf("volume %s left creating: %+v, %v; want ready", v.Name, got, err)
+			if got, err := c.Client.GetVolume(ctx, v.ID); apiCode(err) != api.CodeNotFound {
+				t.Errorf("volume %s left creating: %+v, %v; want it undone (not found)", v.Name, got, err)
 			}
 		}
 		if _, err := c.Client.GetVolume(ctx, gone.ID); apiCode(err) != api.CodeNotFound {
 			t.Errorf("volume left deleting: %v; want it gone", err)
 		}
-		if ids := a.VolumeIDs(t); !slices.Equal(ids, []string{never.ID, made.ID, attached.ID}) {
-			t.Errorf("agent has %v, want [%s %s %s]", ids, never.ID, made.ID, attached.ID)
+		if ids := a.VolumeIDs(t); !slices.Equal(ids, []string{attached.ID}) {
+			t.Errorf("agent has %v, want [%s]", ids, attached.ID)
 		}
-		if got := hostAllocated(t, c, "h1"); got != (api.Resources{DiskMiB: 350}) {
-			t.Errorf("h1 allocates %+v, want 350 MiB of disk (the three ready volumes) and nothing else", got)
+		if got := hostAllocated(t, c, "h1"); got != (api.Resources{DiskMiB: 50}) {
+			t.Errorf("h1 allocates %+v, want 50 MiB of disk (the one ready volume) and nothing else", got)
+		}
+		checkLedger(t, c.Store)
+		// The second run of the undone creates completes.
+		for _, v := range []store.Volume{never, made} {
+			if _, err := c.Client.CreateVolume(ctx, api.VolumeCreate{Name: v.Name, SizeMiB: v.SizeMiB, Host: "h1"}); err != nil {
+				t.Errorf("retry of the create of volume %s: %v", v.Name, err)
+			}
 		}
 		checkLedger(t, c.Store)
 	})

@@ -241,6 +241,9 @@ func (s *Store) DeleteVolume(ctx context.Context, id string) (Volume, bool, erro
 		if released, err = releaseVolumeInTx(tx, v); err != nil {
 			return err
 		}
+		if err := tombstoneVolume(tx, v); err != nil {
+			return err
+		}
 		return tx.Exec("DELETE FROM volumes WHERE id = ?", id).Error
 	})
 	return v, released, err

@@ -1,0 +1,46 @@
+package store
+
+import (
+	"context"
+	"fmt"
+
+	"gorm.io/gorm"
+)
+
+// tombstoneVolume records, in the transaction that deletes volume row v,
+// that it was deleted on purpose (deleted_volumes).
+func tombstoneVolume(tx *gorm.DB, v Volume) error {
+	err := tx.Exec(`INSERT INTO deleted_volumes (volume_id, host_name, deleted_at) VALUES (?, ?, ?)
+		ON CONFLICT (volume_id) DO NOTHING`, v.ID, v.HostName, now()).Error
+	if err != nil {
+		return fmt.Errorf("record the delete of volume %s: %w", v.ID, err)
+	}
+	return nil
+}
+
+// VolumeWasDeleted reports whether a volume row with this id was deleted
+// on purpose (its tombstone is there).
+func (s *Store) VolumeWasDeleted(ctx context.Context, id string) (bool, error) {
+	var n int64
+	if err := s.db.WithContext(ctx).Raw("SELECT COUNT(*) FROM deleted_volumes WHERE volume_id = ?", id).Scan(&n).Error; err != nil {
+		return false, fmt.Errorf("look up the delete of volume %s: %w", id, err)
+	}
+	return n > 0, nil
+}
+
+// MarkVolumeLost turns a ready volume of host into state error with
+// reason (its agent no longer has it). The capacity stays held: the
+// host's disk may hold the file again once restored, and the owner's
+// delete releases it. ErrNotFound when no ready volume with this id is
+// on host (changed meanwhile).
+func (s *Store) MarkVolumeLost(ctx context.Context, id, host, reason string) error {
+	res := s.db.WithContext(ctx).Exec(`UPDATE volumes SET state = ?, reason = ?, updated_at = ?
+		WHERE id = ? AND host_name = ? AND state = ?`, VolumeError, reason, now(), id, host, VolumeReady)
+	if res.Error != nil {
+		return fmt.Errorf("mark volume %s lost: %w", id, res.Error)
+	}
+	if res.RowsAffected == 0 {
+		return fmt.Errorf("ready volume %s on host %s: %w", id, host, ErrNotFound)
+	}
+	return nil
+}
