@@ -266,7 +266,7 @@ func (s *Service) RetireHost(ctx context.Context, name string) (api.Host, error)
 	reason := fmt.Sprintf("host %s was retired: its agent is gone for good; delete this VM and create it again", name)
 	retired, lost, err := s.store.RetireHost(ctx, name, api.StateLost, reason)
 	if err != nil {
-		return api.Host{}, fromStore(err, "retire host "+name)
+		return api.Host{}, retireRefused(err, name)
 	}
 	s.view.setWarm(name, nil)
 	s.refreshHost(ctx, name)

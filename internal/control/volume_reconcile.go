@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
 )
 
@@ -168,4 +170,33 @@ func (s *Service) sweepOrphanVolumes(ctx context.Context, log *slog.Logger, h st
 // failure whose outcome is unknown.
 func agentRefused(err error) bool {
 	return errors.Is(err, agentapi.ErrInvalid) || errors.Is(err, agentapi.ErrConflict) || errors.Is(err, agentapi.ErrNotFound)
+}
+
+// maxVolumesInError bounds the volumes a refused retire names in its
+// message (details list them all).
+const maxVolumesInError = 10
+
+// retireRefused is the answer of a retire the store refused: a host that
+// still has volumes is 409 naming them, with what to do; other errors as
+// usual.
+func retireRefused(err error, host string) error {
+	var ve *store.VolumesOnHostError
+	if !errors.As(err, &ve) {
+		return fromStore(err, "retire host "+host)
+	}
+	names := make([]string, 0, len(ve.Volumes))
+	list := make([]map[string]any, 0, len(ve.Volumes))
+	for _, v := range ve.Volumes {
+		names = append(names, fmt.Sprintf("%s (%s, project %s)", v.Name, v.ID, v.Project))
+		list = append(list, map[string]any{"id": v.ID, "name": v.Name, "project": v.Project, "state": v.State, "size_mib": v.SizeMiB})
+	}
+	shown := strings.Join(names[:min(len(names), maxVolumesInError)], ", ")
+	if len(names) > maxVolumesInError {
+		shown += fmt.Sprintf(" and %d more (details list them all)", len(names)-maxVolumesInError)
+	}
+	return &Error{Code: api.CodeConflict, Err: err,
+		Message: fmt.Sprintf("host %s still has %d volumes: %s. Their data is on that host only: move each to another host "+
+			"while its agent answers, or delete it (DELETE /v1/volumes/{id}; on a host that does not answer "+
+			"the volume is kept deleting, and the retire finishes the delete), then retire again", host, len(names), shown),
+		Details: map[string]any{"host": host, "volumes": list}}
 }

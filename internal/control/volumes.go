@@ -407,7 +407,7 @@ func (s *Service) finishVolumeDelete(ctx context.Context, v store.Volume) error 
 	address, alive, known := s.view.agent(v.HostName)
 	if known && v.HoldsCapacity {
 		if !alive {
-			return unavailable(nil, "host %s does not answer, so volume %s is kept (state deleting) with its capacity reserved; the host monitor finishes the delete when the host is back", v.HostName, v.ID)
+			return unavailable(nil, "host %s does not answer, so volume %s is kept (state deleting) with its capacity reserved; the host monitor finishes the delete when the host is back (or retiring the host does)", v.HostName, v.ID)
 		}
 		agent := s.agents.client(address)
 		err := s.agents.call("delete_volume", func() error { return agent.DeleteVolume(ctx, v.ID) })

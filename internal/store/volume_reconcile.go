@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"gorm.io/gorm"
@@ -43,4 +44,33 @@ func (s *Store) MarkVolumeLost(ctx context.Context, id, host, reason string) err
 		return fmt.Errorf("ready volume %s on host %s: %w", id, host, ErrNotFound)
 	}
 	return nil
+}
+
+// ErrVolumesOnHost: a host still has volumes (a retire is refused).
+var ErrVolumesOnHost = errors.New("host has volumes")
+
+// VolumesOnHostError is ErrVolumesOnHost with the volumes, by id.
+type VolumesOnHostError struct {
+	Host    string
+	Volumes []Volume
+}
+
+func (e *VolumesOnHostError) Error() string {
+	return fmt.Sprintf("host %s has %d volumes", e.Host, len(e.Volumes))
+}
+
+// Unwrap makes errors.Is(err, ErrVolumesOnHost) hold.
+func (e *VolumesOnHostError) Unwrap() error { return ErrVolumesOnHost }
+
+// volumesBlockRetire is a *VolumesOnHostError when host has volumes that
+// are not being deleted.
+func volumesBlockRetire(tx *gorm.DB, host string) error {
+	var vols []Volume
+	if err := tx.Where("host_name = ? AND state <> ?", host, VolumeDeleting).Order("id").Find(&vols).Error; err != nil {
+		return fmt.Errorf("retire host %s: read its volumes: %w", host, err)
+	}
+	if len(vols) == 0 {
+		return nil
+	}
+	return &VolumesOnHostError{Host: host, Volumes: vols}
 }
