@@ -4,6 +4,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/google/uuid"
+
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
 )
@@ -73,4 +75,10 @@ func TestRetireHostWithVolumes(t *testing.T) {
 		}
 		checkLedger(t, c.Store)
 	})
+}
+
+// newUUID is an id no volume has.
+func newUUID(t *testing.T) string {
+	t.Helper()
+	return uuid.NewString()
 }

@@ -211,6 +211,10 @@ func TestVolumeBadInput(t *testing.T) {
 		f.expectRefused(t, "grow past the host", http.MethodPost, "/v1/volumes/other/resize", api.VolumeResize{SizeMiB: 1 << 40}, 409, api.CodeNoCapacity)
 		f.expectRefused(t, "unknown volume", http.MethodGet, "/v1/volumes/nope", nil, 404, api.CodeNotFound)
 		f.expectRefused(t, "delete unknown volume", http.MethodDelete, "/v1/volumes/nope", nil, 404, api.CodeNotFound)
+		f.expectRefused(t, "resize unknown volume", http.MethodPost, "/v1/volumes/nope/resize", api.VolumeResize{SizeMiB: 10}, 404, api.CodeNotFound)
+		f.expectRefused(t, "patch unknown volume", http.MethodPatch, "/v1/volumes/"+newUUID(t), api.VolumePatch{Labels: &map[string]string{"a": "b"}}, 404, api.CodeNotFound)
+		f.expectRefused(t, "clone of an unknown volume id", http.MethodPost, "/v1/volumes",
+			api.VolumeCreate{Name: "x", SizeMiB: 10, Source: &api.VolumeSource{Volume: newUUID(t)}}, 400, api.CodeInvalid)
 
 		vm := func(name string, vols ...api.VMVolume) api.VMCreate {
 			in := smallVM(name)
@@ -248,6 +252,24 @@ func TestVolumeBadInput(t *testing.T) {
 		got, err := f.c.Client.GetVM(ctx, owner.ID)
 		if err != nil || len(got.Volumes) != 1 || got.Volumes[0].VolumeID != base.ID {
 			t.Errorf("GET of VM %s: volumes %+v, %v", owner.ID, got.Volumes, err)
+		}
+		// Attached read-only: another read-only attach is fine, a
+		// read-write one is 409 naming a reader, as is its delete.
+		f.createVolume(t, api.VolumeCreate{Name: "shared", SizeMiB: 10, Host: "h1"})
+		var reader api.VM
+		if status, e := f.call(t, http.MethodPost, "/v1/vms", vm("reader-1", api.VMVolume{Volume: "shared", ReadOnly: true}), &reader); status != http.StatusCreated {
+			t.Fatalf("VM with volume shared read-only: %d %+v", status, e)
+		}
+		e = f.expectRefused(t, "read-write attach of a volume attached read-only", http.MethodPost, "/v1/vms", vm("writer", api.VMVolume{Volume: "shared"}), 409, api.CodeConflict)
+		if !strings.Contains(e.Message, reader.ID) {
+			t.Errorf("the conflict should name the reader VM %s: %q", reader.ID, e.Message)
+		}
+		e = f.expectRefused(t, "delete a volume attached read-only", http.MethodDelete, "/v1/volumes/shared", nil, 409, api.CodeVolumeAttached)
+		if e.Details["vm_id"] != reader.ID {
+			t.Errorf("volume_attached should name VM %s: %+v", reader.ID, e)
+		}
+		if err := f.c.Client.DeleteVM(ctx, reader.ID); err != nil {
+			t.Fatal(err)
 		}
 
 		// Another project's volume answers as unknown.
