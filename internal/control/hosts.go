@@ -151,23 +151,10 @@ func (s *Service) GetHost(ctx context.Context, name string) (api.Host, error) {
 
 // ListHosts returns one page of hosts, by name.
 func (s *Service) ListHosts(ctx context.Context, p Page) (api.List[api.Host], error) {
-	size, after, err := p.bounds()
-	if err != nil {
-		return api.List[api.Host]{}, err
-	}
-	hs, err := s.store.ListHosts(ctx, after, size+1)
-	if err != nil {
-		return api.List[api.Host]{}, fromStore(err, "list hosts")
-	}
-	out := api.List[api.Host]{Items: []api.Host{}}
-	for i, h := range hs {
-		if i == size {
-			out.NextPageToken = pageToken(hs[i-1].Name)
-			break
-		}
-		out.Items = append(out.Items, s.withWarmReady(apiHost(h)))
-	}
-	return out, nil
+	return listPage(p, func(after string, limit int) ([]store.Host, error) {
+		hs, err := s.store.ListHosts(ctx, after, limit)
+		return hs, fromStore(err, "list hosts")
+	}, func(h store.Host) string { return h.Name }, each(func(h store.Host) api.Host { return s.withWarmReady(apiHost(h)) }))
 }
 
 // DeleteHost deregisters a host; a conflict while VMs are placed there.

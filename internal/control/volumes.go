@@ -275,23 +275,10 @@ type VolumeQuery struct {
 
 // ListVolumes returns one page of the caller's volumes.
 func (s *Service) ListVolumes(ctx context.Context, q VolumeQuery) (api.List[api.Volume], error) {
-	size, after, err := q.bounds()
-	if err != nil {
-		return api.List[api.Volume]{}, err
-	}
-	vols, err := s.store.ListVolumes(ctx, store.VolumeFilter{Project: principalOf(ctx).Project, Host: q.Host, After: after, Limit: size + 1})
-	if err != nil {
-		return api.List[api.Volume]{}, fromStore(err, "list volumes")
-	}
-	out := api.List[api.Volume]{}
-	if len(vols) > size {
-		vols = vols[:size]
-		out.NextPageToken = pageToken(vols[size-1].ID)
-	}
-	if out.Items, err = s.apiVolumes(ctx, vols); err != nil {
-		return api.List[api.Volume]{}, err
-	}
-	return out, nil
+	return listPage(q.Page, func(after string, limit int) ([]store.Volume, error) {
+		vols, err := s.store.ListVolumes(ctx, store.VolumeFilter{Project: principalOf(ctx).Project, Host: q.Host, After: after, Limit: limit})
+		return vols, fromStore(err, "list volumes")
+	}, func(v store.Volume) string { return v.ID }, func(vols []store.Volume) ([]api.Volume, error) { return s.apiVolumes(ctx, vols) })
 }
 
 // UpdateVolume grows a volume (never shrinks) and replaces its labels.
