@@ -106,10 +106,7 @@ func (s *Service) markVolumeLostIfGone(ctx context.Context, log *slog.Logger, c 
 		}
 		return
 	}
-	reason := fmt.Sprintf("the agent of host %s does not have this volume's disk any more (its state directory lost it): "+
-		"its data is gone unless that directory is restored from a backup; the volume is not recreated empty. "+
-		"Delete it (DELETE /v1/volumes/%s) and create it again, or restore the host's volumes/%s directory", v.HostName, v.ID, v.ID)
-	if err := s.store.MarkVolumeLost(ctx, v.ID, v.HostName, reason); err != nil {
+	if err := s.store.MarkVolumeLost(ctx, v.ID, v.HostName, lostReason(v)); err != nil {
 		if !errors.Is(err, store.ErrNotFound) {
 			log.Error("host monitor: mark volume lost", "volume", v.ID, "err", err)
 		}
@@ -117,6 +114,36 @@ func (s *Service) markVolumeLostIfGone(ctx context.Context, log *slog.Logger, c 
 	}
 	s.metrics.volumesLost.WithLabelValues(v.HostName).Inc()
 	log.Error("volume lost: its agent no longer has it; marked error", "volume", v.ID, "name", v.Name, "size_mib", v.SizeMiB)
+}
+
+// lostReason is the reason of volume v marked lost: what happened and
+// what to do.
+func lostReason(v store.Volume) string {
+	return fmt.Sprintf("the agent of host %s does not have this volume's disk any more (its state directory lost it): "+
+		"its data is gone unless that directory is restored from a backup; the volume is not recreated empty. "+
+		"Delete it (DELETE /v1/volumes/%s) and create it again, or restore the host's volumes/%s directory (the volume is ready again once the agent has it)",
+		v.HostName, v.ID, v.ID)
+}
+
+// reclaimLostVolume turns a volume marked lost back to ready when its
+// agent has it again (its state directory was restored). Its capacity was
+// held all along.
+func (s *Service) reclaimLostVolume(ctx context.Context, log *slog.Logger, v store.Volume, a agentapi.Volume, onAgent bool) {
+	if !onAgent || v.State != store.VolumeError || v.Reason != lostReason(v) {
+		return
+	}
+	if a.SizeMiB != v.SizeMiB {
+		log.Error("a lost volume is back on its agent with another size; kept in state error: delete it or restore the right copy",
+			"volume", v.ID, "row_mib", v.SizeMiB, "agent_mib", a.SizeMiB)
+		return
+	}
+	if err := s.store.MarkVolumeFound(ctx, v.ID, v.HostName, v.Reason); err != nil {
+		if !errors.Is(err, store.ErrNotFound) {
+			log.Error("host monitor: mark volume found", "volume", v.ID, "err", err)
+		}
+		return
+	}
+	log.Warn("volume marked lost is on its agent again (restored); ready again", "volume", v.ID, "name", v.Name)
 }
 
 // sweepOrphanVolumes handles the volumes agent h has that no row of h

@@ -12,6 +12,7 @@ import (
 	"gorm.io/gorm"
 	"gorm.io/gorm/logger"
 
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
 )
@@ -47,7 +48,8 @@ func gauge(t *testing.T, c *testenv.Control, name, host string) float64 {
 // counted); one whose row vanished without a delete (removed by hand, or
 // lost by the database) is kept with its data and counted for an
 // operator; a ready volume the agent lost becomes state error with a
-// reason that says what happened, and is not made again.
+// reason that says what happened, and is not made again; once its agent
+// has it again (a restored state directory) it is ready again.
 func TestVolumeReconcileOrphansAndLostVolumes(t *testing.T) {
 	eachDatabase(t, func(t *testing.T, databaseURL string) {
 		ctx := ctxT(t)
@@ -107,7 +109,15 @@ func TestVolumeReconcileOrphansAndLostVolumes(t *testing.T) {
 			t.Errorf("the lost volume %s was made again on the agent", lost.ID)
 		}
 		checkLedger(t, c.Store)
-		// The lost volume's owner deletes it: its capacity goes.
+		// Its agent's state directory is restored: it is ready again.
+		if _, err := a.Client.CreateVolume(ctx, lost.ID, agentapi.VolumeSpec{SizeMiB: lost.SizeMiB}); err != nil {
+			t.Fatal(err)
+		}
+		c.Service.SyncNow(ctx)
+		if got, err := c.Client.GetVolume(ctx, lost.ID); err != nil || got.State != api.VolumeReady || got.Reason != "" {
+			t.Errorf("lost volume back on its agent: %+v, %v; want ready", got, err)
+		}
+		// The owner deletes it: its capacity goes.
 		if err := c.Client.DeleteVolume(ctx, lost.ID); err != nil {
 			t.Fatalf("delete the lost volume: %v", err)
 		}

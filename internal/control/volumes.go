@@ -639,9 +639,10 @@ func (s *Service) settleVolumes(ctx context.Context, h store.Host, c *agentapi.C
 	known := map[string]bool{}
 	for _, v := range rows {
 		known[v.ID] = true
-		if v.State == store.VolumeReady {
+		if v.State == store.VolumeReady || v.State == store.VolumeError {
 			a, ok := agentHas[v.ID]
 			s.reconcileReadyVolume(ctx, log, c, l, v, a, ok)
+			s.reclaimLostVolume(ctx, log, v, a, ok)
 			continue
 		}
 		if v.State != store.VolumeCreating && v.State != store.VolumeDeleting {

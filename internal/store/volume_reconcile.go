@@ -74,3 +74,19 @@ func volumesBlockRetire(tx *gorm.DB, host string) error {
 	}
 	return &VolumesOnHostError{Host: host, Volumes: vols}
 }
+
+// MarkVolumeFound turns volume id of host, in state error with exactly
+// reason (MarkVolumeLost's), back to ready: its agent has it again (its
+// state directory was restored). ErrNotFound when the row is not in that
+// state any more.
+func (s *Store) MarkVolumeFound(ctx context.Context, id, host, reason string) error {
+	res := s.db.WithContext(ctx).Exec(`UPDATE volumes SET state = ?, reason = '', updated_at = ?
+		WHERE id = ? AND host_name = ? AND state = ? AND reason = ? AND holds_capacity`, VolumeReady, now(), id, host, VolumeError, reason)
+	if res.Error != nil {
+		return fmt.Errorf("mark volume %s found: %w", id, res.Error)
+	}
+	if res.RowsAffected == 0 {
+		return fmt.Errorf("lost volume %s on host %s: %w", id, host, ErrNotFound)
+	}
+	return nil
+}
