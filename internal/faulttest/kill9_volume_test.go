@@ -66,12 +66,14 @@ func volumeSteps() []volumeStep {
 					// The create was cut off: it was undone (its name is
 					// free) or, never, finished; either way a retry ends
 					// with the volume there.
-					if _, err := c.GetVolume(ctx, in.Name); err == nil {
+					if v, err := c.GetVolume(ctx, in.Name); err == nil {
+						t.Logf("the cut-off create was finished: volume %s is %s", v.ID, v.State)
 						return
 					}
 					if err := run(c); err != nil {
 						t.Fatalf("second run of the volume create: %v", err)
 					}
+					t.Logf("the cut-off create was undone; its second run made the volume")
 				}
 			},
 		},
