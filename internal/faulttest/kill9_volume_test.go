@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httptrace"
 	"net/http/httputil"
 	"net/url"
 	"os"
@@ -186,10 +187,10 @@ func vmNamed(ctx context.Context, t *testing.T, c *client.Client, name string) *
 func TestKill9ControlDuringVolumeSteps(t *testing.T) {
 	bin := buildKVMD(t)
 	for _, step := range volumeSteps() {
-		for _, applied := range []bool{false, true} {
-			t.Run(fmt.Sprintf("%s/%s", step.name, when(applied)), func(t *testing.T) {
-				t.Run("sqlite", func(t *testing.T) { kill9ControlDuringVolumeStep(t, bin, "", t.TempDir(), step, applied) })
-				t.Run("postgres", func(t *testing.T) { kill9ControlDuringVolumeStep(t, bin, testenv.PostgresURL(t), "", step, applied) })
+		for _, at := range []killPoint{beforeAgent, afterAgent} {
+			t.Run(fmt.Sprintf("%s/%s", step.name, at), func(t *testing.T) {
+				t.Run("sqlite", func(t *testing.T) { kill9ControlDuringVolumeStep(t, bin, "", t.TempDir(), step, at) })
+				t.Run("postgres", func(t *testing.T) { kill9ControlDuringVolumeStep(t, bin, testenv.PostgresURL(t), "", step, at) })
 			})
 		}
 	}
@@ -200,23 +201,29 @@ func TestKill9ControlDuringVolumeSteps(t *testing.T) {
 func TestKill9AgentDuringVolumeSteps(t *testing.T) {
 	bin := buildKVMD(t)
 	for _, step := range volumeSteps() {
-		for _, applied := range []bool{false, true} {
-			t.Run(fmt.Sprintf("%s/%s", step.name, when(applied)), func(t *testing.T) {
-				t.Run("sqlite", func(t *testing.T) { kill9AgentDuringVolumeStep(t, bin, "", t.TempDir(), step, applied) })
-				t.Run("postgres", func(t *testing.T) { kill9AgentDuringVolumeStep(t, bin, testenv.PostgresURL(t), "", step, applied) })
+		for _, at := range []killPoint{beforeAgent, duringAgent, afterAgent} {
+			t.Run(fmt.Sprintf("%s/%s", step.name, at), func(t *testing.T) {
+				t.Run("sqlite", func(t *testing.T) { kill9AgentDuringVolumeStep(t, bin, "", t.TempDir(), step, at) })
+				t.Run("postgres", func(t *testing.T) { kill9AgentDuringVolumeStep(t, bin, testenv.PostgresURL(t), "", step, at) })
 			})
 		}
 	}
 }
 
-func when(applied bool) string {
-	if applied {
-		return "after the agent did it"
-	}
-	return "before the agent saw it"
+// killPoint is where in a step's agent call the kill happens.
+type killPoint int
+
+const (
+	beforeAgent killPoint = iota // the agent never saw the call
+	duringAgent                  // the agent got the call and works on it (agent kills only)
+	afterAgent                   // the agent did it; its answer never came back
+)
+
+func (k killPoint) String() string {
+	return [...]string{"before the agent saw it", "while the agent works", "after the agent did it"}[k]
 }
 
-func kill9ControlDuringVolumeStep(t *testing.T, bin, databaseURL, dataDir string, step volumeStep, applied bool) {
+func kill9ControlDuringVolumeStep(t *testing.T, bin, databaseURL, dataDir string, step volumeStep, at killPoint) {
 	ctx := ctxT(t, 2*time.Minute)
 	k := startKVMD(t, bin, databaseURL, dataDir)
 	ag := startKVMDAgent(t, bin)
@@ -225,7 +232,7 @@ func kill9ControlDuringVolumeStep(t *testing.T, bin, databaseURL, dataDir string
 	registerAndSync(t, ctx, k.client(true), gate.url)
 	run, retry := step.prepare(t, ctx, k.client(true))
 
-	gate.arm(applied, nil)
+	gate.arm(at, nil)
 	answered := make(chan error, 1)
 	go func() { answered <- run(k.client(false)) }()
 	select {
@@ -247,7 +254,7 @@ func kill9ControlDuringVolumeStep(t *testing.T, bin, databaseURL, dataDir string
 	eventually(t, "rows, allocation and the agent agree after the second run", func() error { return volumeLedger(ctx, c2, ag.client) })
 }
 
-func kill9AgentDuringVolumeStep(t *testing.T, bin, databaseURL, dataDir string, step volumeStep, applied bool) {
+func kill9AgentDuringVolumeStep(t *testing.T, bin, databaseURL, dataDir string, step volumeStep, at killPoint) {
 	ctx := ctxT(t, 2*time.Minute)
 	k := startKVMD(t, bin, databaseURL, dataDir)
 	ag := startKVMDAgent(t, bin)
@@ -256,7 +263,7 @@ func kill9AgentDuringVolumeStep(t *testing.T, bin, databaseURL, dataDir string, 
 	registerAndSync(t, ctx, k.client(true), gate.url)
 	run, retry := step.prepare(t, ctx, k.client(true))
 
-	gate.arm(applied, ag.kill)
+	gate.arm(at, ag.kill)
 	err := run(k.client(false))
 	select {
 	case <-gate.reached:
@@ -422,21 +429,23 @@ func allVolumes(ctx context.Context, c *client.Client) ([]api.Volume, error) {
 }
 
 // stepGate sits between kvmd control and an agent. Once armed, the first
-// call that matches is held: forwarded to the agent first (applied) or
-// not, then reached is closed. With a kill function (the agent's), the
-// gate kills the agent there and drops the connection, as an agent that
-// dies at that point does; without one, it holds the call until its
-// caller goes away (kvmd control killed). Every other call passes.
+// call that matches is held at its kill point: not forwarded (before),
+// forwarded and killed as soon as the agent has the whole request
+// (during), or forwarded and answered by the agent (after); then reached
+// is closed. With a kill function (the agent's), the gate kills the agent
+// there and drops the connection, as an agent that dies at that point
+// does; without one, it holds the call until its caller goes away (kvmd
+// control killed). Every other call passes.
 type stepGate struct {
 	url     string
 	matches func(*http.Request) bool
 	reached chan struct{}
 	stop    chan struct{}
 
-	mu      sync.Mutex
-	armed   bool
-	applied bool
-	kill    func()
+	mu    sync.Mutex
+	armed bool
+	at    killPoint
+	kill  func()
 }
 
 func startStepGate(t *testing.T, agentURL string, matches func(*http.Request) bool) *stepGate {
@@ -453,16 +462,31 @@ func startStepGate(t *testing.T, agentURL string, matches func(*http.Request) bo
 		if hold {
 			g.armed = false
 		}
-		applied, kill := g.applied, g.kill
+		at, kill := g.at, g.kill
 		g.mu.Unlock()
 		if !hold {
 			proxy.ServeHTTP(w, r)
 			return
 		}
-		if applied {
+		switch at {
+		case afterAgent:
 			// The agent does the work whatever happens to the caller.
 			proxy.ServeHTTP(httptest.NewRecorder(), r.WithContext(context.WithoutCancel(r.Context())))
-		} else {
+		case duringAgent:
+			// The kill comes once the agent has the whole request, while
+			// its handler works (or has just finished: any outcome must
+			// leave the ledger agreeing).
+			sent := make(chan struct{})
+			var once sync.Once
+			trace := &httptrace.ClientTrace{WroteRequest: func(httptrace.WroteRequestInfo) { once.Do(func() { close(sent) }) }}
+			fwd := r.WithContext(httptrace.WithClientTrace(context.WithoutCancel(r.Context()), trace))
+			done := make(chan struct{})
+			go func() { defer close(done); proxy.ServeHTTP(httptest.NewRecorder(), fwd) }()
+			select {
+			case <-sent:
+			case <-done:
+			}
+		default:
 			// Read to the end, so that the server notices the caller hang up.
 			_, _ = io.Copy(io.Discard, r.Body)
 		}
@@ -482,11 +506,11 @@ func startStepGate(t *testing.T, agentURL string, matches func(*http.Request) bo
 	return g
 }
 
-// arm makes the gate hold the next matching call.
-func (g *stepGate) arm(applied bool, kill func()) {
+// arm makes the gate hold the next matching call at kill point at.
+func (g *stepGate) arm(at killPoint, kill func()) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	g.armed, g.applied, g.kill = true, applied, kill
+	g.armed, g.at, g.kill = true, at, kill
 }
 
 // kvmdAgent is `kvmd agent` with the sim driver running as a child
