@@ -178,6 +178,9 @@ func (s *Service) DeleteHost(ctx context.Context, name string) error {
 	}
 	err := s.store.DeleteHost(ctx, name)
 	if errors.Is(err, store.ErrHostInUse) {
+		if vols, verr := s.store.ListVolumes(ctx, store.VolumeFilter{Host: name}); verr == nil && len(vols) > 0 {
+			return volumesOnHost(err, name, vols, "retiring the host finishes the delete), then delete the host again")
+		}
 		n, _ := s.store.CountVMsOnHost(ctx, name)
 		return &Error{Code: api.CodeConflict, Err: err,
 			Message: fmt.Sprintf("host %s still has %d VMs placed on it; delete them first", name, n),

@@ -211,9 +211,17 @@ func retireRefused(err error, host string) error {
 	if !errors.As(err, &ve) {
 		return fromStore(err, "retire host "+host)
 	}
-	names := make([]string, 0, len(ve.Volumes))
-	list := make([]map[string]any, 0, len(ve.Volumes))
-	for _, v := range ve.Volumes {
+	return volumesOnHost(err, host, ve.Volumes, "the retire finishes the delete), then retire again")
+}
+
+// volumesOnHost is the 409 of a retire or a deregistration of a host that
+// still has volumes: it names them (details list them all) and says to
+// move or delete them; then completes the sentence about deletes on a
+// host that does not answer.
+func volumesOnHost(err error, host string, vols []store.Volume, then string) error {
+	names := make([]string, 0, len(vols))
+	list := make([]map[string]any, 0, len(vols))
+	for _, v := range vols {
 		names = append(names, fmt.Sprintf("%s (%s, project %s)", v.Name, v.ID, v.Project))
 		list = append(list, map[string]any{"id": v.ID, "name": v.Name, "project": v.Project, "state": v.State, "size_mib": v.SizeMiB})
 	}
@@ -224,6 +232,6 @@ func retireRefused(err error, host string) error {
 	return &Error{Code: api.CodeConflict, Err: err,
 		Message: fmt.Sprintf("host %s still has %d volumes: %s. Their data is on that host only: move each to another host "+
 			"while its agent answers, or delete it (DELETE /v1/volumes/{id}; on a host that does not answer "+
-			"the volume is kept deleting, and the retire finishes the delete), then retire again", host, len(names), shown),
+			"the volume is kept deleting and %s", host, len(names), shown, then),
 		Details: map[string]any{"host": host, "volumes": list}}
 }

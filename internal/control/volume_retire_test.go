@@ -10,8 +10,9 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
 )
 
-// Retiring a host that still has volumes is refused with 409 naming them
-// and saying to move or delete them, and changes nothing. A delete of a
+// Retiring (or deregistering) a host that still has volumes is refused
+// with 409 naming them and saying to move or delete them, and changes
+// nothing. A delete of a
 // volume on the dead host is kept deleting (its agent cannot confirm);
 // once every volume is being deleted, the retire goes through and
 // finishes those deletes: rows gone, capacity released, names free.
@@ -53,6 +54,11 @@ func TestRetireHostWithVolumes(t *testing.T) {
 		}
 		if h.RetiredAt != nil || h.Allocated != (api.Resources{DiskMiB: 2000}) {
 			t.Fatalf("a refused retire changed host h1: %+v", h)
+		}
+		// Deregistering it is refused the same way.
+		err = c.Client.DeleteHost(ctx, "h1")
+		if clientCode(err) != api.CodeConflict || !strings.Contains(err.Error(), vols[0].ID) {
+			t.Fatalf("delete of a host with volumes: %v; want 409 naming volume %s", err, vols[0].ID)
 		}
 		checkLedger(t, c.Store)
 
