@@ -242,7 +242,7 @@ func errVolumeAttached(id string, u volumeUse, what string) *Error {
 }
 
 func (a *Agent) volumeWire(r *volumeRecord) agentapi.Volume {
-	v := agentapi.Volume{ID: r.ID, SizeMiB: r.SizeMiB, Serial: agentapi.VolumeSerial(r.ID), State: agentapi.VolumeReady}
+	v := agentapi.Volume{ID: r.ID, SizeMiB: r.SizeMiB, Serial: agentapi.VolumeSerial(r.ID), State: agentapi.VolumeReady, CreatedAt: r.CreatedAt}
 	if r.Source != nil {
 		s := *r.Source
 		v.Source = &s

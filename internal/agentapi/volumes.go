@@ -1,6 +1,9 @@
 package agentapi
 
-import "strings"
+import (
+	"strings"
+	"time"
+)
 
 // Volume states on an agent.
 const VolumeReady = "ready"
@@ -62,6 +65,10 @@ type Volume struct {
 	// frozen files it shares with its clones).
 	AllocatedBytes int64         `json:"allocated_bytes"`
 	Source         *VolumeSource `json:"source,omitempty"`
+	// CreatedAt is when the agent made the volume: the control plane
+	// deletes a volume without a row only once it is older than its
+	// orphan grace.
+	CreatedAt time.Time `json:"created_at,omitzero"`
 }
 
 // VolumeList is the answer of GET /v1/volumes.

@@ -151,23 +151,10 @@ func (s *Service) GetHost(ctx context.Context, name string) (api.Host, error) {
 
 // ListHosts returns one page of hosts, by name.
 func (s *Service) ListHosts(ctx context.Context, p Page) (api.List[api.Host], error) {
-	size, after, err := p.bounds()
-	if err != nil {
-		return api.List[api.Host]{}, err
-	}
-	hs, err := s.store.ListHosts(ctx, after, size+1)
-	if err != nil {
-		return api.List[api.Host]{}, fromStore(err, "list hosts")
-	}
-	out := api.List[api.Host]{Items: []api.Host{}}
-	for i, h := range hs {
-		if i == size {
-			out.NextPageToken = pageToken(hs[i-1].Name)
-			break
-		}
-		out.Items = append(out.Items, s.withWarmReady(apiHost(h)))
-	}
-	return out, nil
+	return listPage(p, func(after string, limit int) ([]store.Host, error) {
+		hs, err := s.store.ListHosts(ctx, after, limit)
+		return hs, fromStore(err, "list hosts")
+	}, func(h store.Host) string { return h.Name }, each(func(h store.Host) api.Host { return s.withWarmReady(apiHost(h)) }))
 }
 
 // DeleteHost deregisters a host; a conflict while VMs are placed there.
@@ -191,6 +178,9 @@ func (s *Service) DeleteHost(ctx context.Context, name string) error {
 	}
 	err := s.store.DeleteHost(ctx, name)
 	if errors.Is(err, store.ErrHostInUse) {
+		if vols, verr := s.store.ListVolumes(ctx, store.VolumeFilter{Host: name}); verr == nil && len(vols) > 0 {
+			return volumesOnHost(err, name, vols, "retiring the host finishes the delete), then delete the host again")
+		}
 		n, _ := s.store.CountVMsOnHost(ctx, name)
 		return &Error{Code: api.CodeConflict, Err: err,
 			Message: fmt.Sprintf("host %s still has %d VMs placed on it; delete them first", name, n),
@@ -266,7 +256,7 @@ func (s *Service) RetireHost(ctx context.Context, name string) (api.Host, error)
 	reason := fmt.Sprintf("host %s was retired: its agent is gone for good; delete this VM and create it again", name)
 	retired, lost, err := s.store.RetireHost(ctx, name, api.StateLost, reason)
 	if err != nil {
-		return api.Host{}, fromStore(err, "retire host "+name)
+		return api.Host{}, retireRefused(err, name)
 	}
 	s.view.setWarm(name, nil)
 	s.refreshHost(ctx, name)

@@ -117,23 +117,10 @@ func (s *Service) GetImage(ctx context.Context, name string) (api.Image, error) 
 
 // ListImages returns a page of images by name.
 func (s *Service) ListImages(ctx context.Context, p Page) (api.List[api.Image], error) {
-	size, after, err := p.bounds()
-	if err != nil {
-		return api.List[api.Image]{}, err
-	}
-	imgs, err := s.store.ListImages(ctx, after, size+1)
-	if err != nil {
-		return api.List[api.Image]{}, fromStore(err, "list images")
-	}
-	out := api.List[api.Image]{Items: []api.Image{}}
-	for i, img := range imgs {
-		if i == size {
-			out.NextPageToken = pageToken(imgs[i-1].Name)
-			break
-		}
-		out.Items = append(out.Items, s.apiImage(img))
-	}
-	return out, nil
+	return listPage(p, func(after string, limit int) ([]store.Image, error) {
+		imgs, err := s.store.ListImages(ctx, after, limit)
+		return imgs, fromStore(err, "list images")
+	}, func(img store.Image) string { return img.Name }, each(s.apiImage))
 }
 
 // UpdateImage changes min_disk_mib and prefetch in place; turning prefetch

@@ -23,6 +23,11 @@ type metrics struct {
 	// unaccounted counts, per host, the VMs an agent runs that have no
 	// row and that the database never deleted (orphans.go).
 	unaccounted *prometheus.GaugeVec
+	// Volumes an agent has without a row (volume_reconcile.go): kept
+	// for an operator (a gauge per host), deleted (a counter per host).
+	volumesWithoutRow    *prometheus.GaugeVec
+	orphanVolumesDeleted *prometheus.CounterVec
+	volumesLost          *prometheus.CounterVec
 }
 
 // Placement results (the label of kvmd_placements_total).
@@ -61,6 +66,18 @@ func newMetrics(reg *prometheus.Registry) *metrics {
 			Name: "kvmd_vms_without_row",
 			Help: "VMs an agent runs without a database row that the control plane never deleted (kept for an operator), by host.",
 		}, []string{"host"}),
+		volumesWithoutRow: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvmd_volumes_without_row",
+			Help: "Volumes an agent has without a database row that the control plane never deleted (kept for an operator), by host.",
+		}, []string{"host"}),
+		orphanVolumesDeleted: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvmd_orphan_volumes_deleted_total",
+			Help: "Volumes the host monitor deleted on an agent because their row had been deleted on purpose (a delete or an undone create), by host.",
+		}, []string{"host"}),
+		volumesLost: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvmd_volumes_lost_total",
+			Help: "Ready volumes whose agent no longer had them (marked state error), by host.",
+		}, []string{"host"}),
 	}
 	for _, r := range scheduler.Reasons() {
 		m.rejections.WithLabelValues(r)
@@ -73,7 +90,8 @@ func newMetrics(reg *prometheus.Registry) *metrics {
 	for _, op := range []string{"info", "list_vms", "create_vm", "delete_vm", "start", "stop"} {
 		m.agentErrors.WithLabelValues(op)
 	}
-	reg.MustRegister(m.placements, m.placementSeconds, m.conflicts, m.agentSeconds, m.agentErrors, m.rejections, m.vmStates, m.projects, m.unaccounted)
+	reg.MustRegister(m.placements, m.placementSeconds, m.conflicts, m.agentSeconds, m.agentErrors, m.rejections, m.vmStates, m.projects, m.unaccounted,
+		m.volumesWithoutRow, m.orphanVolumesDeleted, m.volumesLost)
 	return m
 }
 

@@ -326,11 +326,8 @@ func (s *Service) ListProjects(ctx context.Context, pg Page) (api.List[api.Proje
 	if err != nil {
 		return api.List[api.Project]{}, fromStore(err, "list projects")
 	}
-	for i, r := range rows {
-		if i == size {
-			out.NextPageToken = pageToken(rows[i-1].Name)
-			break
-		}
+	rows, out.NextPageToken = cutPage(rows, size, func(r store.Project) string { return r.Name })
+	for _, r := range rows {
 		out.Items = append(out.Items, apiProject(r))
 	}
 	return out, nil

@@ -245,23 +245,10 @@ func (s *Service) CreateToken(ctx context.Context, in api.TokenCreate) (api.Toke
 
 // ListTokens returns one page of tokens (never their secrets), by id.
 func (s *Service) ListTokens(ctx context.Context, p Page) (api.List[api.Token], error) {
-	size, after, err := p.bounds()
-	if err != nil {
-		return api.List[api.Token]{}, err
-	}
-	rows, err := s.store.ListTokens(ctx, after, size+1)
-	if err != nil {
-		return api.List[api.Token]{}, fromStore(err, "list tokens")
-	}
-	out := api.List[api.Token]{Items: []api.Token{}}
-	for i, r := range rows {
-		if i == size {
-			out.NextPageToken = pageToken(rows[i-1].ID)
-			break
-		}
-		out.Items = append(out.Items, apiToken(r))
-	}
-	return out, nil
+	return listPage(p, func(after string, limit int) ([]store.Token, error) {
+		rows, err := s.store.ListTokens(ctx, after, limit)
+		return rows, fromStore(err, "list tokens")
+	}, func(r store.Token) string { return r.ID }, each(apiToken))
 }
 
 // RevokeToken deletes a token. This replica refuses it from the next

@@ -244,29 +244,18 @@ type VMQuery struct {
 
 // ListVMs returns one page of VMs matching q.
 func (s *Service) ListVMs(ctx context.Context, q VMQuery) (api.List[api.VM], error) {
-	size, after, err := q.bounds()
-	if err != nil {
-		return api.List[api.VM]{}, err
-	}
-	f := store.VMFilter{Project: principalOf(ctx).Project, Host: q.Host, Name: q.Name, ForkID: q.ForkID, After: after, Limit: size + 1}
+	f := store.VMFilter{Project: principalOf(ctx).Project, Host: q.Host, Name: q.Name, ForkID: q.ForkID}
 	if q.Label != "" {
+		var err error
 		if f.LabelKey, f.LabelValue, err = parseLabelFilter(q.Label); err != nil {
 			return api.List[api.VM]{}, err
 		}
 	}
-	vms, err := s.store.ListVMs(ctx, f)
-	if err != nil {
-		return api.List[api.VM]{}, fromStore(err, "list vms")
-	}
-	out := api.List[api.VM]{}
-	if len(vms) > size {
-		vms = vms[:size]
-		out.NextPageToken = pageToken(vms[size-1].ID)
-	}
-	if out.Items, err = s.apiVMs(ctx, vms); err != nil {
-		return api.List[api.VM]{}, err
-	}
-	return out, nil
+	return listPage(q.Page, func(after string, limit int) ([]store.VM, error) {
+		f.After, f.Limit = after, limit
+		vms, err := s.store.ListVMs(ctx, f)
+		return vms, fromStore(err, "list vms")
+	}, func(vm store.VM) string { return vm.ID }, func(vms []store.VM) ([]api.VM, error) { return s.apiVMs(ctx, vms) })
 }
 
 // UpdateVM changes a VM in place: its name, its shape (vCPUs and memory,

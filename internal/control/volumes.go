@@ -216,8 +216,11 @@ func (s *Service) makeVolume(ctx context.Context, v store.Volume, img *store.Ima
 	fail := func(cause error) error {
 		s.log.Warn("volume create failed; cleaning up", "volume", v.ID, "host", v.HostName, "err", cause)
 		if err := chain.run(ctx); err != nil {
-			reason := fmt.Sprintf("create failed (%v) and the agent of host %s did not confirm deleting it; DELETE /v1/volumes/%s retries", cause, v.HostName, v.ID)
-			if serr := s.store.SetVolumeState(ctx, v.ID, store.VolumeError, reason); serr != nil {
+			// Never acknowledged, so nothing of value: left deleting (owned
+			// by this replica) for the host monitor to finish once the
+			// agent answers, which frees the name for a retry.
+			reason := fmt.Sprintf("create failed (%v) and the agent of host %s did not confirm deleting it; the host monitor deletes it when the agent answers", cause, v.HostName)
+			if serr := s.store.SetVolumeState(ctx, v.ID, store.VolumeDeleting, reason); serr != nil {
 				s.log.Error("record failed volume create", "volume", v.ID, "err", serr)
 			}
 		}
@@ -272,23 +275,10 @@ type VolumeQuery struct {
 
 // ListVolumes returns one page of the caller's volumes.
 func (s *Service) ListVolumes(ctx context.Context, q VolumeQuery) (api.List[api.Volume], error) {
-	size, after, err := q.bounds()
-	if err != nil {
-		return api.List[api.Volume]{}, err
-	}
-	vols, err := s.store.ListVolumes(ctx, store.VolumeFilter{Project: principalOf(ctx).Project, Host: q.Host, After: after, Limit: size + 1})
-	if err != nil {
-		return api.List[api.Volume]{}, fromStore(err, "list volumes")
-	}
-	out := api.List[api.Volume]{}
-	if len(vols) > size {
-		vols = vols[:size]
-		out.NextPageToken = pageToken(vols[size-1].ID)
-	}
-	if out.Items, err = s.apiVolumes(ctx, vols); err != nil {
-		return api.List[api.Volume]{}, err
-	}
-	return out, nil
+	return listPage(q.Page, func(after string, limit int) ([]store.Volume, error) {
+		vols, err := s.store.ListVolumes(ctx, store.VolumeFilter{Project: principalOf(ctx).Project, Host: q.Host, After: after, Limit: limit})
+		return vols, fromStore(err, "list volumes")
+	}, func(v store.Volume) string { return v.ID }, func(vols []store.Volume) ([]api.Volume, error) { return s.apiVolumes(ctx, vols) })
 }
 
 // UpdateVolume grows a volume (never shrinks) and replaces its labels.
@@ -355,6 +345,13 @@ func (s *Service) growVolume(ctx context.Context, v store.Volume, to int64) erro
 		return err
 	})
 	if err != nil {
+		if !agentRefused(err) {
+			// The agent may have grown it (its answer was lost): the row
+			// keeps the growth, and the host monitor finishes it
+			// (reconcileReadyVolume) once this request is over.
+			s.log.Warn("volume growth: the agent's answer was lost; the host monitor finishes the growth", "volume", v.ID, "host", v.HostName, "err", err)
+			return fromAgent(err, v.HostName, "grow volume "+v.ID)
+		}
 		if uerr := s.store.UndoGrowVolume(ctx, v.ID, v.SizeMiB, to); uerr != nil {
 			s.log.Error("give back a volume growth the agent refused", "volume", v.ID, "err", uerr)
 		}
@@ -397,7 +394,7 @@ func (s *Service) finishVolumeDelete(ctx context.Context, v store.Volume) error 
 	address, alive, known := s.view.agent(v.HostName)
 	if known && v.HoldsCapacity {
 		if !alive {
-			return unavailable(nil, "host %s does not answer, so volume %s is kept (state deleting) with its capacity reserved; the host monitor finishes the delete when the host is back", v.HostName, v.ID)
+			return unavailable(nil, "host %s does not answer, so volume %s is kept (state deleting) with its capacity reserved; the host monitor finishes the delete when the host is back (or retiring the host does)", v.HostName, v.ID)
 		}
 		agent := s.agents.client(address)
 		err := s.agents.call("delete_volume", func() error { return agent.DeleteVolume(ctx, v.ID) })
@@ -436,8 +433,12 @@ func volumeAttached(v store.Volume, ae *store.VolumeAttachedError) error {
 }
 
 func volumeNameTaken(existing store.Volume) error {
+	msg := fmt.Sprintf("a volume named %q already exists (id %s); choose another name or import that volume", existing.Name, existing.ID)
+	if existing.State == store.VolumeDeleting {
+		msg = fmt.Sprintf("a volume named %q (id %s) is being deleted (%s); retry once it is gone", existing.Name, existing.ID, existing.Reason)
+	}
 	return &Error{Code: api.CodeConflict,
-		Message: fmt.Sprintf("a volume named %q already exists (id %s); choose another name or import that volume", existing.Name, existing.ID),
+		Message: msg,
 		Details: map[string]any{"existing_id": existing.ID, "name": existing.Name}}
 }
 
@@ -610,14 +611,15 @@ func volumeAttachError(err error) (error, bool) {
 	return nil, false
 }
 
-// settleVolumes finishes what a replica left of a volume's create or
-// delete on host h: a creating row whose owner lapsed (or that outlived
-// the grace period) is made again on the agent (idempotent on the id) and
-// marked ready, or released when the agent refuses it; a deleting row is
-// deleted on the agent and released. Volumes the agent has with no row
-// are leftovers of a create whose cleanup ran half: deleted there. The
-// agent's list is read before the rows, so a volume whose row is being
-// inserted now is never taken for a leftover.
+// settleVolumes reconciles host h's volume rows with its agent's volumes
+// (volume_reconcile.go): a creating row whose owner lapsed (or that
+// outlived the grace period) is undone on the agent and released (it was
+// never acknowledged); a deleting row is deleted on the agent and
+// released; a ready row gets a growth left half done finished, or is
+// marked lost when the agent confirms it does not have it. Volumes the
+// agent has with no row are swept after the orphan grace. The agent's
+// list is read before the rows, so a volume whose row is being inserted
+// now is never taken for a leftover.
 func (s *Service) settleVolumes(ctx context.Context, h store.Host, c *agentapi.Client, l leases) {
 	log := s.log.With("host", h.Name)
 	var onAgent []agentapi.Volume
@@ -630,9 +632,19 @@ func (s *Service) settleVolumes(ctx context.Context, h store.Host, c *agentapi.C
 		log.Error("host monitor: read volumes", "err", err)
 		return
 	}
+	agentHas := make(map[string]agentapi.Volume, len(onAgent))
+	for _, a := range onAgent {
+		agentHas[a.ID] = a
+	}
 	known := map[string]bool{}
 	for _, v := range rows {
 		known[v.ID] = true
+		if v.State == store.VolumeReady || v.State == store.VolumeError {
+			a, ok := agentHas[v.ID]
+			s.reconcileReadyVolume(ctx, log, c, l, v, a, ok)
+			s.reclaimLostVolume(ctx, log, v, a, ok)
+			continue
+		}
 		if v.State != store.VolumeCreating && v.State != store.VolumeDeleting {
 			continue
 		}
@@ -641,21 +653,7 @@ func (s *Service) settleVolumes(ctx context.Context, h store.Host, c *agentapi.C
 		}
 		switch v.State {
 		case store.VolumeCreating:
-			_, err := c.CreateVolume(ctx, v.ID, volumeSpec(v))
-			switch {
-			case err == nil:
-				if err := s.store.MarkVolumeReady(ctx, v.ID); err != nil && !errors.Is(err, store.ErrNotFound) {
-					log.Error("host monitor: mark volume ready", "volume", v.ID, "err", err)
-				}
-				log.Info("host monitor: finished the create of a volume its replica left", "volume", v.ID)
-			case errors.Is(err, agentapi.ErrInvalid), errors.Is(err, agentapi.ErrConflict):
-				if derr := c.DeleteVolume(ctx, v.ID); derr == nil {
-					_, _, _ = s.store.DeleteVolume(ctx, v.ID)
-				}
-				log.Warn("host monitor: the agent refused a volume its replica left creating; released it", "volume", v.ID, "err", err)
-			default:
-				log.Debug("host monitor: finish volume create", "volume", v.ID, "err", err)
-			}
+			s.undoUnfinishedVolumeCreate(ctx, log, c, v)
 		case store.VolumeDeleting:
 			if err := c.DeleteVolume(ctx, v.ID); err != nil {
 				log.Debug("host monitor: finish volume delete", "volume", v.ID, "err", err)
@@ -665,24 +663,11 @@ func (s *Service) settleVolumes(ctx context.Context, h store.Host, c *agentapi.C
 				log.Error("host monitor: release deleted volume", "volume", v.ID, "err", err)
 				continue
 			}
+			s.refreshHost(ctx, v.HostName)
 			log.Info("host monitor: finished the delete of a volume its replica left", "volume", v.ID)
 		}
 	}
-	for _, a := range onAgent {
-		if known[a.ID] || a.AttachedTo != "" {
-			continue
-		}
-		// No row now although the list was read first: its row was
-		// released after a delete on the agent, or never committed.
-		if _, err := s.store.GetVolume(ctx, a.ID); !errors.Is(err, store.ErrNotFound) {
-			continue
-		}
-		if err := c.DeleteVolume(ctx, a.ID); err != nil {
-			log.Debug("host monitor: delete leftover volume", "volume", a.ID, "err", err)
-			continue
-		}
-		log.Warn("host monitor: deleted a volume the agent had without a row", "volume", a.ID)
-	}
+	s.sweepOrphanVolumes(ctx, log, h, c, known, onAgent)
 }
 
 // volumeAbandoned reports whether volume v's create or delete was left by

@@ -211,6 +211,10 @@ func TestVolumeBadInput(t *testing.T) {
 		f.expectRefused(t, "grow past the host", http.MethodPost, "/v1/volumes/other/resize", api.VolumeResize{SizeMiB: 1 << 40}, 409, api.CodeNoCapacity)
 		f.expectRefused(t, "unknown volume", http.MethodGet, "/v1/volumes/nope", nil, 404, api.CodeNotFound)
 		f.expectRefused(t, "delete unknown volume", http.MethodDelete, "/v1/volumes/nope", nil, 404, api.CodeNotFound)
+		f.expectRefused(t, "resize unknown volume", http.MethodPost, "/v1/volumes/nope/resize", api.VolumeResize{SizeMiB: 10}, 404, api.CodeNotFound)
+		f.expectRefused(t, "patch unknown volume", http.MethodPatch, "/v1/volumes/"+newUUID(t), api.VolumePatch{Labels: &map[string]string{"a": "b"}}, 404, api.CodeNotFound)
+		f.expectRefused(t, "clone of an unknown volume id", http.MethodPost, "/v1/volumes",
+			api.VolumeCreate{Name: "x", SizeMiB: 10, Source: &api.VolumeSource{Volume: newUUID(t)}}, 400, api.CodeInvalid)
 
 		vm := func(name string, vols ...api.VMVolume) api.VMCreate {
 			in := smallVM(name)
@@ -248,6 +252,24 @@ func TestVolumeBadInput(t *testing.T) {
 		got, err := f.c.Client.GetVM(ctx, owner.ID)
 		if err != nil || len(got.Volumes) != 1 || got.Volumes[0].VolumeID != base.ID {
 			t.Errorf("GET of VM %s: volumes %+v, %v", owner.ID, got.Volumes, err)
+		}
+		// Attached read-only: another read-only attach is fine, a
+		// read-write one is 409 naming a reader, as is its delete.
+		f.createVolume(t, api.VolumeCreate{Name: "shared", SizeMiB: 10, Host: "h1"})
+		var reader api.VM
+		if status, e := f.call(t, http.MethodPost, "/v1/vms", vm("reader-1", api.VMVolume{Volume: "shared", ReadOnly: true}), &reader); status != http.StatusCreated {
+			t.Fatalf("VM with volume shared read-only: %d %+v", status, e)
+		}
+		e = f.expectRefused(t, "read-write attach of a volume attached read-only", http.MethodPost, "/v1/vms", vm("writer", api.VMVolume{Volume: "shared"}), 409, api.CodeConflict)
+		if !strings.Contains(e.Message, reader.ID) {
+			t.Errorf("the conflict should name the reader VM %s: %q", reader.ID, e.Message)
+		}
+		e = f.expectRefused(t, "delete a volume attached read-only", http.MethodDelete, "/v1/volumes/shared", nil, 409, api.CodeVolumeAttached)
+		if e.Details["vm_id"] != reader.ID {
+			t.Errorf("volume_attached should name VM %s: %+v", reader.ID, e)
+		}
+		if err := f.c.Client.DeleteVM(ctx, reader.ID); err != nil {
+			t.Fatal(err)
 		}
 
 		// Another project's volume answers as unknown.
@@ -315,8 +337,9 @@ func TestVMIsPlacedOnItsVolumesHost(t *testing.T) {
 }
 
 // A volume create or delete that a replica left half done (killed between
-// the reservation and the agent's answer) is finished by the host monitor:
-// afterwards rows, allocation and the agent's volumes agree.
+// the reservation and the agent's answer) is settled by the host monitor
+// (a create undone, a delete finished): afterwards rows, allocation and
+// the agent's volumes agree, and a retry of the create completes.
 func TestVolumeStepsLeftByADeadReplicaAreFinished(t *testing.T) {
 	eachDatabase(t, func(t *testing.T, databaseURL string) {
 		c := testenv.StartControl(t, testenv.ControlOptions{DatabaseURL: databaseURL, NoMonitor: true})
@@ -370,20 +393,28 @@ func TestVolumeStepsLeftByADeadReplicaAreFinished(t *testing.T) {
 		if _, err := c.Client.GetVM(ctx, vm.ID); apiCode(err) != api.CodeNotFound {
 			t.Errorf("VM create left unfinished: %v; want its row gone", err)
 		}
+		// A create left creating was never acknowledged: it is undone (on
+		// the agent too), so its name is free for the caller's retry.
 		for _, v := range []store.Volume{never, made} {
-			got, err := c.Client.GetVolume(ctx, v.ID)
-			if err != nil || got.State != api.VolumeReady {
-				t.Errorf("volume %s left creating: %+v, %v; want ready", v.Name, got, err)
+			if got, err := c.Client.GetVolume(ctx, v.ID); apiCode(err) != api.CodeNotFound {
+				t.Errorf("volume %s left creating: %+v, %v; want it undone (not found)", v.Name, got, err)
 			}
 		}
 		if _, err := c.Client.GetVolume(ctx, gone.ID); apiCode(err) != api.CodeNotFound {
 			t.Errorf("volume left deleting: %v; want it gone", err)
 		}
-		if ids := a.VolumeIDs(t); !slices.Equal(ids, []string{never.ID, made.ID, attached.ID}) {
-			t.Errorf("agent has %v, want [%s %s %s]", ids, never.ID, made.ID, attached.ID)
+		if ids := a.VolumeIDs(t); !slices.Equal(ids, []string{attached.ID}) {
+			t.Errorf("agent has %v, want [%s]", ids, attached.ID)
 		}
-		if got := hostAllocated(t, c, "h1"); got != (api.Resources{DiskMiB: 350}) {
-			t.Errorf("h1 allocates %+v, want 350 MiB of disk (the three ready volumes) and nothing else", got)
+		if got := hostAllocated(t, c, "h1"); got != (api.Resources{DiskMiB: 50}) {
+			t.Errorf("h1 allocates %+v, want 50 MiB of disk (the one ready volume) and nothing else", got)
+		}
+		checkLedger(t, c.Store)
+		// The second run of the undone creates completes.
+		for _, v := range []store.Volume{never, made} {
+			if _, err := c.Client.CreateVolume(ctx, api.VolumeCreate{Name: v.Name, SizeMiB: v.SizeMiB, Host: "h1"}); err != nil {
+				t.Errorf("retry of the create of volume %s: %v", v.Name, err)
+			}
 		}
 		checkLedger(t, c.Store)
 	})

@@ -180,11 +180,7 @@ func (s *Store) PinHostKey(ctx context.Context, name, address, key string) error
 // ListHosts returns up to limit hosts with names after `after`, by name.
 func (s *Store) ListHosts(ctx context.Context, after string, limit int) ([]Host, error) {
 	var hs []Host
-	q := s.db.WithContext(ctx).Order("name").Limit(limit)
-	if after != "" {
-		q = q.Where("name > ?", after)
-	}
-	if err := q.Find(&hs).Error; err != nil {
+	if err := keysetPage(s.db.WithContext(ctx), "name", after, limit).Find(&hs).Error; err != nil {
 		return nil, fmt.Errorf("list hosts: %w", err)
 	}
 	return hs, nil

@@ -62,14 +62,7 @@ func (s *Store) GetImage(ctx context.Context, name string) (Image, error) {
 // ListImages returns a page of images by name, after the name after.
 func (s *Store) ListImages(ctx context.Context, after string, limit int) ([]Image, error) {
 	var out []Image
-	q := s.db.WithContext(ctx).Order("name")
-	if after != "" {
-		q = q.Where("name > ?", after)
-	}
-	if limit > 0 {
-		q = q.Limit(limit)
-	}
-	if err := q.Find(&out).Error; err != nil {
+	if err := keysetPage(s.db.WithContext(ctx), "name", after, limit).Find(&out).Error; err != nil {
 		return nil, fmt.Errorf("list images: %w", err)
 	}
 	return out, nil

@@ -143,11 +143,7 @@ func readProject(db *gorm.DB, name string) (Project, error) {
 // ListProjects returns up to limit projects with names after `after`, by name.
 func (s *Store) ListProjects(ctx context.Context, after string, limit int) ([]Project, error) {
 	var out []Project
-	q := s.db.WithContext(ctx).Order("name").Limit(limit)
-	if after != "" {
-		q = q.Where("name > ?", after)
-	}
-	if err := q.Find(&out).Error; err != nil {
+	if err := keysetPage(s.db.WithContext(ctx), "name", after, limit).Find(&out).Error; err != nil {
 		return nil, fmt.Errorf("list projects: %w", err)
 	}
 	if err := withoutLeases(s.db.WithContext(ctx), out); err != nil {

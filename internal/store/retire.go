@@ -15,7 +15,10 @@ import (
 // gives its capacity, group slot, addresses and MACs back; the host's
 // allocation ends at zero. The host row is locked first, so a reservation
 // racing the retire either commits before it (and its VM is marked lost
-// too) or finds the host not alive. A host already retired is returned
+// too) or finds the host not alive. A host that still has volumes (other
+// than ones being deleted, whose delete the retire finishes) is refused
+// with a *VolumesOnHostError: their data is on that host only, so their
+// owners move or delete them first. A host already retired is returned
 // unchanged with no VM ids. ErrNotFound when there is no such host.
 func (s *Store) RetireHost(ctx context.Context, name, lostState, reason string) (Host, []string, error) {
 	var (
@@ -32,6 +35,9 @@ func (s *Store) RetireHost(ctx context.Context, name, lostState, reason string) 
 		}
 		if res.RowsAffected == 0 {
 			return nil // unknown (read below) or retired already
+		}
+		if err := volumesBlockRetire(tx, name); err != nil {
+			return err
 		}
 		var ids []string
 		if err := tx.Raw("SELECT id FROM vms WHERE host_name = ? ORDER BY id", name).Scan(&ids).Error; err != nil {
@@ -51,18 +57,22 @@ func (s *Store) RetireHost(ctx context.Context, name, lostState, reason string) 
 			}
 			lost = append(lost, id)
 		}
-		// Its volumes went with its disks: they hold nothing from now on
-		// and stay as rows in state error, for their owners to delete.
+		// What volumes are left are being deleted (volumesBlockRetire let
+		// nothing else through): their delete is finished here, as the
+		// agent that would confirm it is gone with the host's disks.
 		var vols []Volume
-		if err := tx.Where("host_name = ? AND holds_capacity", name).Order("id").Find(&vols).Error; err != nil {
+		if err := tx.Where("host_name = ?", name).Order("id").Find(&vols).Error; err != nil {
 			return fmt.Errorf("retire host %s: read its volumes: %w", name, err)
 		}
 		for _, v := range vols {
 			if _, err := releaseVolumeInTx(tx, v); err != nil {
 				return fmt.Errorf("retire host %s: %w", name, err)
 			}
-			if err := tx.Exec(`UPDATE volumes SET state = ?, reason = ? WHERE id = ?`, VolumeError, reason, v.ID).Error; err != nil {
-				return fmt.Errorf("retire host %s: mark volume %s lost: %w", name, v.ID, err)
+			if err := tombstoneVolume(tx, v); err != nil {
+				return fmt.Errorf("retire host %s: %w", name, err)
+			}
+			if err := tx.Exec("DELETE FROM volumes WHERE id = ?", v.ID).Error; err != nil {
+				return fmt.Errorf("retire host %s: delete volume %s: %w", name, v.ID, err)
 			}
 		}
 		// Every VM and volume gave its share back, so the allocation is zero now; set

@@ -57,11 +57,7 @@ func (s *Store) TokenBySecretHash(ctx context.Context, sha256Hex string) (Token,
 // ListTokens returns up to limit tokens with ids after `after`, by id.
 func (s *Store) ListTokens(ctx context.Context, after string, limit int) ([]Token, error) {
 	var out []Token
-	q := s.db.WithContext(ctx).Order("id").Limit(limit)
-	if after != "" {
-		q = q.Where("id > ?", after)
-	}
-	if err := q.Find(&out).Error; err != nil {
+	if err := keysetPage(s.db.WithContext(ctx), "id", after, limit).Find(&out).Error; err != nil {
 		return nil, fmt.Errorf("list tokens: %w", err)
 	}
 	return out, nil

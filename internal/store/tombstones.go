@@ -29,11 +29,16 @@ func (s *Store) VMWasDeleted(ctx context.Context, id string) (bool, error) {
 	return n > 0, nil
 }
 
-// DeleteOldTombstones removes the tombstones older than age.
+// DeleteOldTombstones removes the tombstones (of VMs and of volumes)
+// older than age.
 func (s *Store) DeleteOldTombstones(ctx context.Context, age time.Duration) (int64, error) {
 	res := s.db.WithContext(ctx).Exec("DELETE FROM deleted_vms WHERE deleted_at < ?", now().Add(-age))
 	if res.Error != nil {
 		return 0, fmt.Errorf("delete old vm tombstones: %w", res.Error)
 	}
-	return res.RowsAffected, nil
+	vols := s.db.WithContext(ctx).Exec("DELETE FROM deleted_volumes WHERE deleted_at < ?", now().Add(-age))
+	if vols.Error != nil {
+		return res.RowsAffected, fmt.Errorf("delete old volume tombstones: %w", vols.Error)
+	}
+	return res.RowsAffected + vols.RowsAffected, nil
 }

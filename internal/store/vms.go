@@ -728,13 +728,7 @@ type VMFilter struct {
 
 // ListVMs returns VMs matching f, ordered by id (ids are time-ordered).
 func (s *Store) ListVMs(ctx context.Context, f VMFilter) ([]VM, error) {
-	q := s.db.WithContext(ctx).Order("id")
-	if f.Limit > 0 {
-		q = q.Limit(f.Limit)
-	}
-	if f.After != "" {
-		q = q.Where("id > ?", f.After)
-	}
+	q := keysetPage(s.db.WithContext(ctx), "id", f.After, f.Limit)
 	if f.Project != "" {
 		q = q.Where("project = ?", f.Project)
 	}

@@ -241,6 +241,9 @@ func (s *Store) DeleteVolume(ctx context.Context, id string) (Volume, bool, erro
 		if released, err = releaseVolumeInTx(tx, v); err != nil {
 			return err
 		}
+		if err := tombstoneVolume(tx, v); err != nil {
+			return err
+		}
 		return tx.Exec("DELETE FROM volumes WHERE id = ?", id).Error
 	})
 	return v, released, err
@@ -380,13 +383,7 @@ type VolumeFilter struct {
 
 // ListVolumes returns the volumes matching f, ordered by id.
 func (s *Store) ListVolumes(ctx context.Context, f VolumeFilter) ([]Volume, error) {
-	q := s.db.WithContext(ctx).Order("id")
-	if f.Limit > 0 {
-		q = q.Limit(f.Limit)
-	}
-	if f.After != "" {
-		q = q.Where("id > ?", f.After)
-	}
+	q := keysetPage(s.db.WithContext(ctx), "id", f.After, f.Limit)
 	if f.Project != "" {
 		q = q.Where("project = ?", f.Project)
 	}
@@ -424,32 +421,27 @@ func (s *Store) SetVolumeLabels(ctx context.Context, id string, labels map[strin
 
 // VolumeAttachments returns the attachments of the volumes ids, by volume.
 func (s *Store) VolumeAttachments(ctx context.Context, ids []string) (map[string][]VolumeAttachment, error) {
-	out := map[string][]VolumeAttachment{}
-	if len(ids) == 0 {
-		return out, nil
-	}
-	var rows []VolumeAttachment
-	if err := s.db.WithContext(ctx).Where("volume_id IN ?", ids).Order("volume_id, vm_id").Find(&rows).Error; err != nil {
-		return nil, fmt.Errorf("read volume attachments: %w", err)
-	}
-	for _, a := range rows {
-		out[a.VolumeID] = append(out[a.VolumeID], a)
-	}
-	return out, nil
+	return s.attachmentsBy(ctx, "volume_id", "volume_id, vm_id", ids, func(a VolumeAttachment) string { return a.VolumeID })
 }
 
 // AttachmentsOfVMs returns the volumes attached to each of the VMs ids.
 func (s *Store) AttachmentsOfVMs(ctx context.Context, ids []string) (map[string][]VolumeAttachment, error) {
+	return s.attachmentsBy(ctx, "vm_id", "vm_id, created_at, volume_id", ids, func(a VolumeAttachment) string { return a.VMID })
+}
+
+// attachmentsBy reads the attachments whose column (volume_id or vm_id)
+// is one of ids, in order, grouped by key.
+func (s *Store) attachmentsBy(ctx context.Context, column, order string, ids []string, key func(VolumeAttachment) string) (map[string][]VolumeAttachment, error) {
 	out := map[string][]VolumeAttachment{}
 	if len(ids) == 0 {
 		return out, nil
 	}
 	var rows []VolumeAttachment
-	if err := s.db.WithContext(ctx).Where("vm_id IN ?", ids).Order("vm_id, created_at, volume_id").Find(&rows).Error; err != nil {
+	if err := s.db.WithContext(ctx).Where(column+" IN ?", ids).Order(order).Find(&rows).Error; err != nil {
 		return nil, fmt.Errorf("read volume attachments: %w", err)
 	}
 	for _, a := range rows {
-		out[a.VMID] = append(out[a.VMID], a)
+		out[key(a)] = append(out[key(a)], a)
 	}
 	return out, nil
 }
