@@ -7,6 +7,7 @@ import (
 	"reflect"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
@@ -362,5 +363,79 @@ func TestVolumeAttachStepsLeftByADeadReplicaAreSettled(t *testing.T) {
 			}
 		}
 		checkLedger(t, c.Store)
+	})
+}
+
+// Concurrent attaches: of one volume read-write to several VMs, exactly
+// one wins and the others are 409 volume_attached; of more volumes than a
+// VM can have to one VM, exactly the most it can have win and the rest
+// are 400. Afterwards rows and agent agree.
+func TestVolumeHotAttachConcurrent(t *testing.T) {
+	eachDatabase(t, func(t *testing.T, databaseURL string) {
+		f := startVolumeFleet(t, databaseURL, map[string]testenv.AgentOptions{"h1": {}})
+		ctx := ctxT(t)
+		const racers = api.MaxVMVolumes + 2
+		var vms []api.VM
+		for i := range racers {
+			vm, err := f.c.Client.CreateVM(ctx, smallVM(fmt.Sprintf("vm-%d", i)), "")
+			if err != nil {
+				t.Fatal(err)
+			}
+			vms = append(vms, vm)
+		}
+		f.createVolume(t, api.VolumeCreate{Name: "contended", SizeMiB: 10, Host: "h1"})
+		for i := range racers {
+			f.createVolume(t, api.VolumeCreate{Name: fmt.Sprintf("v%d", i), SizeMiB: 10, Host: "h1"})
+		}
+		race := func(call func(i int) error) map[string]int {
+			codes := make([]string, racers)
+			var wg sync.WaitGroup
+			for i := range racers {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					if err := call(i); err != nil {
+						codes[i] = apiCode(err)
+						if codes[i] == "" {
+							codes[i] = err.Error()
+						}
+					} else {
+						codes[i] = "ok"
+					}
+				}()
+			}
+			wg.Wait()
+			out := map[string]int{}
+			for _, c := range codes {
+				out[c]++
+			}
+			return out
+		}
+		c := noRetry(f.c)
+		got := race(func(i int) error {
+			_, err := c.AttachVolume(ctx, vms[i].ID, api.VMVolumeAttach{Volume: "contended"})
+			return err
+		})
+		if got["ok"] != 1 || got[api.CodeVolumeAttached] != racers-1 {
+			t.Errorf("%d VMs raced for one volume read-write: %v; want 1 ok and %d volume_attached", racers, got, racers-1)
+		}
+		count := func() int {
+			vm, err := f.c.Client.GetVM(ctx, vms[0].ID)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return len(vm.Volumes)
+		}
+		room := api.MaxVMVolumes - count()
+		got = race(func(i int) error {
+			_, err := c.AttachVolume(ctx, vms[0].ID, api.VMVolumeAttach{Volume: fmt.Sprintf("v%d", i)})
+			return err
+		})
+		if got["ok"] != room || got[api.CodeInvalid] != racers-room || count() != api.MaxVMVolumes {
+			t.Errorf("%d volumes raced onto a VM with room for %d: %v, it has %d; want %d ok, the rest invalid, and %d volumes",
+				racers, room, got, count(), room, api.MaxVMVolumes)
+		}
+		f.attachState(t).agree(t)
+		checkLedger(t, f.c.Store)
 	})
 }
