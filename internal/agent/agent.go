@@ -596,7 +596,15 @@ func (a *Agent) createLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSp
 // caller holds e's operation lock.
 func (a *Agent) removeVM(ctx context.Context, e *vmEntry, m *Machine) error {
 	step := time.Now()
-	if err := a.cfg.Driver.Kill(ctx, m); err != nil {
+	end := a.cfg.Driver.Kill
+	if len(m.Volumes) > 0 {
+		// Volumes outlive the VM: QEMU is told to quit first, which
+		// flushes what the guest already wrote to them (qcow2 metadata
+		// included) before the process ends. A kill alone can lose those
+		// writes, and the next VM of the volume would miss its data.
+		end = func(ctx context.Context, m *Machine) error { return a.cfg.Driver.Shutdown(ctx, m, 0) }
+	}
+	if err := end(ctx, m); err != nil {
 		return fmt.Errorf("end the process of vm %s: %w", e.id, err)
 	}
 	step = timing.Since(ctx, "kill", step)

@@ -74,6 +74,8 @@ type Volume struct {
 type VolumeAttachment struct {
 	VMID     string `json:"vm_id"`
 	ReadOnly bool   `json:"read_only"`
+	// State is attached, attaching or detaching (volume_attach.go).
+	State string `json:"state,omitempty"`
 }
 
 // VMVolume is a volume of a VM: in a create by name or id (Volume), in an
@@ -84,4 +86,6 @@ type VMVolume struct {
 	VolumeID string `json:"volume_id,omitempty"`
 	Serial   string `json:"serial,omitempty"`
 	Device   string `json:"device,omitempty"`
+	// State is attached, attaching or detaching (answers only).
+	State string `json:"state,omitempty"`
 }

@@ -442,7 +442,7 @@ func (s *Service) apiVMs(ctx context.Context, vms []store.VM) ([]api.VM, error) 
 	out := make([]api.VM, 0, len(vms))
 	for _, vm := range vms {
 		for _, a := range atts[vm.ID] {
-			vm.Volumes = append(vm.Volumes, store.VMVolume{VolumeID: a.VolumeID, ReadOnly: a.ReadOnly})
+			vm.Volumes = append(vm.Volumes, store.VMVolume{VolumeID: a.VolumeID, ReadOnly: a.ReadOnly, State: a.State})
 		}
 		out = append(out, s.withConstraints(apiVM(vm, alive[vm.HostName]), vm))
 	}

@@ -486,7 +486,7 @@ func (s *Service) apiVolumes(ctx context.Context, vols []store.Volume) ([]api.Vo
 			a.Source = &api.VolumeSource{Image: v.SourceImage, Volume: v.SourceVolume}
 		}
 		for _, at := range atts[v.ID] {
-			a.AttachedTo = append(a.AttachedTo, api.VolumeAttachment{VMID: at.VMID, ReadOnly: at.ReadOnly})
+			a.AttachedTo = append(a.AttachedTo, api.VolumeAttachment{VMID: at.VMID, ReadOnly: at.ReadOnly, State: attachmentState(at.State)})
 		}
 		if v.Placement != "" {
 			var p api.Placement
@@ -582,7 +582,7 @@ func apiVMVolumes(atts []store.VMVolume, names map[string]string) []api.VMVolume
 			ref = a.VolumeID
 		}
 		out = append(out, api.VMVolume{Volume: ref, VolumeID: a.VolumeID, ReadOnly: a.ReadOnly,
-			Serial: agentapi.VolumeSerial(a.VolumeID), Device: volumeDevice(a.VolumeID)})
+			Serial: agentapi.VolumeSerial(a.VolumeID), Device: volumeDevice(a.VolumeID), State: attachmentState(a.State)})
 	}
 	return out
 }

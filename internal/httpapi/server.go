@@ -92,6 +92,7 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 	h.imageRoutes(v1)
 	h.projectRoutes(v1)
 	h.volumeRoutes(v1)
+	h.vmVolumeRoutes(v1)
 	v1.POST("/tokens", h.createToken)
 	v1.GET("/tokens", h.listTokens)
 	v1.DELETE("/tokens/:id", h.revokeToken)

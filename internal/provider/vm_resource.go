@@ -84,7 +84,8 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 			"`disk_mib` (grown only), `power_state`, `labels` and `constraints` change in place, keeping the VM's id and disk; " +
 			"a change of `vcpus` or `memory_mib` restarts a running guest (a clean power-off, then a boot in the new shape from " +
 			"the same disk); a larger `disk_mib` grows the disk without a restart; a change of `constraints` never moves the " +
-			"VM. `image`, `host` and a change of the configured `network_interface` or `volume_attachment` blocks replace " +
+			"VM; adding or removing a `volume_attachment` block attaches or detaches the volume while the guest runs. " +
+			"`image`, `host` and a change of the configured `network_interface` blocks replace " +
 			"the VM, which destroys its own disk; data that must outlive a replace belongs on a `kvm_volume`, attached " +
 			"with a `volume_attachment` block (the new VM gets the same volumes, on their host). A refresh reports the power state the host observed, so a VM stopped behind " +
 			"Terraform's back shows as a change and `terraform apply` starts it again; a VM deleted behind its back is " +
@@ -544,9 +545,12 @@ func (r *vmResource) Read(ctx context.Context, req resource.ReadRequest, resp *r
 	prior := state
 	state.fromAPI(vm, observedPowerState(vm))
 	state.setNICs(vm, hasBlocks(state.NetworkInterfaces))
-	if !hasBlocks(state.VolumeAttachments) && len(vm.Volumes) > 0 {
-		state.VolumeAttachments = volumeAttachmentsValue(vm.Volumes) // an import
+	vols, diags := readVolumeAttachments(ctx, state.VolumeAttachments, vm, apiVolumeIDs(r.data.client))
+	resp.Diagnostics.Append(diags...)
+	if resp.Diagnostics.HasError() {
+		return
 	}
+	state.VolumeAttachments = vols
 	if state.WaitFor.IsNull() {
 		state.WaitFor = types.StringValue(waitForRunning) // an import: the default
 	}
@@ -627,6 +631,10 @@ func (r *vmResource) Update(ctx context.Context, req resource.UpdateRequest, res
 			return
 		}
 		addAPIError(&resp.Diagnostics, summaryUpdateVM, fmt.Sprintf("updating VM %s (%q)", id, state.Name.ValueString()), err)
+		return
+	}
+	vm = r.updateVolumeAttachments(ctx, vm, state.VolumeAttachments, plan.VolumeAttachments, &resp.Diagnostics)
+	if resp.Diagnostics.HasError() {
 		return
 	}
 	vm, err = waitForPower(ctx, r.data.client, vm, power)

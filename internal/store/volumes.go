@@ -66,6 +66,9 @@ type VolumeAttachment struct {
 	VMID      string    `gorm:"column:vm_id;primaryKey"`
 	ReadOnly  bool      `gorm:"column:read_only"`
 	CreatedAt time.Time `gorm:"column:created_at"`
+	// State is how far a hot attach or detach got (volume_attach.go);
+	// the database's default, attached, for the rows of a VM's create.
+	State string `gorm:"column:state;default:attached"`
 }
 
 // TableName is the table of VolumeAttachment.
@@ -601,4 +604,6 @@ func (s *Store) recordVolumeAttachments(tx *gorm.DB, vm VM) error {
 type VMVolume struct {
 	VolumeID string
 	ReadOnly bool
+	// State is the attachment's (volume_attach.go) when read back.
+	State string
 }

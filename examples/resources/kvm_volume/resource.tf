@@ -35,3 +35,27 @@ resource "kvm_volume" "pgdata_test" {
     volume = kvm_volume.pgdata.id
   }
 }
+
+# A build cache for a VM that already runs on node1: adding the
+# volume_attachment block later is an in-place update that attaches the
+# volume hot (the guest sees /dev/disk/by-id/virtio-<serial> without a
+# reboot); removing the block detaches it. The volume must be on the VM's
+# host.
+resource "kvm_volume" "cache" {
+  name     = "build-cache"
+  size_mib = 10240
+  host     = "node1"
+}
+
+resource "kvm_vm" "builder" {
+  name       = "builder"
+  image      = "busybox"
+  vcpus      = 2
+  memory_mib = 1024
+  disk_mib   = 2048
+  host       = "node1"
+
+  volume_attachment {
+    volume = kvm_volume.cache.id
+  }
+}
