@@ -5,19 +5,15 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/http/httputil"
 	"net/url"
-	"os"
-	"os/exec"
 	"regexp"
 	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -286,63 +282,6 @@ func kill9DuringVolumeAttach(t *testing.T, bin, databaseURL, dataDir, method str
 	if err := attachmentsAgree(ctx, c2, agents); err != nil {
 		t.Error(err)
 	}
-}
-
-// kvmdAgent is `kvmd agent --driver sim` as a child process, so that it
-// can be killed with SIGKILL and started again on its state directory.
-type kvmdAgent struct {
-	bin, listen, stateDir string
-	cmd                   *exec.Cmd
-	done                  chan struct{}
-	client                *agentapi.Client
-}
-
-func startKVMDAgent(t *testing.T, bin string) *kvmdAgent {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	a := &kvmdAgent{bin: bin, listen: ln.Addr().String(), stateDir: t.TempDir()}
-	_ = ln.Close()
-	a.client = agentapi.NewClient("http://"+a.listen, "agent-token")
-	a.start(t)
-	return a
-}
-
-func (a *kvmdAgent) start(t *testing.T) {
-	t.Helper()
-	cmd := exec.Command(a.bin, "agent", "--listen", a.listen, "--state-dir", a.stateDir, "--driver", "sim", "--token", "agent-token",
-		"--vcpus", "16", "--memory-mib", "65536", "--disk-mib", "100000", "--log-level", "warn")
-	cmd.Env = []string{"PATH=" + os.Getenv("PATH")}
-	log, err := os.CreateTemp(t.TempDir(), "kvmd-agent-*.log")
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd.Stdout, cmd.Stderr = log, log
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("start kvmd agent: %v", err)
-	}
-	a.cmd, a.done = cmd, make(chan struct{})
-	done := a.done
-	go func() { _ = cmd.Wait(); _ = log.Close(); close(done) }()
-	t.Cleanup(a.kill)
-	eventually(t, "kvmd agent answers", func() error {
-		select {
-		case <-done:
-			out, _ := os.ReadFile(log.Name())
-			t.Fatalf("kvmd agent exited: %s", out)
-		default:
-		}
-		_, err := a.client.Info(context.Background())
-		return err
-	})
-}
-
-func (a *kvmdAgent) kill() {
-	_ = a.cmd.Process.Signal(syscall.SIGKILL)
-	<-a.done
 }
 
 // The agent (kvmd agent, sim driver) is killed with SIGKILL while hot
