@@ -134,7 +134,16 @@ func (a *Agent) pullVolume(ctx context.Context, vd Volumer, r *volumeRecord, dis
 	if err != nil {
 		return errVolumePull(r.ID, addr, err)
 	}
-	body, sent, sizeMiB, err := c.OpenVolumeContent(ctx, r.ID)
+	var (
+		body    io.ReadCloser
+		sent    string
+		sizeMiB int64
+	)
+	if r.Source.Snapshot != "" {
+		body, sent, sizeMiB, err = c.OpenSnapshotVolumeContent(ctx, r.Source.Snapshot, r.Source.Volume)
+	} else {
+		body, sent, sizeMiB, err = c.OpenVolumeContent(ctx, r.ID)
+	}
 	if err != nil {
 		return errVolumePull(r.ID, addr, err)
 	}

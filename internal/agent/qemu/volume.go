@@ -25,7 +25,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -127,7 +126,11 @@ func (d *Driver) ResizeVolumeDisk(ctx context.Context, path string, sizeMiB int6
 // guest's virtio disk sees the new capacity at once.
 func (d *Driver) ResizeAttachedVolume(ctx context.Context, m *agent.Machine, v agent.MachineVolume, sizeMiB int64) error {
 	return d.withMonitor(ctx, m, func(q *monitor) error {
-		return q.run(ctx, "block_resize", map[string]any{"node-name": volumeNode(v), "size": sizeMiB << 20}, nil)
+		node, err := activeVolumeNode(ctx, q, v) // a snapshot's overlay, if one moved it
+		if err != nil {
+			return err
+		}
+		return q.run(ctx, "block_resize", map[string]any{"node-name": node, "size": sizeMiB << 20}, nil)
 	})
 }
 
@@ -245,7 +248,7 @@ func volumePresence(ctx context.Context, q *monitor, v agent.MachineVolume) (dev
 // files. Whatever of v is already gone is skipped.
 func (d *Driver) DetachVolume(ctx context.Context, m *agent.Machine, v agent.MachineVolume) error {
 	return d.withMonitor(ctx, m, func(q *monitor) error {
-		hasDev, hasNode, err := volumePresence(ctx, q, v)
+		hasDev, _, err := volumePresence(ctx, q, v)
 		if err != nil {
 			return err
 		}
@@ -264,23 +267,11 @@ func (d *Driver) DetachVolume(ctx context.Context, m *agent.Machine, v agent.Mac
 					m.ID, v.ID, unplugTimeout, err)
 			}
 		}
-		if hasNode || hasDev {
-			if err := q.run(ctx, "blockdev-del", map[string]any{"node-name": volumeNode(v)}, nil); err != nil {
-				var qe *qmpError
-				// A node made by -blockdev goes with its device on some
-				// QEMUs; one that is gone is what we want.
-				if !errors.As(err, &qe) || hasNode && !nodeGone(ctx, q, v) {
-					return err
-				}
-			}
-		}
-		return nil
+		// Every node of it: a snapshot put overlays on top (volume_fork.go).
+		// A node made by -blockdev goes with its device on some QEMUs; one
+		// that is gone is what we want.
+		return deleteVolumeNodes(ctx, q, v)
 	})
-}
-
-func nodeGone(ctx context.Context, q *monitor, v agent.MachineVolume) bool {
-	_, node, err := volumePresence(ctx, q, v)
-	return err == nil && !node
 }
 
 // ExportVolumeDisk writes v as one qcow2 at dst, its frozen bases folded
