@@ -24,6 +24,9 @@ import (
 // VolumeExporter is a Volumer that can write a volume as one
 // self-contained file (no backing file), for a move to another agent.
 type VolumeExporter interface {
+	// ExportVolumeDisk writes v as one file at dst; a ReadOnly v is a
+	// snapshot's frozen point (files nothing writes, a parent VM may
+	// still hold open).
 	ExportVolumeDisk(ctx context.Context, v MachineVolume, dst string) error
 	// CheckPulledVolumeDisk refuses a file pulled from another agent that
 	// is not a plain disk of its own: one that names a backing or data

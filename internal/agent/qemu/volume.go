@@ -59,6 +59,13 @@ func volumeArgs(m *agent.Machine, img *image) []string {
 	}
 	for _, v := range m.Volumes {
 		node := "driver=qcow2,node-name=" + volumeNode(v) + ",file.driver=file,file.filename=" + qemuOptQuote(v.Path)
+		// Its frozen bases spelled out, without image locks (see baseLocking).
+		prefix := ""
+		for _, b := range v.Backing {
+			prefix += "backing."
+			node += "," + prefix + "driver=qcow2," + prefix + "file.driver=file," + prefix + "file.filename=" + qemuOptQuote(b) +
+				"," + prefix + "file.locking=off"
+		}
 		if v.ReadOnly {
 			node += ",read-only=on"
 		} else {
@@ -73,6 +80,14 @@ func volumeArgs(m *agent.Machine, img *image) []string {
 	}
 	return args
 }
+
+// baseLocking: a volume's frozen bases (volumes/.bases) are opened with
+// image locking off. No process writes a base (the agent made it
+// read-only, and only ever reads it), but a VM that a snapshot moved off
+// a file keeps QEMU's write lock on it: QEMU reopens the old file
+// read-only by its name, which a QEMU that dropped root cannot open, and
+// it keeps the file as it was (it writes it no more). A fork child that
+// reads the same file as its base would be refused by that lock.
 
 // CreateVolumeDisk makes a qcow2 at path: empty, a copy of an image's
 // disk grown to sizeMiB, or an overlay of a frozen base. It is written
@@ -198,10 +213,11 @@ func addVolumeNode(ctx context.Context, q *monitor, v agent.MachineVolume) error
 			return err
 		}
 		sets = append(sets, added.FDSetID)
-		n := map[string]any{
-			"driver": "qcow2", "read-only": i > 0 || v.ReadOnly,
-			"file": map[string]any{"driver": "file", "filename": "/dev/fdset/" + strconv.Itoa(added.FDSetID)},
+		file := map[string]any{"driver": "file", "filename": "/dev/fdset/" + strconv.Itoa(added.FDSetID)}
+		if i > 0 {
+			file["locking"] = "off" // a frozen base (see baseLocking)
 		}
+		n := map[string]any{"driver": "qcow2", "read-only": i > 0 || v.ReadOnly, "file": file}
 		if node != nil {
 			n["backing"] = node
 		} else {
@@ -275,11 +291,18 @@ func (d *Driver) DetachVolume(ctx context.Context, m *agent.Machine, v agent.Mac
 }
 
 // ExportVolumeDisk writes v as one qcow2 at dst, its frozen bases folded
-// in (qemu-img convert), so that another agent can take it alone.
+// in (qemu-img convert), so that another agent can take it alone. A
+// read-only v is a frozen point, read without image locks.
 func (d *Driver) ExportVolumeDisk(ctx context.Context, v agent.MachineVolume, dst string) error {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Minute)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, d.qemuImg, "convert", "-q", "-f", "qcow2", "-O", "qcow2", v.Path, dst).CombinedOutput()
+	args := []string{"convert", "-q", "-f", "qcow2", "-O", "qcow2", v.Path, dst}
+	if v.ReadOnly {
+		// A snapshot's frozen point (agent volume_fork.go): files that no
+		// process writes, read past the lock a parent keeps (baseLocking).
+		args = append([]string{"convert", "-U"}, args[1:]...)
+	}
+	out, err := exec.CommandContext(ctx, d.qemuImg, args...).CombinedOutput()
 	if err != nil {
 		return fmt.Errorf("qemu-img convert %s: %w: %s", v.Path, err, bytes.TrimSpace(out))
 	}
