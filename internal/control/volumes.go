@@ -246,7 +246,7 @@ func (s *Service) makeVolume(ctx context.Context, v store.Volume, img *store.Ima
 func volumeSpec(v store.Volume) agentapi.VolumeSpec {
 	spec := agentapi.VolumeSpec{SizeMiB: v.SizeMiB}
 	if v.SourceImage != "" || v.SourceVolume != "" {
-		spec.Source = &agentapi.VolumeSource{Image: v.SourceImage, Volume: v.SourceVolume}
+		spec.Source = &agentapi.VolumeSource{Image: v.SourceImage, Volume: v.SourceVolume, Snapshot: v.SourceSnapshot}
 	}
 	return spec
 }
