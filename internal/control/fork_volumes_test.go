@@ -2,11 +2,14 @@ package control_test
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
 )
 
@@ -120,4 +123,95 @@ func TestForkChildrenShareReadOnlyVolumes(t *testing.T) {
 		t.Fatalf("shared volume: %d %+v %+v, want attached to the source and both children", st, v, e)
 	}
 	checkLedger(t, f.c.Store)
+}
+
+// A control API that dies (the pass stops dead) between the steps of a
+// child of a fork with a volume, then a new one on the same database,
+// which resumes the fork: every child has exactly one volume of its own,
+// attached, and rows, agents' volumes and allocations agree.
+func TestForkWithVolumesCrashBetweenStepsThenRestart(t *testing.T) {
+	steps := []struct {
+		step string
+		slot int
+	}{
+		{control.ForkStepChildReserved, 1},
+		{control.ForkStepChildStart, 1}, // its volume is made and attached; the agent is not asked
+		{control.ForkStepChildStarted, 2},
+		{control.ForkStepChildRecorded, 0},
+	}
+	for _, sc := range steps {
+		t.Run(fmt.Sprintf("%s/%d", sc.step, sc.slot), func(t *testing.T) {
+			eachDatabase(t, func(t *testing.T, dbURL string) {
+				ctx := ctxT(t)
+				dataDir := ""
+				if dbURL == "" {
+					dataDir = t.TempDir()
+				}
+				hooks := &control.Hooks{ForkStep: once(sc.step, sc.slot, control.ErrSimulatedCrash)}
+				c := testenv.StartControl(t, testenv.ControlOptions{DatabaseURL: dbURL, DataDir: dataDir, Hooks: hooks})
+				agents := map[string]*testenv.Agent{
+					"h1": testenv.StartAgent(t, testenv.AgentOptions{VCPUs: 8, MemoryMiB: 2048, DiskMiB: 100000}),
+					"h2": testenv.StartAgent(t, testenv.AgentOptions{}),
+				}
+				for _, name := range []string{"h1", "h2"} {
+					c.RegisterHost(t, name, agents[name].Address)
+				}
+				f := volumeFleet{c: c, agents: agents}
+				f.createVolume(t, api.VolumeCreate{Name: "data", SizeMiB: 100, Host: "h1"})
+				in := smallVM("src")
+				in.Volumes = []api.VMVolume{{Volume: "data"}}
+				src, err := c.Client.CreateVM(ctx, in, "")
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := noRetry(c).CreateFork(ctx, api.ForkCreate{SourceVMID: src.ID, Count: 3, Placement: api.PlacementColocate}, ""); err == nil {
+					t.Fatal("fork with a simulated crash succeeded")
+				}
+				forks, err := c.Store.UnfinishedForks(ctx, time.Now().Add(time.Minute))
+				if err != nil || len(forks) != 1 {
+					t.Fatalf("unfinished forks after the crash: %v, %v", forks, err)
+				}
+				id := forks[0].ID
+				c.Stop()
+				c = testenv.StartControl(t, testenv.ControlOptions{DatabaseURL: dbURL, DataDir: dataDir})
+				f.c = c
+				eventually(t, "the restarted control API resumes the fork", func() bool {
+					fk, err := c.Client.GetFork(ctx, id)
+					return err == nil && fk.Phase == api.ForkReady
+				})
+				fk, err := c.Client.GetFork(ctx, id)
+				if err != nil || len(fk.Children) != 3 {
+					t.Fatalf("fork after the resume: %+v, %v", fk, err)
+				}
+				for _, ch := range fk.Children {
+					vm, err := c.Client.GetVM(ctx, ch.ID)
+					if err != nil || len(vm.Volumes) != 1 {
+						t.Fatalf("child %s: volumes %+v, %v; want one", ch.Name, vm.Volumes, err)
+					}
+					var v api.Volume
+					if st, e := f.call(t, http.MethodGet, "/v1/volumes/"+vm.Volumes[0].VolumeID, nil, &v); st != http.StatusOK ||
+						v.Name != "data-"+ch.Name || v.Host != ch.Host || v.State != "ready" {
+						t.Fatalf("child %s's volume: %d %+v %+v", ch.Name, st, v, e)
+					}
+				}
+				// Rows and agents agree: one source volume and one per child.
+				var list api.List[api.Volume]
+				if st, e := f.call(t, http.MethodGet, "/v1/volumes", nil, &list); st != http.StatusOK || len(list.Items) != 4 {
+					t.Fatalf("volumes after the resume: %d %+v (%d), want the source's and one per child", st, e, len(list.Items))
+				}
+				byHost := map[string][]string{}
+				for _, v := range list.Items {
+					byHost[v.Host] = append(byHost[v.Host], v.ID)
+				}
+				for name, a := range agents {
+					want := byHost[name]
+					slices.Sort(want)
+					if got := a.VolumeIDs(t); !slices.Equal(got, want) {
+						t.Errorf("agent %s has volumes %v, rows say %v", name, got, want)
+					}
+				}
+				checkLedger(t, c.Store)
+			})
+		})
+	}
 }
