@@ -137,9 +137,7 @@ func (s *Service) forkChildVolume(ctx context.Context, f store.Fork, vm store.VM
 	}
 	spec := volumeSpec(v)
 	if vm.HostName != f.SourceHost {
-		// Pulled from the source's agent, which proves the key pinned
-		// for its host before it gets the token.
-		spec.Source.Peer = &agentapi.VolumePeer{Agent: agentURL(srcAddress), PublicKey: s.view.agentKey(f.SourceHost)}
+		spec.Source.Peer = s.forkVolumePeer(f.SourceHost, srcAddress)
 	}
 	c := s.agents.client(address)
 	err = s.agents.call("create_volume", func() error { _, err := c.CreateVolume(ctx, v.ID, spec); return err })
@@ -153,6 +151,31 @@ func (s *Service) forkChildVolume(ctx context.Context, f store.Fork, vm store.VM
 	s.log.Info("fork child volume made", "fork", f.ID, "vm", vm.ID, "volume", v.ID, "name", name, "host", vm.HostName,
 		"pulled", vm.HostName != f.SourceHost)
 	return v, nil
+}
+
+// forkVolumePeer is the source's agent that a spilled child's volume is
+// pulled from: it proves the key pinned for its host before it gets the
+// token.
+func (s *Service) forkVolumePeer(srcHost, srcAddress string) *agentapi.VolumePeer {
+	return &agentapi.VolumePeer{Agent: agentURL(srcAddress), PublicKey: s.view.agentKey(srcHost)}
+}
+
+// forkVolumeSpec is volumeSpec for whoever finishes a volume's create (the
+// host monitor): a fork child's volume on another host than its fork's
+// source is pulled from the source's agent, as the fork pass asks.
+func (s *Service) forkVolumeSpec(ctx context.Context, v store.Volume) agentapi.VolumeSpec {
+	spec := volumeSpec(v)
+	if v.SourceSnapshot == "" {
+		return spec
+	}
+	f, err := s.store.GetFork(ctx, v.SourceSnapshot)
+	if err != nil || f.SourceHost == v.HostName {
+		return spec
+	}
+	if address, _, known := s.view.agent(f.SourceHost); known {
+		spec.Source.Peer = s.forkVolumePeer(f.SourceHost, address)
+	}
+	return spec
 }
 
 // dropChildVolumes removes the volumes made for child vm of fork f (after

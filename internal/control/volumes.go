@@ -641,7 +641,7 @@ func (s *Service) settleVolumes(ctx context.Context, h store.Host, c *agentapi.C
 		}
 		switch v.State {
 		case store.VolumeCreating:
-			_, err := c.CreateVolume(ctx, v.ID, volumeSpec(v))
+			_, err := c.CreateVolume(ctx, v.ID, s.forkVolumeSpec(ctx, v))
 			switch {
 			case err == nil:
 				if err := s.store.MarkVolumeReady(ctx, v.ID); err != nil && !errors.Is(err, store.ErrNotFound) {
