@@ -109,6 +109,14 @@ func (s *Service) forkChildVolume(ctx context.Context, f store.Fork, vm store.VM
 	}
 	name := childVolumeName(srcName, vm.Name)
 	v, err := s.store.GetVolumeByName(ctx, f.Project, name)
+	if err == nil && v.State == store.VolumeDeleting && v.SourceSnapshot == f.ID && v.RWVM == nil {
+		// A drop of a failed child's volume that a crash cut short:
+		// finished here, then the volume is made again.
+		if derr := s.finishVolumeDelete(ctx, v); derr != nil {
+			return store.Volume{}, derr
+		}
+		v, err = store.Volume{}, store.ErrNotFound
+	}
 	switch {
 	case err == nil:
 		if v.SourceSnapshot != f.ID || v.SourceVolume != sv.ID || v.HostName != vm.HostName ||
@@ -128,9 +136,8 @@ func (s *Service) forkChildVolume(ctx context.Context, f store.Fork, vm store.VM
 	default:
 		return store.Volume{}, fromStore(err, "read volume "+name)
 	}
-	if v.State == store.VolumeReady {
-		return v, nil
-	}
+	// Asked also when the row is ready: the agent's create is idempotent,
+	// and makes the volume again from the frozen point should it be gone.
 	address, alive, _ := s.view.agent(vm.HostName)
 	if !alive {
 		return store.Volume{}, unavailable(nil, "host %s of child %s of fork %s does not answer; retry when it is back", vm.HostName, vm.Name, f.ID)
@@ -144,8 +151,10 @@ func (s *Service) forkChildVolume(ctx context.Context, f store.Fork, vm store.VM
 	if err != nil {
 		return store.Volume{}, fromAgent(err, vm.HostName, fmt.Sprintf("make volume %s of child %s of fork %s", name, vm.Name, f.ID))
 	}
-	if err := s.store.MarkVolumeReady(ctx, v.ID); err != nil {
-		return store.Volume{}, fromStore(err, "record volume "+name+" ready")
+	if v.State != store.VolumeReady {
+		if err := s.store.MarkVolumeReady(ctx, v.ID); err != nil {
+			return store.Volume{}, fromStore(err, "record volume "+name+" ready")
+		}
 	}
 	v.State = store.VolumeReady
 	s.log.Info("fork child volume made", "fork", f.ID, "vm", vm.ID, "volume", v.ID, "name", name, "host", vm.HostName,
@@ -179,30 +188,29 @@ func (s *Service) forkVolumeSpec(ctx context.Context, v store.Volume) agentapi.V
 }
 
 // dropChildVolumes removes the volumes made for child vm of fork f (after
-// its row and agent VM are gone: a failed start): on the agent, then
-// their rows and reservations. What fails is left to the host monitor,
-// whose settleVolumes removes a volume the agent has and no row names.
+// its row and agent VM are gone: a failed start) as a volume's delete
+// does: marked deleting (owned by this replica), deleted on the agent,
+// then the row and its reservation go. A crash in between leaves a
+// deleting row that the host monitor (or the next pass) finishes.
 func (s *Service) dropChildVolumes(ctx context.Context, f store.Fork, vm store.VM) error {
 	vols, err := s.store.ListVolumes(ctx, store.VolumeFilter{Host: vm.HostName})
 	if err != nil {
 		return fromStore(err, "read volumes of child "+vm.Name)
 	}
-	address, _, _ := s.view.agent(vm.HostName)
-	c := s.agents.client(address)
 	var errs []error
 	for _, v := range vols {
 		if v.SourceSnapshot != f.ID || v.Project != f.Project || v.RWVM != nil || !isChildVolumeOf(v, vm) {
 			continue
 		}
-		if err := s.agents.call("delete_volume", func() error { return c.DeleteVolume(ctx, v.ID) }); err != nil {
-			errs = append(errs, fromAgent(err, vm.HostName, "delete volume "+v.Name))
+		d, err := s.store.BeginDeleteVolume(ctx, v.ID, s.replicaID)
+		if err != nil {
+			errs = append(errs, fromStore(err, "delete volume "+v.Name))
 			continue
 		}
-		if _, _, err := s.store.DeleteVolume(ctx, v.ID); err != nil && !errors.Is(err, store.ErrNotFound) {
-			errs = append(errs, fromStore(err, "release volume "+v.Name))
+		if err := s.finishVolumeDelete(ctx, d); err != nil {
+			errs = append(errs, err)
 		}
 	}
-	s.refreshHost(ctx, vm.HostName)
 	return errors.Join(errs...)
 }
 
