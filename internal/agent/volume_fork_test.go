@@ -6,6 +6,7 @@ import (
 	"errors"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -290,5 +291,63 @@ func TestForkChildVolumePulledFromPeer(t *testing.T) {
 	if st, e, _ := call(t, b, http.MethodPut, "/v1/volumes/"+volChild2, agentapi.VolumeSpec{SizeMiB: 1,
 		Source: &agentapi.VolumeSource{Snapshot: "fork-1", Volume: volA}}); st != http.StatusConflict || !strings.Contains(e.Message, "source.peer") {
 		t.Fatalf("clone of a pulled snapshot's volume: %d %+v, want 409 pointing at source.peer", st, e)
+	}
+}
+
+// TestForkSnapshotVolumeCrashMidway: the agent dies with a volume's move
+// recorded but not made (the state directory copied at that instant, as
+// kill -9 would leave it). The agent that starts on it loses nothing: the
+// volume reads its overlay on the frozen file (which the VMM still
+// writes, so the chain reads the same), the unfinished snapshot is gone,
+// and a new snapshot and a child's clone work.
+func TestForkSnapshotVolumeCrashMidway(t *testing.T) {
+	dir := t.TempDir()
+	h := startHarness(t, dir, 0)
+	ctx := context.Background()
+	if _, err := h.client.CreateVolume(ctx, volA, agentapi.VolumeSpec{SizeMiB: 8}); err != nil {
+		t.Fatal(err)
+	}
+	marker := []byte("kvm-marker:before-the-crash")
+	if err := os.WriteFile(filepath.Join(dir, "volumes", volA, "disk.qcow2"), marker, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	src := spec
+	src.Volumes = []agentapi.VolumeAttachment{{ID: volA}}
+	if _, err := h.client.CreateVM(ctx, "src", src); err != nil {
+		t.Fatal(err)
+	}
+	crashed := filepath.Join(t.TempDir(), "state")
+	h.driver.FailVolumeSwitch(func(string) error {
+		if out, err := exec.Command("cp", "-a", dir, crashed).CombinedOutput(); err != nil {
+			t.Errorf("copy the state directory: %v: %s", err, out)
+		}
+		return errors.New("injected: the agent died here")
+	})
+	_, _ = h.client.CreateSnapshot(ctx, "fork-1", agentapi.SnapshotSpec{VMID: "src"})
+	h.stop()
+
+	h = startHarness(t, crashed, 0)
+	if _, err := h.client.GetSnapshot(ctx, "fork-1"); !errors.Is(err, agentapi.ErrNotFound) {
+		t.Fatalf("unfinished snapshot after the crash: %v, want not found", err)
+	}
+	if got := volFiles(t, crashed, volA); !slices.Equal(got, []string{"disk.1.qcow2", "volume.json"}) {
+		t.Fatalf("volume files after the crash = %v, want the recorded overlay only", got)
+	}
+	bases := volFiles(t, crashed, ".bases")
+	if len(bases) != 1 {
+		t.Fatalf("bases after the crash = %v, want the frozen file its record names", bases)
+	}
+	if b, err := os.ReadFile(filepath.Join(crashed, "volumes", ".bases", bases[0])); err != nil || !bytes.HasPrefix(b, marker) {
+		t.Fatalf("the frozen file lost the data: %q, %v", b[:min(len(b), 32)], err)
+	}
+	if _, err := h.client.CreateSnapshot(ctx, "fork-2", agentapi.SnapshotSpec{VMID: "src"}); err != nil {
+		t.Fatalf("snapshot after the crash: %v", err)
+	}
+	if _, err := h.client.CreateVolume(ctx, volChild, agentapi.VolumeSpec{SizeMiB: 8,
+		Source: &agentapi.VolumeSource{Snapshot: "fork-2", Volume: volA}}); err != nil {
+		t.Fatalf("child volume after the crash: %v", err)
+	}
+	if got := volFiles(t, crashed, ".bases"); len(got) != 2 {
+		t.Fatalf("bases after the second snapshot = %v, want both frozen files (a chain)", got)
 	}
 }
