@@ -112,6 +112,11 @@ type SnapshotOptions struct {
 	// RecordDisk durably records the disk file the VM is about to write
 	// to. An error stops the snapshot before the VM is switched.
 	RecordDisk func(disk string) error
+	// Volumes are the VM's read-write volumes to freeze in the paused
+	// window, after its disk: each moves onto its Next overlay, recorded
+	// already (volume_fork.go). The driver lists those it moved in
+	// SnapshotFiles.SwitchedVolumes, also when it fails later.
+	Volumes []VolumeSwitch
 }
 
 // SnapshotFiles names the files of a snapshot in its directory.
@@ -131,6 +136,9 @@ type SnapshotFiles struct {
 	// Vars is a uefi VM's UEFI variable store as it was at the snapshot;
 	// each child starts with a copy of its own. "" for a bios VM.
 	Vars string
+	// SwitchedVolumes are the ids of the SnapshotOptions.Volumes that the
+	// driver moved onto their Next overlay (not files of the directory).
+	SwitchedVolumes []string
 }
 
 // ErrSnapshotConflict is what a driver returns when the VM is in a state in
@@ -169,6 +177,8 @@ type snapshotRecord struct {
 	// boot with ("" from an older agent: bios).
 	Firmware   string `json:"firmware,omitempty"`
 	SecureBoot bool   `json:"secure_boot,omitempty"`
+	// Volumes are the source VM's volumes (volume_fork.go).
+	Volumes []snapshotVolume `json:"volumes,omitempty"`
 }
 
 // firmware is the snapshot's firmware, bios when it names none.
@@ -184,6 +194,7 @@ func (r *snapshotRecord) wire() agentapi.Snapshot {
 		ID: r.ID, VMID: r.VMID, Image: r.Image, VCPUs: r.VCPUs, MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB,
 		CreatedAt: r.CreatedAt, Files: slices.Clone(r.Files), Parent: r.Parent, NICs: cloneNICs(r.NICs),
 		SeedDisk: r.SeedDisk, GuestAgent: r.GuestAgent, FSFrozen: r.FSFrozen, Firmware: r.firmware(), SecureBoot: r.SecureBoot,
+		Volumes: wireSnapshotVolumes(r.Volumes),
 	}
 	h := sha256.New()
 	for _, f := range r.Files {
@@ -277,7 +288,7 @@ func (r *snapshotRecord) validate(id string) error {
 	case (kinds[agentapi.SnapshotFileVars] == 1) != (r.Firmware == agentapi.FirmwareUEFI):
 		return errors.New("a uefi snapshot has one uefi variable store, a bios one none")
 	}
-	return nil
+	return validateSnapshotVolumes(r.Volumes)
 }
 
 func checkSnapshotID(id string) *Error {

@@ -13,11 +13,13 @@ import (
 //	PUT    /v1/snapshots/{id}               take it (idempotent on the id)
 //	GET    /v1/snapshots/{id}               its metadata, with its files
 //	GET    /v1/snapshots/{id}/files/{name}  one file, for a pull by another agent
+//	GET    /v1/snapshots/{id}/volumes/{volume}/content  a volume's frozen point as one qcow2 (volume_fork.go)
 //	DELETE /v1/snapshots/{id}               remove it (idempotent; 409 while in use)
 func (a *Agent) snapshotRoutes(g *echo.Group) {
 	g.PUT("/snapshots/:id", a.putSnapshot)
 	g.GET("/snapshots/:id", a.getSnapshot)
 	g.GET("/snapshots/:id/files/:file", a.getSnapshotFile)
+	g.GET("/snapshots/:id/volumes/:volume/content", a.getSnapshotVolumeContent)
 	g.DELETE("/snapshots/:id", a.deleteSnapshot)
 }
 

@@ -282,7 +282,7 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 		MemoryMiB: meta.MemoryMiB, DiskMiB: meta.DiskMiB, Files: meta.Files, Parent: meta.Parent,
 		Origin: address, CreatedAt: meta.CreatedAt, NICs: meta.NICs, SeedDisk: meta.SeedDisk,
 		GuestAgent: meta.GuestAgent, FSFrozen: meta.FSFrozen,
-		SecureBoot: meta.SecureBoot,
+		SecureBoot: meta.SecureBoot, Volumes: pulledSnapshotVolumes(meta.Volumes),
 	}
 	if meta.Firmware == agentapi.FirmwareUEFI {
 		rec.Firmware = meta.Firmware

@@ -170,6 +170,7 @@ func (a *Agent) DeleteSnapshot(ctx context.Context, id string) error {
 		a.log.Warn("remove files of deleted snapshot", "snapshot", id, "dir", trash, "err", err)
 	}
 	a.snaps.drop(s)
+	a.collectBases() // the frozen points of its volumes (volume_fork.go)
 	a.log.Info("snapshot deleted", "snapshot", id)
 	return nil
 }

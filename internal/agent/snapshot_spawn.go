@@ -83,6 +83,17 @@ func (a *Agent) spawnLocked(ctx context.Context, e *vmEntry, spec agentapi.VMSpe
 		}
 		r.Firmware, r.SecureBoot = rec.firmware(), rec.SecureBoot
 		r.GuestNICs = cloneNICs(rec.NICs)
+		// And the volumes: one for each of the source's, in its slot
+		// (volume_fork.go), claimed like a boot's.
+		if len(rec.Volumes) > 0 || len(spec.Volumes) > 0 {
+			held, vols, err := a.claimChildVolumes(ctx, e.id, src.ID, rec.Volumes, spec.Volumes)
+			if err != nil {
+				return nil, err
+			}
+			r.Volumes = vols
+			e.set(r)
+			held.unlock()
+		}
 		e.set(r)
 		a.pool.makeRoom(e.id)
 		if err := os.MkdirAll(a.vmDir(e.id), 0o750); err != nil {

@@ -87,11 +87,6 @@ func (a *Agent) takeSnapshot(ctx context.Context, sn Snapshotter, id string, spe
 		err.Details = map[string]any{"vm_id": r.ID, "state": r.State}
 		return nil, err
 	}
-	if len(r.Volumes) > 0 {
-		err := errConflict("vm %s has volumes attached: snapshots of vms with volumes are not supported yet (issue 26); detach them first", r.ID)
-		err.Details = map[string]any{"vm_id": r.ID}
-		return nil, err
-	}
 	partial, err := os.MkdirTemp(a.snapsDir(), partialPrefix+id+"-")
 	if err != nil {
 		return nil, fmt.Errorf("snapshot %s: %w", id, err)
@@ -105,7 +100,14 @@ func (a *Agent) takeSnapshot(ctx context.Context, sn Snapshotter, id string, spe
 		}
 	}()
 	m := machineOf(a, r)
+	// The frozen points of its volumes (volume_fork.go): step 1 now, the
+	// switch by the driver in the paused window, the rest after.
+	vols, err := a.freezeVolumes(ctx, r)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %s of vm %s: %w", id, r.ID, err)
+	}
 	opts := SnapshotOptions{
+		Volumes:    vols.switches(a),
 		KeepPaused: spec.PauseSource || r.State == agentapi.StatePaused,
 		RecordDisk: func(disk string) error {
 			next, _, _ := e.state()
@@ -120,9 +122,14 @@ func (a *Agent) takeSnapshot(ctx context.Context, sn Snapshotter, id string, spe
 	start := time.Now()
 	files, err := sn.Snapshot(ctx, m, partial, opts)
 	window := time.Since(start)
+	if err == nil && len(files.SwitchedVolumes) != len(opts.Volumes) {
+		err = fmt.Errorf("%w: it moved %v of %d", errNoFreeze, files.SwitchedVolumes, len(opts.Volumes))
+	}
+	snapVols := vols.finish(a, r, files.SwitchedVolumes)
 	// Whatever happened, record what the VM is now.
 	after := a.refreshLocked(ctx, e)
 	if err != nil {
+		a.collectBases() // those of volumes recorded back
 		return nil, fmt.Errorf("snapshot %s of vm %s: %w", id, r.ID, err)
 	}
 	e.unlock()
@@ -132,6 +139,7 @@ func (a *Agent) takeSnapshot(ctx context.Context, sn Snapshotter, id string, spe
 		Version: snapshotVersion, ID: id, VMID: r.ID, Image: r.Image, VCPUs: r.VCPUs,
 		MemoryMiB: r.MemoryMiB, DiskMiB: r.DiskMiB, CreatedAt: time.Now().UTC().Truncate(time.Millisecond),
 		NICs: guestView(r), SeedDisk: r.Seed != nil, GuestAgent: r.GuestAgent, FSFrozen: files.FSFrozen, SecureBoot: r.SecureBoot,
+		Volumes: snapVols,
 	}
 	if r.firmware() == agentapi.FirmwareUEFI {
 		rec.Firmware = agentapi.FirmwareUEFI

@@ -342,6 +342,9 @@ func (a *Agent) collectBases() {
 			return // its chain is unknown: keep every base
 		}
 	}
+	if !a.snapshotBases(used) { // the frozen points of snapshots (volume_fork.go)
+		return
+	}
 	files, _ := os.ReadDir(a.basesDir())
 	for _, f := range files {
 		if used[f.Name()] {

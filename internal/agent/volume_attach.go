@@ -199,9 +199,8 @@ func (a *Agent) checkCreateVolumes(spec agentapi.VMSpec) error {
 	if err := checkVolumeAttachments(spec.Volumes); err != nil {
 		return err
 	}
-	if spec.Snapshot != nil {
-		return errInvalid("a vm started from a snapshot cannot have volumes yet (issue 26); attach them to a vm that boots")
-	}
+	// A VM started from a snapshot has them checked against the
+	// snapshot's once it is here (checkChildVolumes).
 	if _, err := a.volumer(); err != nil {
 		return err
 	}

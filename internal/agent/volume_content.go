@@ -24,6 +24,9 @@ import (
 // VolumeExporter is a Volumer that can write a volume as one
 // self-contained file (no backing file), for a move to another agent.
 type VolumeExporter interface {
+	// ExportVolumeDisk writes v as one file at dst; a ReadOnly v is a
+	// snapshot's frozen point (files nothing writes, a parent VM may
+	// still hold open).
 	ExportVolumeDisk(ctx context.Context, v MachineVolume, dst string) error
 	// CheckPulledVolumeDisk refuses a file pulled from another agent that
 	// is not a plain disk of its own: one that names a backing or data
@@ -134,7 +137,16 @@ func (a *Agent) pullVolume(ctx context.Context, vd Volumer, r *volumeRecord, dis
 	if err != nil {
 		return errVolumePull(r.ID, addr, err)
 	}
-	body, sent, sizeMiB, err := c.OpenVolumeContent(ctx, r.ID)
+	var (
+		body    io.ReadCloser
+		sent    string
+		sizeMiB int64
+	)
+	if r.Source.Snapshot != "" {
+		body, sent, sizeMiB, err = c.OpenSnapshotVolumeContent(ctx, r.Source.Snapshot, r.Source.Volume)
+	} else {
+		body, sent, sizeMiB, err = c.OpenVolumeContent(ctx, r.ID)
+	}
 	if err != nil {
 		return errVolumePull(r.ID, addr, err)
 	}

@@ -37,6 +37,19 @@ func (a *Agent) CreateVolume(ctx context.Context, id string, spec agentapi.Volum
 				given++
 			}
 		}
+		if s.Snapshot != "" {
+			// A fork child's volume: a volume of the snapshot, here or on
+			// the peer.
+			if err := checkSnapshotID(s.Snapshot); err != nil {
+				return agentapi.Volume{}, false, err
+			}
+			if s.Volume == "" || s.Image != "" {
+				return agentapi.Volume{}, false, errInvalid("source.snapshot needs source.volume (a volume of the snapshot) and no image")
+			}
+			if s.Peer != nil {
+				given-- // volume and peer name one source together
+			}
+		}
 		switch {
 		case given > 1:
 			return agentapi.Volume{}, false, errInvalid("source names more than one of image, volume and peer: give one")
@@ -112,7 +125,7 @@ func sameVolumeSpec(r *volumeRecord, spec agentapi.VolumeSpec) bool {
 	// A pulled volume is the same whatever digest the retry names: the
 	// first pull checked its own.
 	havePeer.Digest, wantPeer.Digest = "", ""
-	return have.Image == want.Image && have.Volume == want.Volume && (have.Peer == nil) == (want.Peer == nil) &&
+	return have.Image == want.Image && have.Volume == want.Volume && have.Snapshot == want.Snapshot && (have.Peer == nil) == (want.Peer == nil) &&
 		havePeer == wantPeer && r.SizeMiB == spec.SizeMiB
 }
 
@@ -122,6 +135,10 @@ func describeSource(s *agentapi.VolumeSource) string {
 		return "empty"
 	case s.Image != "":
 		return "image " + s.Image
+	case s.Snapshot != "" && s.Peer != nil:
+		return "volume " + s.Volume + " of snapshot " + s.Snapshot + " on agent " + s.Peer.Agent
+	case s.Snapshot != "":
+		return "volume " + s.Volume + " of snapshot " + s.Snapshot
 	case s.Peer != nil:
 		return "agent " + s.Peer.Agent
 	default:
@@ -153,6 +170,10 @@ func (a *Agent) createVolumeLocked(ctx context.Context, vd Volumer, id string, s
 	switch {
 	case spec.Source != nil && spec.Source.Peer != nil:
 		if err := a.pullVolume(ctx, vd, r, disk); err != nil {
+			return nil, err
+		}
+	case spec.Source != nil && spec.Source.Snapshot != "":
+		if err := a.cloneSnapshotVolume(ctx, vd, r, partial); err != nil {
 			return nil, err
 		}
 	case spec.Source != nil && spec.Source.Volume != "":

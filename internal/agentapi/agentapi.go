@@ -292,6 +292,11 @@ type Snapshot struct {
 	// state), with its own copy of the snapshot's UEFI variables.
 	Firmware   string `json:"firmware,omitempty"`
 	SecureBoot bool   `json:"secure_boot,omitempty"`
+	// Volumes are the volumes the VM had attached, in its order: a VM
+	// started from the snapshot attaches one for each, in the same slot
+	// (a clone of the frozen point of a read-write one, the same volume
+	// read-only for a read-only one).
+	Volumes []SnapshotVolume `json:"volumes,omitempty"`
 }
 
 // Kinds of snapshot files.

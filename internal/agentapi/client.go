@@ -415,7 +415,19 @@ func (c *Client) DetachVolume(ctx context.Context, vm, volume string) error {
 // agent) and returns the sha256 the source sent for it and its size_mib.
 // The caller closes the body and checks the digest as it reads.
 func (c *Client) OpenVolumeContent(ctx context.Context, id string) (body io.ReadCloser, sha256 string, sizeMiB int64, err error) {
-	req, err := c.newRequest(ctx, http.MethodGet, "/v1/volumes/"+url.PathEscape(id)+"/content", nil)
+	return c.openVolumeContent(ctx, id, "/v1/volumes/"+url.PathEscape(id)+"/content")
+}
+
+// OpenSnapshotVolumeContent streams the frozen point that snapshot took
+// of volume as one qcow2 (for a fork child on another agent), like
+// OpenVolumeContent.
+func (c *Client) OpenSnapshotVolumeContent(ctx context.Context, snapshot, volume string) (body io.ReadCloser, sha256 string, sizeMiB int64, err error) {
+	return c.openVolumeContent(ctx, volume,
+		"/v1/snapshots/"+url.PathEscape(snapshot)+"/volumes/"+url.PathEscape(volume)+"/content")
+}
+
+func (c *Client) openVolumeContent(ctx context.Context, id, path string) (body io.ReadCloser, sha256 string, sizeMiB int64, err error) {
+	req, err := c.newRequest(ctx, http.MethodGet, path, nil)
 	if err != nil {
 		return nil, "", 0, err
 	}

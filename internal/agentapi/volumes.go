@@ -25,10 +25,32 @@ func VolumeSerial(id string) string {
 // size), Volume (a copy-on-write clone of another volume on the same
 // agent) and Peer (a move: the volume pulled from another agent). None:
 // an empty disk.
+//
+// With Snapshot (a fork child's volume), Volume names a volume of that
+// snapshot (SnapshotVolume.ID) and the new volume starts from the frozen
+// point the snapshot took of it: a copy-on-write clone of it on the
+// snapshot's agent, or with Peer a copy pulled from the snapshot's agent
+// (GET /v1/snapshots/{snapshot}/volumes/{volume}/content).
 type VolumeSource struct {
-	Image  string      `json:"image,omitempty"`
-	Volume string      `json:"volume,omitempty"`
-	Peer   *VolumePeer `json:"peer,omitempty"`
+	Image    string      `json:"image,omitempty"`
+	Volume   string      `json:"volume,omitempty"`
+	Snapshot string      `json:"snapshot,omitempty"`
+	Peer     *VolumePeer `json:"peer,omitempty"`
+}
+
+// SnapshotVolume is a volume attached to a VM when it was snapshotted.
+// A read-write one has a frozen point in the snapshot, taken in the same
+// paused window as the memory (Frozen); the children of a fork get a
+// clone of it each. A read-only one has none: the children share the
+// volume itself, attached read-only. Slot is its hot-plug slot in the VM:
+// a VM started from the snapshot has its volumes in the same slots, so
+// that its devices match the saved state.
+type SnapshotVolume struct {
+	ID       string `json:"id"`
+	SizeMiB  int64  `json:"size_mib"`
+	ReadOnly bool   `json:"read_only"`
+	Slot     int    `json:"slot"`
+	Frozen   bool   `json:"frozen"`
 }
 
 // VolumePeer is the agent a moved volume is pulled from (the same volume

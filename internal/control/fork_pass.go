@@ -111,6 +111,11 @@ func (s *Service) runForkPass(ctx context.Context, crash context.CancelCauseFunc
 	if err := s.store.SetForkPhase(ctx, id, api.ForkSpawning, ""); err != nil {
 		return fromStore(err, "record phase of fork "+id)
 	}
+	// The source's volumes as the snapshot took them (fork_volumes.go).
+	snapVols, err := s.forkSnapshotVolumes(ctx, f, srcAddress)
+	if err != nil {
+		return err
+	}
 	children, err := s.forkChildren(ctx, id)
 	if err != nil {
 		return err
@@ -151,7 +156,7 @@ func (s *Service) runForkPass(ctx context.Context, crash context.CancelCauseFunc
 				continue // there already: kept as it is, never started again
 			}
 		}
-		vm, err := s.reserveChild(ctx, crash, f, slot)
+		vm, err := s.reserveChild(ctx, crash, f, slot, sharesVolumes(snapVols))
 		if err != nil {
 			failure = err
 			break // later slots would fail the same way; those reserved still start
@@ -161,7 +166,7 @@ func (s *Service) runForkPass(ctx context.Context, crash context.CancelCauseFunc
 	if crashed(ctx) {
 		return ErrSimulatedCrash
 	}
-	errs := s.startChildren(ctx, crash, f, srcAddress, starts)
+	errs := s.startChildren(ctx, crash, f, srcAddress, snapVols, starts)
 	if crashed(ctx) {
 		return ErrSimulatedCrash
 	}
@@ -197,8 +202,10 @@ func (s *Service) takeForkSnapshot(ctx context.Context, crash context.CancelCaus
 
 // reserveChild inserts slot's child row with its capacity reserved, exactly
 // like a VM create: colocate pins the source host first and falls back to
-// normal placement when it is full; spread uses normal placement.
-func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFunc, f store.Fork, slot int) (store.VM, error) {
+// normal placement when it is full; spread uses normal placement. A child
+// that shares read-only volumes with its source (pinned) is placed on the
+// source's host only.
+func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFunc, f store.Fork, slot int, pinned bool) (store.VM, error) {
 	if err := s.step(ctx, crash, f.ID, ForkStepChildReserve, slot); err != nil {
 		return store.VM{}, internal(err, fmt.Sprintf("reserve child %d of fork %s", slot, f.ID))
 	}
@@ -226,7 +233,10 @@ func (s *Service) reserveChild(ctx context.Context, crash context.CancelCauseFun
 		req.ImageSHA256 = img.SHA256 // a registered image: any host fetches it
 	}
 	err = errNoPin
-	if f.Placement == api.PlacementColocate {
+	if pinned {
+		req.Host = f.SourceHost
+	}
+	if f.Placement == api.PlacementColocate && !pinned {
 		pinned := req
 		pinned.Host = f.SourceHost
 		err = s.placeAndReserve(ctx, &vm, nics, pinned)
@@ -292,7 +302,7 @@ func childConstraints(f store.Fork, project store.Project) scheduler.Constraints
 func childName(forkID string, slot int) string { return fmt.Sprintf("%s-%d", forkID, slot) }
 
 // startChildren starts the reserved children, forkConcurrency at a time.
-func (s *Service) startChildren(ctx context.Context, crash context.CancelCauseFunc, f store.Fork, srcAddress string, vms []store.VM) []error {
+func (s *Service) startChildren(ctx context.Context, crash context.CancelCauseFunc, f store.Fork, srcAddress string, snapVols []agentapi.SnapshotVolume, vms []store.VM) []error {
 	var (
 		mu   sync.Mutex
 		errs []error
@@ -303,7 +313,7 @@ func (s *Service) startChildren(ctx context.Context, crash context.CancelCauseFu
 		wg.Go(func() {
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			if err := s.startChild(ctx, crash, f, srcAddress, vm); err != nil {
+			if err := s.startChild(ctx, crash, f, srcAddress, snapVols, vm); err != nil {
 				mu.Lock()
 				errs = append(errs, err)
 				mu.Unlock()
@@ -317,7 +327,7 @@ func (s *Service) startChildren(ctx context.Context, crash context.CancelCauseFu
 // startChild asks the child's agent to start it from the snapshot and
 // records the answer. A failure undoes it like a failed VM create: the
 // agent deletes the child before its capacity is released.
-func (s *Service) startChild(ctx context.Context, crash context.CancelCauseFunc, f store.Fork, srcAddress string, vm store.VM) error {
+func (s *Service) startChild(ctx context.Context, crash context.CancelCauseFunc, f store.Fork, srcAddress string, snapVols []agentapi.SnapshotVolume, vm store.VM) error {
 	if crashed(ctx) {
 		return ErrSimulatedCrash
 	}
@@ -328,6 +338,10 @@ func (s *Service) startChild(ctx context.Context, crash context.CancelCauseFunc,
 	}
 	agent := s.agents.client(address)
 	chain := &cleanup{log: s.log.With("vm", vm.ID, "host", vm.HostName, "fork", f.ID)}
+	if len(snapVols) > 0 {
+		// Last: once the child's row (which detaches them) is gone.
+		chain.push("delete child volumes", func(ctx context.Context) error { return s.dropChildVolumes(ctx, f, vm) })
+	}
 	chain.push("release capacity", func(ctx context.Context) error { return s.forgetVM(ctx, vm.ID, vm.HostName) })
 	chain.push("delete on agent", func(ctx context.Context) error {
 		err := s.agents.deleteVM(ctx, agent, vm.ID)
@@ -352,6 +366,14 @@ func (s *Service) startChild(ctx context.Context, crash context.CancelCauseFunc,
 	if img, ierr := s.store.GetImage(ctx, vm.Image); ierr == nil {
 		isrc := s.imageSource(img, vm.HostName)
 		spec.ImageSource = &isrc
+	}
+	// Its volumes, made and attached before it starts (fork_volumes.go).
+	if len(snapVols) > 0 {
+		vols, err := s.forkChildVolumes(ctx, f, vm, snapVols, srcAddress)
+		if err != nil {
+			return s.failCreate(ctx, chain, vm, err)
+		}
+		spec.Volumes = vols
 	}
 	if err := s.step(ctx, crash, f.ID, ForkStepChildStart, slot); err != nil {
 		if crashed(ctx) {

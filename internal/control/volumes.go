@@ -249,7 +249,7 @@ func (s *Service) makeVolume(ctx context.Context, v store.Volume, img *store.Ima
 func volumeSpec(v store.Volume) agentapi.VolumeSpec {
 	spec := agentapi.VolumeSpec{SizeMiB: v.SizeMiB}
 	if v.SourceImage != "" || v.SourceVolume != "" {
-		spec.Source = &agentapi.VolumeSource{Image: v.SourceImage, Volume: v.SourceVolume}
+		spec.Source = &agentapi.VolumeSource{Image: v.SourceImage, Volume: v.SourceVolume, Snapshot: v.SourceSnapshot}
 	}
 	return spec
 }
@@ -653,7 +653,28 @@ func (s *Service) settleVolumes(ctx context.Context, h store.Host, c *agentapi.C
 		}
 		switch v.State {
 		case store.VolumeCreating:
-			s.undoUnfinishedVolumeCreate(ctx, log, c, v)
+			if v.SourceSnapshot == "" {
+				// Never acknowledged: undone (volume_reconcile.go).
+				s.undoUnfinishedVolumeCreate(ctx, log, c, v)
+				break
+			}
+			// A fork child's volume: its fork pass resumes and finds it by
+			// name, so it is finished from the same frozen point.
+			_, err := c.CreateVolume(ctx, v.ID, s.forkVolumeSpec(ctx, v))
+			switch {
+			case err == nil:
+				if err := s.store.MarkVolumeReady(ctx, v.ID); err != nil && !errors.Is(err, store.ErrNotFound) {
+					log.Error("host monitor: mark volume ready", "volume", v.ID, "err", err)
+				}
+				log.Info("host monitor: finished the create of a volume its replica left", "volume", v.ID)
+			case errors.Is(err, agentapi.ErrInvalid), errors.Is(err, agentapi.ErrConflict):
+				if derr := c.DeleteVolume(ctx, v.ID); derr == nil {
+					_, _, _ = s.store.DeleteVolume(ctx, v.ID)
+				}
+				log.Warn("host monitor: the agent refused a volume its replica left creating; released it", "volume", v.ID, "err", err)
+			default:
+				log.Debug("host monitor: finish volume create", "volume", v.ID, "err", err)
+			}
 		case store.VolumeDeleting:
 			if err := c.DeleteVolume(ctx, v.ID); err != nil {
 				log.Debug("host monitor: finish volume delete", "volume", v.ID, "err", err)

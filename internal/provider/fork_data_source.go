@@ -10,6 +10,7 @@ import (
 	"github.com/hashicorp/terraform-plugin-framework/datasource/schema"
 	"github.com/hashicorp/terraform-plugin-framework/path"
 	"github.com/hashicorp/terraform-plugin-framework/schema/validator"
+	"github.com/hashicorp/terraform-plugin-framework/types"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
 )
@@ -65,6 +66,12 @@ func (d *forkDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, r
 					"host":           computed("Host the child runs on."),
 					"ipv4_address":   computed("Address of the child's first NIC."),
 					"observed_state": computed("State the control API last observed on the child's host (see `kvm_vm`)."),
+					"volume_ids": schema.ListAttribute{
+						MarkdownDescription: "IDs of the child's volumes: a clone of each read-write volume of the source " +
+							"as it was at the fork, the source's own read-only volumes (shared).",
+						ElementType: types.StringType,
+						Computed:    true,
+					},
 				}},
 			},
 			"created_at": computed("When the fork was created (RFC 3339, UTC)."),

@@ -78,6 +78,7 @@ var forkChildAttrTypes = map[string]attr.Type{
 	"host":           types.StringType,
 	"observed_state": types.StringType,
 	"ipv4_address":   types.StringType,
+	"volume_ids":     types.ListType{ElemType: types.StringType},
 }
 
 // fromAPI fills the attributes from a fork as the control API reports it.
@@ -110,7 +111,12 @@ func forkChildren(children []api.VM) types.List {
 	})
 	elems := make([]attr.Value, len(sorted))
 	for i, vm := range sorted {
+		vols := []attr.Value{}
+		for _, v := range vm.Volumes {
+			vols = append(vols, types.StringValue(v.VolumeID))
+		}
 		elems[i] = types.ObjectValueMust(forkChildAttrTypes, map[string]attr.Value{
+			"volume_ids":     types.ListValueMust(types.StringType, vols),
 			"id":             types.StringValue(vm.ID),
 			"name":           types.StringValue(vm.Name),
 			"project":        optionalString(vm.Project),
@@ -217,6 +223,14 @@ func (r *forkResource) Schema(ctx context.Context, _ resource.SchemaRequest, res
 					"observed_state": schema.StringAttribute{
 						MarkdownDescription: "State the control API last observed on the child's host (see `kvm_vm`).",
 						Computed:            true,
+					},
+					"volume_ids": schema.ListAttribute{
+						MarkdownDescription: "IDs of the child's volumes, in its source's order: for each read-write " +
+							"volume of the source, a copy-on-write clone of it as it was at the fork, named " +
+							"`<volume name>-<child name>` (a volume of its own that outlives the child); for each " +
+							"read-only volume, the source's volume itself, shared. See the Volumes guide.",
+						ElementType: types.StringType,
+						Computed:    true,
 					},
 				}},
 			},

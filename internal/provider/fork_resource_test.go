@@ -61,6 +61,7 @@ func child(host string) knownvalue.Check {
 		"project":        knownvalue.StringExact(api.DefaultProject),
 		"host":           knownvalue.StringExact(host),
 		"observed_state": knownvalue.StringExact(api.StateRunning),
+		"volume_ids":     knownvalue.ListSizeExact(0), // a source without volumes
 	})
 }
 

@@ -55,6 +55,10 @@ type Volume struct {
 	Owner     *string   `gorm:"column:owner_replica"`
 	CreatedAt time.Time `gorm:"column:created_at"`
 	UpdatedAt time.Time `gorm:"column:updated_at"`
+
+	// SourceSnapshot: a fork child's volume, made from the frozen point
+	// of SourceVolume in this snapshot (the fork's id).
+	SourceSnapshot string `gorm:"column:source_snapshot"`
 }
 
 // TableName is the table of Volume.

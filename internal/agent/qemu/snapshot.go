@@ -282,6 +282,13 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 			}
 		}
 	}
+	// Its read-write volumes, frozen at the same point (volume_fork.go).
+	for _, sw := range opts.Volumes {
+		if err := switchVolume(ctx, q, sw); err != nil {
+			return fail(err)
+		}
+		files.SwitchedVolumes = append(files.SwitchedVolumes, sw.Volume.ID)
+	}
 	if _, err := os.Stat(varsPath(m)); err == nil {
 		// A uefi VM's variables as they are while it is stopped: each
 		// child gets a copy (QEMU writes the flash through at once).

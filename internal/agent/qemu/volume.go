@@ -25,7 +25,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -60,6 +59,13 @@ func volumeArgs(m *agent.Machine, img *image) []string {
 	}
 	for _, v := range m.Volumes {
 		node := "driver=qcow2,node-name=" + volumeNode(v) + ",file.driver=file,file.filename=" + qemuOptQuote(v.Path)
+		// Its frozen bases spelled out, without image locks (see baseLocking).
+		prefix := ""
+		for _, b := range v.Backing {
+			prefix += "backing."
+			node += "," + prefix + "driver=qcow2," + prefix + "file.driver=file," + prefix + "file.filename=" + qemuOptQuote(b) +
+				"," + prefix + "file.locking=off"
+		}
 		if v.ReadOnly {
 			node += ",read-only=on"
 		} else {
@@ -74,6 +80,14 @@ func volumeArgs(m *agent.Machine, img *image) []string {
 	}
 	return args
 }
+
+// baseLocking: a volume's frozen bases (volumes/.bases) are opened with
+// image locking off. No process writes a base (the agent made it
+// read-only, and only ever reads it), but a VM that a snapshot moved off
+// a file keeps QEMU's write lock on it: QEMU reopens the old file
+// read-only by its name, which a QEMU that dropped root cannot open, and
+// it keeps the file as it was (it writes it no more). A fork child that
+// reads the same file as its base would be refused by that lock.
 
 // CreateVolumeDisk makes a qcow2 at path: empty, a copy of an image's
 // disk grown to sizeMiB, or an overlay of a frozen base. It is written
@@ -127,7 +141,11 @@ func (d *Driver) ResizeVolumeDisk(ctx context.Context, path string, sizeMiB int6
 // guest's virtio disk sees the new capacity at once.
 func (d *Driver) ResizeAttachedVolume(ctx context.Context, m *agent.Machine, v agent.MachineVolume, sizeMiB int64) error {
 	return d.withMonitor(ctx, m, func(q *monitor) error {
-		return q.run(ctx, "block_resize", map[string]any{"node-name": volumeNode(v), "size": sizeMiB << 20}, nil)
+		node, err := activeVolumeNode(ctx, q, v) // a snapshot's overlay, if one moved it
+		if err != nil {
+			return err
+		}
+		return q.run(ctx, "block_resize", map[string]any{"node-name": node, "size": sizeMiB << 20}, nil)
 	})
 }
 
@@ -195,10 +213,11 @@ func addVolumeNode(ctx context.Context, q *monitor, v agent.MachineVolume) error
 			return err
 		}
 		sets = append(sets, added.FDSetID)
-		n := map[string]any{
-			"driver": "qcow2", "read-only": i > 0 || v.ReadOnly,
-			"file": map[string]any{"driver": "file", "filename": "/dev/fdset/" + strconv.Itoa(added.FDSetID)},
+		file := map[string]any{"driver": "file", "filename": "/dev/fdset/" + strconv.Itoa(added.FDSetID)}
+		if i > 0 {
+			file["locking"] = "off" // a frozen base (see baseLocking)
 		}
+		n := map[string]any{"driver": "qcow2", "read-only": i > 0 || v.ReadOnly, "file": file}
 		if node != nil {
 			n["backing"] = node
 		} else {
@@ -245,7 +264,7 @@ func volumePresence(ctx context.Context, q *monitor, v agent.MachineVolume) (dev
 // files. Whatever of v is already gone is skipped.
 func (d *Driver) DetachVolume(ctx context.Context, m *agent.Machine, v agent.MachineVolume) error {
 	return d.withMonitor(ctx, m, func(q *monitor) error {
-		hasDev, hasNode, err := volumePresence(ctx, q, v)
+		hasDev, _, err := volumePresence(ctx, q, v)
 		if err != nil {
 			return err
 		}
@@ -264,31 +283,26 @@ func (d *Driver) DetachVolume(ctx context.Context, m *agent.Machine, v agent.Mac
 					m.ID, v.ID, unplugTimeout, err)
 			}
 		}
-		if hasNode || hasDev {
-			if err := q.run(ctx, "blockdev-del", map[string]any{"node-name": volumeNode(v)}, nil); err != nil {
-				var qe *qmpError
-				// A node made by -blockdev goes with its device on some
-				// QEMUs; one that is gone is what we want.
-				if !errors.As(err, &qe) || hasNode && !nodeGone(ctx, q, v) {
-					return err
-				}
-			}
-		}
-		return nil
+		// Every node of it: a snapshot put overlays on top (volume_fork.go).
+		// A node made by -blockdev goes with its device on some QEMUs; one
+		// that is gone is what we want.
+		return deleteVolumeNodes(ctx, q, v)
 	})
 }
 
-func nodeGone(ctx context.Context, q *monitor, v agent.MachineVolume) bool {
-	_, node, err := volumePresence(ctx, q, v)
-	return err == nil && !node
-}
-
 // ExportVolumeDisk writes v as one qcow2 at dst, its frozen bases folded
-// in (qemu-img convert), so that another agent can take it alone.
+// in (qemu-img convert), so that another agent can take it alone. A
+// read-only v is a frozen point, read without image locks.
 func (d *Driver) ExportVolumeDisk(ctx context.Context, v agent.MachineVolume, dst string) error {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Minute)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, d.qemuImg, "convert", "-q", "-f", "qcow2", "-O", "qcow2", v.Path, dst).CombinedOutput()
+	args := []string{"convert", "-q", "-f", "qcow2", "-O", "qcow2", v.Path, dst}
+	if v.ReadOnly {
+		// A snapshot's frozen point (agent volume_fork.go): files that no
+		// process writes, read past the lock a parent keeps (baseLocking).
+		args = append([]string{"convert", "-U"}, args[1:]...)
+	}
+	out, err := exec.CommandContext(ctx, d.qemuImg, args...).CombinedOutput()
 	if err != nil {
 		return fmt.Errorf("qemu-img convert %s: %w: %s", v.Path, err, bytes.TrimSpace(out))
 	}

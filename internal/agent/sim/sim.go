@@ -55,6 +55,10 @@ type Driver struct {
 	cursor int
 	// plugged are the volumes in each running VM (volume.go).
 	plugged map[string]map[string]bool
+	// writing is the file each volume is written to after a snapshot
+	// moved it (snapshot.go); failVolumeSwitch fails such a move.
+	writing          map[string]string
+	failVolumeSwitch func(volume string) error
 }
 
 var _ agent.Driver = (*Driver)(nil)
@@ -62,7 +66,7 @@ var _ agent.Driver = (*Driver)(nil)
 // New returns a simulated driver.
 func New(opts Options) *Driver {
 	return &Driver{opts: opts, state: map[string]string{}, booted: map[string]time.Time{}, ports: map[int]string{}, cursor: firstSimPort,
-		plugged: map[string]map[string]bool{}}
+		plugged: map[string]map[string]bool{}, writing: map[string]string{}}
 }
 
 // Name is "sim".

@@ -36,6 +36,26 @@ func (d *Driver) Snapshot(_ context.Context, m *agent.Machine, dir string, opts 
 			return files, fmt.Errorf("snapshot sim vm %s: %w", m.ID, err)
 		}
 	}
+	// The VM's volumes move onto their overlays: the sim's VMM writes
+	// nothing, so the move is the check that each overlay exists and the
+	// record of the file the VM now uses (Writing).
+	for _, sw := range opts.Volumes {
+		if _, err := os.Stat(sw.Next); err != nil {
+			return files, fmt.Errorf("snapshot sim vm %s: volume %s: %w", m.ID, sw.Volume.ID, err)
+		}
+		d.mu.Lock()
+		fail := d.failVolumeSwitch
+		d.mu.Unlock()
+		if fail != nil {
+			if err := fail(sw.Volume.ID); err != nil {
+				return files, fmt.Errorf("snapshot sim vm %s: volume %s: %w", m.ID, sw.Volume.ID, err)
+			}
+		}
+		d.mu.Lock()
+		d.writing[sw.Volume.ID] = sw.Next
+		d.mu.Unlock()
+		files.SwitchedVolumes = append(files.SwitchedVolumes, sw.Volume.ID)
+	}
 	if opts.KeepPaused {
 		d.mu.Lock()
 		d.state[m.ID] = agentapi.StatePaused

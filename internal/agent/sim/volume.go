@@ -90,5 +90,21 @@ func (d *Driver) ExportVolumeDisk(_ context.Context, v agent.MachineVolume, dst 
 	return out.Close()
 }
 
+// Writing is the file the simulated VMM of a running VM writes for volume
+// id since the last snapshot moved it ("" when no snapshot did).
+func (d *Driver) Writing(id string) string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.writing[id]
+}
+
+// FailVolumeSwitch makes the next snapshots fail to move a volume when
+// fail returns an error for its id (nil: never), as a VMM that refuses.
+func (d *Driver) FailVolumeSwitch(fail func(volume string) error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.failVolumeSwitch = fail
+}
+
 // CheckPulledVolumeDisk accepts the sim's plain files.
 func (d *Driver) CheckPulledVolumeDisk(context.Context, string) error { return nil }
