@@ -166,6 +166,7 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool, l leas
 	s.reconcileVMs(ctx, h.Name, rows, vms, l)
 	s.deleteOrphans(ctx, h, c, rows, vms)
 	s.settleVolumes(ctx, h, c, l)
+	s.settleVolumeMoves(ctx, h, l)
 }
 
 // joinUnpinned challenges the agent of a host that has no pinned key
