@@ -35,3 +35,11 @@ resource "kvm_volume" "pgdata_test" {
     volume = kvm_volume.pgdata.id
   }
 }
+
+# A volume pinned to a host. Changing host moves it there in place (same
+# id, same data) once no VM has it attached.
+resource "kvm_volume" "archive" {
+  name     = "archive"
+  size_mib = 4096
+  host     = "host-a"
+}
