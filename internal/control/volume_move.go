@@ -256,7 +256,7 @@ func (s *Service) moveAgentError(err error, v store.Volume, host, what string) e
 			Message: fmt.Sprintf("host %s says volume %s (%s) is attached: %s; detach it first", host, v.Name, v.ID, ae.Message),
 			Details: map[string]any{"volume_id": v.ID}}
 	}
-	if ae != nil && ae.Status == 502 {
+	if ae != nil && ae.Status == 502 && ae.Message != "" {
 		// The target's pull failed: the source, or the transfer (a digest
 		// that does not match is refused there).
 		return &Error{Code: api.CodeUnavailable, Err: err,

@@ -14,8 +14,8 @@ import (
 )
 
 // moveVolume moves the volume of state to host to (POST
-// /v1/volumes/{id}/move), which keeps its id and data. When the answer is
-// lost (a timeout, the API restarting) the move may still run: the volume
+// /v1/volumes/{id}/move), which keeps its id and data. When no answer
+// comes (a timeout, a cut connection) the move may still run: the volume
 // is read until it is no longer moving, and it must then be on to. It
 // reports whether the volume is on to.
 func (r *volumeResource) moveVolume(ctx context.Context, state volumeModel, to string, diags *diag.Diagnostics) bool {
@@ -23,11 +23,14 @@ func (r *volumeResource) moveVolume(ctx context.Context, state volumeModel, to s
 	tflog.Info(ctx, "moving volume", map[string]any{"id": id, "name": name, "from": from, "to": to})
 	v, err := r.data.client.MoveVolume(ctx, id, to)
 	r.data.wrote()
-	if err != nil && client.MayHaveCreated(err) && !errors.Is(err, client.ErrConflict) {
+	var ce *client.Error
+	answered := errors.As(err, &ce) && ce.Code != "" // the control API's own error envelope
+	if err != nil && client.MayHaveCreated(err) && !answered {
+		// No answer from the control API (a timeout, a cut connection): the
+		// move may run on; its outcome is where the volume ends up.
 		tflog.Warn(ctx, "no answer to the volume move; reading the volume until it is no longer moving", map[string]any{"id": id, "err": err.Error()})
 		v, err = waitForMove(ctx, r.data.client, id)
 	}
-	var ce *client.Error
 	switch {
 	case err == nil && v.Host == to:
 		tflog.Info(ctx, "moved volume", map[string]any{"id": id, "host": v.Host, "state": v.State})

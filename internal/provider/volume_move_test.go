@@ -57,7 +57,9 @@ func TestAccVolume_moveInPlace(t *testing.T) {
 	f := newVolumeFleet(t, "h1", "h2")
 	var volID string
 	marker := []byte("kvm-marker:provider-move")
-	file := func(host string) string { return filepath.Join(f.Agents[host].StateDir, "volumes", volID, "disk.qcow2") }
+	file := func(host string) string {
+		return filepath.Join(f.Agents[host].StateDir, "volumes", volID, "disk.qcow2")
+	}
 	resource.Test(t, resource.TestCase{
 		ProtoV6ProviderFactories: factories(),
 		CheckDestroy:             f.checkVolumesGone,
