@@ -164,4 +164,17 @@ func TestVolumeMoveRealGuest(t *testing.T) {
 	line := regexp.MustCompile(`kvm-guest-disk-marker vd[b-z] ` + want).FindString(con)
 	t.Logf("guest on h2 prints: %s", line)
 	checkLedger(t, c.Store)
+
+	// A figure: the move of a volume that holds 256 MiB of data.
+	big := f.createVolume(t, api.VolumeCreate{Name: "big", SizeMiB: 512, Host: "h1"})
+	if out, err := exec.Command("qemu-io", "-f", "qcow2", "-c", "write -P 0xab 0 256M",
+		filepath.Join(a1.StateDir, "volumes", big.ID, "disk.qcow2")).CombinedOutput(); err != nil {
+		t.Fatalf("qemu-io: %v: %s", err, out)
+	}
+	start = time.Now()
+	if got, err := c.Client.MoveVolume(ctx, big.ID, "h2"); err != nil || got.Host != "h2" {
+		t.Fatalf("move of volume big: %+v, %v", got, err)
+	}
+	t.Logf("move of a 512 MiB volume holding 256 MiB of data took %v", time.Since(start).Round(time.Millisecond))
+	checkLedger(t, c.Store)
 }
