@@ -238,6 +238,9 @@ func (s *Service) moveVolume(ctx context.Context, v store.Volume, target string)
 		return err
 	}
 	if err := s.dropMoveSource(ctx, switched, src); err != nil {
+		if errors.Is(err, errMoveReverted) {
+			return unavailable(err, "%v; retry the move", err)
+		}
 		// The volume is on the target; the host monitor deletes the old
 		// copy when the source answers. The answer says so (state moving).
 		log.Warn("volume moved; its old copy is not deleted yet (the host monitor retries)", "err", err)
@@ -353,9 +356,14 @@ func (s *Service) undoMove(ctx context.Context, v store.Volume, target string, d
 }
 
 // dropMoveSource deletes the old copy of a switched volume on its source
-// (a retired source has none) and releases the source's share.
+// (a retired source has none) and releases the source's share. The new
+// host must still have its copy: if it lost it, the switch is taken back
+// and the move undone (the old copy is then the volume).
 func (s *Service) dropMoveSource(ctx context.Context, v store.Volume, src *agentapi.Client) error {
 	source := *v.MoveSource
+	if err := s.checkMovedCopy(ctx, v); err != nil {
+		return err
+	}
 	if err := s.agents.call("delete_volume", func() error { return src.DeleteVolume(ctx, v.ID) }); err != nil && !s.hostGone(ctx, source) {
 		return err
 	}
@@ -466,6 +474,10 @@ func (s *Service) settleVolumeMove(ctx context.Context, v store.Volume) {
 // source answers (or is gone) and releases the source's share.
 func (s *Service) settleMoveSource(ctx context.Context, v store.Volume) {
 	source := *v.MoveSource
+	if err := s.checkMovedCopy(ctx, v); err != nil {
+		s.log.Debug("host monitor: the old copy of a moved volume is kept", "volume", v.ID, "source", source, "err", err)
+		return
+	}
 	if !s.hostGone(ctx, source) {
 		addr, alive, _ := s.view.agent(source)
 		if !alive {
@@ -484,3 +496,36 @@ func (s *Service) settleMoveSource(ctx context.Context, v store.Volume) {
 	s.refreshHost(ctx, source)
 	s.log.Info("host monitor: deleted the old copy of a moved volume", "volume", v.ID, "source", source, "host", v.HostName)
 }
+
+// checkMovedCopy makes sure that the new host of switched volume v has its
+// copy before the old one goes: nil when it does (or the new host is
+// retired: its copy went with it and the row says so). A new host that
+// says it does not have it (it lost it after the switch) gets the switch
+// taken back (store.RevertVolumeSwitch): the move is then undone like one
+// that failed before its switch, and the old copy stays the volume.
+func (s *Service) checkMovedCopy(ctx context.Context, v store.Volume) error {
+	if v.State != store.VolumeMoving || s.hostGone(ctx, v.HostName) {
+		return nil
+	}
+	addr, _, _ := s.view.agent(v.HostName)
+	dst := s.agents.client(addr)
+	err := s.agents.call("get_volume", func() error { _, err := dst.GetVolume(ctx, v.ID); return err })
+	if !errors.Is(err, agentapi.ErrNotFound) {
+		return err
+	}
+	source := *v.MoveSource
+	s.log.Error("volume move: the new host does not have the volume it took; taking the switch back, the old copy stays the volume",
+		"volume", v.ID, "host", v.HostName, "source", source)
+	if rerr := s.store.RevertVolumeSwitch(ctx, v.ID, source); rerr != nil && !errors.Is(rerr, store.ErrMovePhase) {
+		return rerr
+	}
+	if uerr := s.store.UndoVolumeMove(ctx, v.ID, v.HostName); uerr != nil && !errors.Is(uerr, store.ErrMovePhase) {
+		return uerr // the host monitor undoes it
+	}
+	s.refreshHost(ctx, v.HostName)
+	return fmt.Errorf("host %s lost its copy of volume %s after the switch; the move is undone and the volume stays on host %s: %w",
+		v.HostName, v.ID, source, errMoveReverted)
+}
+
+// errMoveReverted: a move's switch was taken back (checkMovedCopy).
+var errMoveReverted = errors.New("move undone")

@@ -373,3 +373,39 @@ func peerSpec(a *testenv.Agent, digest string) agentapi.VolumeSpec {
 	return agentapi.VolumeSpec{SizeMiB: 8, Source: &agentapi.VolumeSource{Peer: &agentapi.VolumePeer{
 		Agent: a.Address, PublicKey: agentapi.EncodeKey(a.PublicKey), Digest: digest}}}
 }
+
+// The new host loses its copy after the switch (deleted behind the
+// control plane's back) while the old copy is still there: the host
+// monitor takes the switch back and undoes the move instead of deleting
+// the only copy left.
+func TestVolumeMoveKeepsTheOldCopyWhenTheNewOneIsLost(t *testing.T) {
+	eachDatabase(t, func(t *testing.T, databaseURL string) {
+		c := testenv.StartControl(t, testenv.ControlOptions{DatabaseURL: databaseURL, NoMonitor: true, Hooks: &control.Hooks{
+			VolumeMoveStep: func(_ context.Context, _, step string) error {
+				if step == control.MoveStepSwitched {
+					return errors.New("killed after the switch")
+				}
+				return nil
+			}}})
+		a1 := testenv.StartAgent(t, testenv.AgentOptions{})
+		a2 := testenv.StartAgent(t, testenv.AgentOptions{})
+		c.RegisterHost(t, "h1", a1.Address)
+		c.RegisterHost(t, "h2", a2.Address)
+		ctx := ctxT(t)
+		c.Service.SyncNow(ctx)
+		f := volumeFleet{c: c, agents: map[string]*testenv.Agent{"h1": a1, "h2": a2}}
+		v := f.createVolume(t, api.VolumeCreate{Name: "data", SizeMiB: 8, Host: "h1"})
+		digest := writeMarker(t, a1, v.ID)
+		if _, err := noRetry(c).MoveVolume(ctx, v.ID, "h2"); err == nil {
+			t.Fatal("the move answered success although it stopped")
+		}
+		if err := a2.Client.DeleteVolume(ctx, v.ID); err != nil {
+			t.Fatal(err)
+		}
+		c.Service.SyncNow(ctx)
+		checkMovedTo(t, f, v, "h1", digest)
+		if got := hostAllocated(t, c, "h2"); got.DiskMiB != 0 {
+			t.Errorf("h2 allocates %d MiB after the move was undone, want 0", got.DiskMiB)
+		}
+	})
+}

@@ -203,3 +203,24 @@ func (s *Store) VolumeMovesOn(ctx context.Context, host string) ([]Volume, error
 	}
 	return out, nil
 }
+
+// RevertVolumeSwitch takes back the switch of a volume whose new host
+// turned out not to have its copy (it was lost after the switch, before
+// the old copy on source was deleted): the row names source again and
+// the new host becomes the move's target, so that the move is undone
+// like one that failed before its switch (UndoVolumeMove). Both hosts
+// keep their shares meanwhile. ErrMovePhase when source holds nothing of
+// it any more.
+func (s *Store) RevertVolumeSwitch(ctx context.Context, id, source string) error {
+	return s.inTx(ctx, func(tx *gorm.DB) error {
+		v, err := s.lockVolume(tx, id)
+		if err != nil {
+			return err
+		}
+		if v.State != VolumeMoving || v.MoveSource == nil || *v.MoveSource != source {
+			return fmt.Errorf("volume %s (%s on host %s) was not switched from host %s: %w", id, v.State, v.HostName, source, ErrMovePhase)
+		}
+		return tx.Exec(`UPDATE volumes SET host_name = ?, move_source = NULL, move_target = ?, move_digest = '', reason = '', updated_at = ?
+			WHERE id = ?`, source, v.HostName, now(), id).Error
+	})
+}
