@@ -52,6 +52,13 @@ const (
 // bound, and its copy is deleted).
 const moveTimeout = 8 * time.Minute
 
+// moveBusyTries and moveBusyWait bound how long a move waits for this
+// replica's host monitor to let go of the volume (2 s).
+const (
+	moveBusyTries = 20
+	moveBusyWait  = 100 * time.Millisecond
+)
+
 // moveCleanupTimeout bounds the undo of a failed move and each settle
 // step of the host monitor.
 const moveCleanupTimeout = time.Minute
@@ -104,10 +111,29 @@ func (s *Service) MoveVolume(ctx context.Context, ref string, in api.VolumeMove)
 	if err := s.checkMove(ctx, v, in.Host); err != nil {
 		return api.Volume{}, err
 	}
-	if !s.volumeMoves.begin(v.ID) {
-		return api.Volume{}, conflictf("volume %s (%s) is being moved by another request; retry when it is ready", v.Name, v.ID)
+	// The host monitor may hold the volume for a moment (it looks at a
+	// move that just ended): wait a little before calling it busy.
+	for i := 0; !s.volumeMoves.begin(v.ID); i++ {
+		if i == moveBusyTries {
+			return api.Volume{}, conflictf("volume %s (%s) is being moved by another request; retry when it is ready", v.Name, v.ID)
+		}
+		select {
+		case <-ctx.Done():
+			return api.Volume{}, unavailable(ctx.Err(), "volume %s (%s) is busy; retry", v.Name, v.ID)
+		case <-time.After(moveBusyWait):
+		}
 	}
 	defer s.volumeMoves.end(v.ID)
+	// Read again now that no one else here runs a move of it.
+	if v, err = s.store.GetVolume(ctx, v.ID); err != nil {
+		return api.Volume{}, fromStore(err, "read volume "+ref)
+	}
+	if v.HostName == in.Host && v.State == store.VolumeReady {
+		return s.GetVolume(ctx, v.ID)
+	}
+	if err := s.checkMove(ctx, v, in.Host); err != nil {
+		return api.Volume{}, err
+	}
 	if err := s.moveVolume(ctx, v, in.Host); err != nil {
 		return api.Volume{}, err
 	}
