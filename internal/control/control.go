@@ -82,6 +82,10 @@ type Hooks struct {
 	// the resize on the spot with no cleanup, like a process dying there.
 	AfterResizeReserve func(ctx context.Context, vmID string) error
 	AfterAgentResize   func(ctx context.Context, vmID string) error
+	// VolumeMoveStep runs after each step of a volume move (the MoveStep*
+	// names, volume_move.go). An error stops the move on the spot with no
+	// cleanup, like a process dying there.
+	VolumeMoveStep func(ctx context.Context, volumeID, step string) error
 }
 
 // Service runs the control plane's use cases.
@@ -97,6 +101,8 @@ type Service struct {
 	tokens tokenCache
 	// forkLocks serialises the passes of each fork (zero value ready).
 	forkLocks keyedLocks
+	// volumeMoves are the volume moves this replica runs now (volume_move.go).
+	volumeMoves inflight
 	// networks caches networks for creates; ipam holds the address hints.
 	networks networkCache
 	ipam     ipamHints

@@ -66,7 +66,7 @@ func fromStore(err error, what string) error {
 		return quotaExceeded(qe)
 	case errors.Is(err, store.ErrNotFound):
 		return &Error{Code: api.CodeNotFound, Message: err.Error(), Err: err}
-	case errors.Is(err, store.ErrDuplicateName), errors.Is(err, store.ErrHostInUse):
+	case errors.Is(err, store.ErrDuplicateName), errors.Is(err, store.ErrHostInUse), errors.Is(err, store.ErrVolumeNotReady):
 		return &Error{Code: api.CodeConflict, Message: err.Error(), Err: err}
 	}
 	return internal(err, what)

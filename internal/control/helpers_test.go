@@ -84,6 +84,14 @@ func checkLedger(t *testing.T, st *store.Store) {
 			s.DiskMiB += v.SizeMiB
 			sum[v.HostName] = s
 		}
+		// A moving volume holds its size on the other host of its move too.
+		for _, other := range []*string{v.MoveTarget, v.MoveSource} {
+			if other != nil {
+				s := sum[*other]
+				s.DiskMiB += v.SizeMiB
+				sum[*other] = s
+			}
+		}
 	}
 	for _, h := range hosts {
 		a, c := h.Allocated, h.Capacity

@@ -167,6 +167,7 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool, l leas
 	s.deleteOrphans(ctx, h, c, rows, vms)
 	s.settleVolumes(ctx, h, c, l)
 	s.settleAttachments(ctx, h, c, l, vms)
+	s.settleVolumeMoves(ctx, h, l)
 }
 
 // joinUnpinned challenges the agent of a host that has no pinned key

@@ -119,14 +119,14 @@ func kill9DuringForksWithVolumes(t *testing.T, bin, databaseURL, dataDir string)
 				}
 			}
 		}
-		return volumeLedger(ctx, c2.ListVolumes, c2.AllHosts, vms, agents, lister)
+		return forkVolumeLedger(ctx, c2.ListVolumes, c2.AllHosts, vms, agents, lister)
 	})
 }
 
-// volumeLedger is ledger with volumes: each host's allocation is its VM
+// forkVolumeLedger is ledger with volumes: each host's allocation is its VM
 // rows plus its volume rows, no volume is creating or deleting, and each
 // agent has exactly the volumes whose rows name its host.
-func volumeLedger(ctx context.Context, listVolumes func(context.Context, int, string) (api.List[api.Volume], error),
+func forkVolumeLedger(ctx context.Context, listVolumes func(context.Context, int, string) (api.List[api.Volume], error),
 	allHosts func(context.Context) ([]api.Host, error), vms []api.VM, agents map[string]*testenv.Agent, lister map[string]agentLister) error {
 	var vols []api.Volume
 	token := ""

@@ -533,17 +533,35 @@ func startKVMDAgent(t *testing.T, bin string) *kvmdAgent {
 	}
 	addr := ln.Addr().String()
 	_ = ln.Close()
-	a := &kvmdAgent{bin: bin, stateDir: t.TempDir(), listen: addr, url: "http://" + addr}
+	a := newKVMDAgent(t, bin, addr, "")
 	a.client = agentapi.NewClient(a.url, "agent-token")
+	a.start(t)
+	return a
+}
+
+// startKVMDAgentAt is startKVMDAgent on a given address, also proving its
+// identity for advertise when it is not "" (a gate in front of it); its
+// client does not retry, so a test sees each call's own answer.
+func startKVMDAgentAt(t *testing.T, bin, addr, advertise string) *kvmdAgent {
+	t.Helper()
+	a := newKVMDAgent(t, bin, addr, advertise)
+	a.client = agentapi.NewClient(a.url, "agent-token", agentapi.WithRetries(0))
+	a.start(t)
+	return a
+}
+
+func newKVMDAgent(t *testing.T, bin, addr, advertise string) *kvmdAgent {
+	t.Helper()
+	a := &kvmdAgent{bin: bin, stateDir: t.TempDir(), listen: addr, url: "http://" + addr, advertised: advertise}
 	logDir := t.TempDir()
 	if d := os.Getenv(LogDirEnv); d != "" {
 		logDir = d
 	}
+	var err error
 	if a.log, err = os.CreateTemp(logDir, "kvmd-agent-*.log"); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { a.kill(); _ = a.log.Close() })
-	a.start(t)
 	return a
 }
 

@@ -102,6 +102,7 @@ var projectDecisions = map[string]projectDecision{
 	"GET /v1/volumes/:ref":         {how: byObject, param: paramVolume},
 	"PATCH /v1/volumes/:ref":       {how: byObject, param: paramVolume},
 	"POST /v1/volumes/:ref/resize": {how: byObject, param: paramVolume},
+	"POST /v1/volumes/:ref/move":   {how: byObject, param: paramVolume},
 	"DELETE /v1/volumes/:ref":      {how: byObject, param: paramVolume},
 	// A path no route serves answers no_route whatever it names.
 	"echo_route_not_found /v1/*": {how: byObject, param: paramVM},
@@ -383,6 +384,7 @@ func TestProjectIsolationWalk(t *testing.T) {
 		"PATCH /v1/projects/:name":     `{"description":"probe"}`,
 		"PATCH /v1/volumes/:ref":       `{"size_mib":128}`,
 		"POST /v1/volumes/:ref/resize": `{"size_mib":128}`,
+		"POST /v1/volumes/:ref/move":   `{"host":"probe-host"}`,
 		"PUT /v1/hosts/:name":          `{"address":"http://127.0.0.1:1"}`,
 		"PATCH /v1/images/:name":       `{}`,
 		"POST /v1/images":              `{}`,

@@ -226,6 +226,7 @@ var scopeMatrix = map[string][]string{
 	"GET /v1/volumes/:ref":               {"admin", "user"},
 	"PATCH /v1/volumes/:ref":             {"user"},
 	"POST /v1/volumes/:ref/resize":       {"user"},
+	"POST /v1/volumes/:ref/move":         {"user"},
 	"DELETE /v1/volumes/:ref":            {"user"},
 	"POST /v1/vms/:id/volumes":           {"user"},
 	"DELETE /v1/vms/:id/volumes/:volume": {"user"},

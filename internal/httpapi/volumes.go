@@ -17,6 +17,7 @@ func (h *handlers) volumeRoutes(v1 *echo.Group) {
 	v1.GET("/volumes/:ref", h.getVolume)
 	v1.PATCH("/volumes/:ref", h.updateVolume)
 	v1.POST("/volumes/:ref/resize", h.resizeVolume)
+	v1.POST("/volumes/:ref/move", h.moveVolume)
 	v1.DELETE("/volumes/:ref", h.deleteVolume)
 }
 
@@ -81,4 +82,16 @@ func (h *handlers) deleteVolume(c echo.Context) error {
 		return err
 	}
 	return c.NoContent(http.StatusNoContent)
+}
+
+func (h *handlers) moveVolume(c echo.Context) error {
+	var in api.VolumeMove
+	if err := decode(c, &in); err != nil {
+		return err
+	}
+	out, err := h.svc.MoveVolume(c.Request().Context(), c.Param("ref"), in)
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, out)
 }

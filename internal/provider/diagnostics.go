@@ -64,6 +64,8 @@ const (
 	summaryUpdateVolume       = "Unable to Update Volume"
 	summaryDeleteVolume       = "Unable to Delete Volume"
 	summaryVolumeShrink       = "Volume Cannot Shrink"
+	summaryVolumeMoveAttached = "Attached Volume Cannot Move"
+	summaryMoveVolume         = "Unable to Move Volume"
 )
 
 // addAPIError adds an error diagnostic for a failed control API call:

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/hashicorp/terraform-plugin-framework-validators/int64validator"
 	"github.com/hashicorp/terraform-plugin-framework-validators/stringvalidator"
@@ -92,8 +93,9 @@ func (r *volumeResource) Schema(_ context.Context, _ resource.SchemaRequest, res
 		MarkdownDescription: "A volume: a qcow2 disk on one host that outlives the VMs it is attached to, so a VM " +
 			"replaced for new `user_data` or a new image keeps its data. Attach it with a `volume_attachment` block " +
 			"of `kvm_vm`; the VM is then placed on the volume's host. `size_mib` grows in place and never shrinks; " +
-			"`name`, `host` and `source` replace the volume (which destroys its data). Deleting a volume that a VM " +
-			"has attached is refused: destroy or change that VM first (Terraform does, when the VM refers to the volume).",
+			"`name` and `source` replace the volume (which destroys its data). Deleting a volume that a VM " +
+			"has attached is refused: destroy or change that VM first (Terraform does, when the VM refers to the volume). " +
+			"Changing `host` moves the volume to that host in place, keeping its data; only a detached volume moves.",
 		Attributes: map[string]schema.Attribute{
 			"id": schema.StringAttribute{
 				MarkdownDescription: "Id of the volume (a random UUID). `terraform import` takes it, or the name.",
@@ -120,10 +122,13 @@ func (r *volumeResource) Schema(_ context.Context, _ resource.SchemaRequest, res
 			},
 			"host": schema.StringAttribute{
 				MarkdownDescription: "Host the volume lives on. Leave it out to let the scheduler place it by free " +
-					"disk (a clone goes to its source's host). Changing it replaces the volume.",
+					"disk (a clone goes to its source's host). Changing it moves the volume in place, keeping its id " +
+					"and data: the new host's agent pulls it from the old one (its sha256 checked while it streams), " +
+					"then the old copy is deleted. Only a detached volume moves: remove its `volume_attachment` " +
+					"blocks first (an apply of its own). Removing `host` from the configuration keeps the volume where it is.",
 				Optional:      true,
 				Computed:      true,
-				PlanModifiers: []planmodifier.String{stringplanmodifier.UseStateForUnknown(), stringplanmodifier.RequiresReplace()},
+				PlanModifiers: []planmodifier.String{stringplanmodifier.UseStateForUnknown()},
 			},
 			"source": schema.SingleNestedAttribute{
 				MarkdownDescription: "What the volume starts with; omitted: an empty disk. Changing it replaces the volume.",
@@ -149,7 +154,7 @@ func (r *volumeResource) Schema(_ context.Context, _ resource.SchemaRequest, res
 				Default:             mapdefault.StaticValue(labelsValue(nil)),
 			},
 			"state": schema.StringAttribute{
-				MarkdownDescription: "`creating`, `ready`, `deleting` or `error`.",
+				MarkdownDescription: "`creating`, `ready`, `moving` (to another host), `deleting` or `error`.",
 				Computed:            true,
 			},
 			"serial": schema.StringAttribute{
@@ -193,6 +198,16 @@ func (r *volumeResource) ModifyPlan(ctx context.Context, req resource.ModifyPlan
 			"Volume %q has %d MiB and a volume never shrinks; size_mib = %d would lose data. Keep size_mib at %d or more, "+
 				"or make a new volume (another name) and copy what you need.",
 			state.Name.ValueString(), state.SizeMiB.ValueInt64(), plan.SizeMiB.ValueInt64(), state.SizeMiB.ValueInt64()))
+	}
+	if to := plan.Host.ValueString(); !plan.Host.IsUnknown() && !plan.Host.IsNull() && to != state.Host.ValueString() {
+		var vms []string
+		resp.Diagnostics.Append(state.AttachedTo.ElementsAs(ctx, &vms, false)...)
+		if len(vms) > 0 {
+			resp.Diagnostics.AddAttributeWarning(path.Root("host"), summaryVolumeMoveAttached, fmt.Sprintf(
+				"Volume %q moves from host %s to host %s, but it is attached to VM %s; only a detached volume moves, so the "+
+					"apply fails unless that VM lets it go first. Remove its volume_attachment block (or destroy the VM) and apply, "+
+					"then change host.", state.Name.ValueString(), state.Host.ValueString(), to, strings.Join(vms, ", ")))
+		}
 	}
 }
 
@@ -272,6 +287,11 @@ func (r *volumeResource) Update(ctx context.Context, req resource.UpdateRequest,
 		return
 	}
 	id := state.ID.ValueString()
+	if to := plan.Host.ValueString(); !plan.Host.IsUnknown() && !plan.Host.IsNull() && to != state.Host.ValueString() {
+		if !r.moveVolume(ctx, state, to, &resp.Diagnostics) {
+			return
+		}
+	}
 	patch := api.VolumePatch{Labels: &labels}
 	if size := plan.SizeMiB.ValueInt64(); size != state.SizeMiB.ValueInt64() {
 		patch.SizeMiB = &size

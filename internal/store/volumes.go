@@ -20,6 +20,9 @@ const (
 	// capacity go once the agent confirmed.
 	VolumeDeleting = "deleting"
 	VolumeError    = "error"
+	// VolumeMoving: the volume moves to another host (volume_move.go); it
+	// holds its size on two hosts until the move ends.
+	VolumeMoving = "moving"
 )
 
 // Errors of volumes.
@@ -52,9 +55,14 @@ type Volume struct {
 	// Placement is the placement explanation as JSON ("" when pinned).
 	Placement string `gorm:"column:placement"`
 	// Owner is the control replica that runs the volume's create or delete.
-	Owner     *string   `gorm:"column:owner_replica"`
-	CreatedAt time.Time `gorm:"column:created_at"`
-	UpdatedAt time.Time `gorm:"column:updated_at"`
+	Owner *string `gorm:"column:owner_replica"`
+	// MoveTarget, MoveSource and MoveDigest describe a move
+	// (volume_move.go): the other host the row holds its size on.
+	MoveTarget *string   `gorm:"column:move_target"`
+	MoveSource *string   `gorm:"column:move_source"`
+	MoveDigest string    `gorm:"column:move_digest"`
+	CreatedAt  time.Time `gorm:"column:created_at"`
+	UpdatedAt  time.Time `gorm:"column:updated_at"`
 
 	// SourceSnapshot: a fork child's volume, made from the frozen point
 	// of SourceVolume in this snapshot (the fork's id).
@@ -191,6 +199,9 @@ func (s *Store) BeginDeleteVolume(ctx context.Context, id, owner string) (Volume
 		}
 		if v.RWVM != nil || v.Readers > 0 {
 			return attachedError(tx, v)
+		}
+		if v.State == VolumeMoving || v.MoveTarget != nil || v.MoveSource != nil {
+			return fmt.Errorf("volume %s is moving (it is on two hosts until the move ends): %w", id, ErrVolumeNotReady)
 		}
 		v.State, v.Owner = VolumeDeleting, &owner
 		return tx.Exec(`UPDATE volumes SET state = ?, owner_replica = ?, updated_at = ? WHERE id = ?`,

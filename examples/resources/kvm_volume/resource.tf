@@ -59,3 +59,11 @@ resource "kvm_vm" "builder" {
     volume = kvm_volume.cache.id
   }
 }
+
+# A volume pinned to a host. Changing host moves it there in place (same
+# id, same data) once no VM has it attached.
+resource "kvm_volume" "archive" {
+  name     = "archive"
+  size_mib = 4096
+  host     = "host-a"
+}
