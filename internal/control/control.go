@@ -82,17 +82,24 @@ type Hooks struct {
 	// the resize on the spot with no cleanup, like a process dying there.
 	AfterResizeReserve func(ctx context.Context, vmID string) error
 	AfterAgentResize   func(ctx context.Context, vmID string) error
+	// MigrationStep runs at each step of a migration (MigrationStep*
+	// constants); an error stops the migration there, as a crash of the
+	// process would, and the host monitor finishes or undoes it.
+	MigrationStep func(ctx context.Context, vmID, step string) error
 }
 
 // Service runs the control plane's use cases.
 type Service struct {
-	store   *store.Store
-	opts    Options
-	log     *slog.Logger
-	view    *hostView
-	agents  *agentPool
-	metrics *metrics
-	hooks   Hooks
+	store  *store.Store
+	opts   Options
+	log    *slog.Logger
+	view   *hostView
+	agents *agentPool
+	// migrations are the agents' migration calls.
+	migrations migrationCalls
+	drains     drains
+	metrics    *metrics
+	hooks      Hooks
 	// tokens caches API token digests (tokens.go).
 	tokens tokenCache
 	// forkLocks serialises the passes of each fork (zero value ready).
@@ -193,6 +200,8 @@ func New(ctx context.Context, st *store.Store, opts Options) (*Service, error) {
 		s.hooks = *opts.Hooks
 	}
 	s.metrics = newMetrics(opts.Registry)
+	s.migrations = unsupportedMigrations{}
+	s.drains = newDrains()
 	s.agents = newAgentPool(opts.AgentToken, opts.AgentHTTPClient, opts.AgentTimeout, syncTimeout(opts.SyncInterval), s.metrics)
 	if err := s.startLease(ctx); err != nil {
 		return nil, err

@@ -1,0 +1,4 @@
+package control
+
+// UseSimMigrationsForTest is UseSimMigrations for the external tests.
+var UseSimMigrationsForTest = UseSimMigrations
