@@ -200,9 +200,9 @@ func New(ctx context.Context, st *store.Store, opts Options) (*Service, error) {
 		s.hooks = *opts.Hooks
 	}
 	s.metrics = newMetrics(opts.Registry)
-	s.migrations = unsupportedMigrations{}
 	s.drains = newDrains()
 	s.agents = newAgentPool(opts.AgentToken, opts.AgentHTTPClient, opts.AgentTimeout, syncTimeout(opts.SyncInterval), s.metrics)
+	s.migrations = agentMigrations{pool: s.agents}
 	if err := s.startLease(ctx); err != nil {
 		return nil, err
 	}

@@ -154,15 +154,18 @@ func (s *Service) runDrain(ctx context.Context, name string) {
 				todo = append(todo, vm)
 			}
 		}
+		// Moved counts the VMs that left since the drain started, however
+		// they left (a migration the monitor finished after a crash too).
+		movedSoFar := max(0, h.Drain.Total-int64(left))
 		if left == 0 {
-			if _, err := s.store.SetDrainProgress(ctx, name, s.replicaID, store.DrainDrained, h.Drain.Moved, h.Drain.Failed); err != nil {
+			if _, err := s.store.SetDrainProgress(ctx, name, s.replicaID, store.DrainDrained, movedSoFar, h.Drain.Failed); err != nil {
 				log.Error("drain: record drained", "err", err)
 			}
 			log.Info("host drained")
 			return
 		}
 		if len(todo) == 0 {
-			if _, err := s.store.SetDrainProgress(ctx, name, s.replicaID, store.DrainIncomplete, h.Drain.Moved, h.Drain.Failed); err != nil {
+			if _, err := s.store.SetDrainProgress(ctx, name, s.replicaID, store.DrainIncomplete, movedSoFar, h.Drain.Failed); err != nil {
 				log.Error("drain: record incomplete", "err", err)
 			}
 			log.Warn("host drain incomplete: some vms could not move", "left", left, "failed", h.Drain.Failed)
@@ -186,7 +189,7 @@ func (s *Service) runDrain(ctx context.Context, name string) {
 			})
 		}
 		wg.Wait()
-		moved, failed := h.Drain.Moved, slices.Clone(h.Drain.Failed)
+		moved, failed := movedSoFar, slices.Clone(h.Drain.Failed)
 		for _, o := range out {
 			failed = slices.DeleteFunc(failed, func(f store.DrainFailure) bool { return f.VM == o.vm })
 			if o.err != nil {

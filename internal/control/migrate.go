@@ -22,12 +22,11 @@ const (
 	migrationPoll = 250 * time.Millisecond
 )
 
-// Agent migration states and phases (the agent's migration API).
+// Agent migration states (the agent's migration API).
 const (
-	agentMigrationRunning   = "running"
-	agentMigrationCompleted = "completed"
-	agentMigrationFailed    = "failed"
-	agentMigrationCancelled = "cancelled"
+	agentMigrationRunning   = agentapi.MigrationRunning
+	agentMigrationCompleted = agentapi.MigrationCompleted
+	agentMigrationCancelled = agentapi.MigrationCancelled
 )
 
 // peerRef is an agent as the control plane pinned it.
@@ -149,6 +148,11 @@ func (s *Service) migratable(ctx context.Context, vm store.VM, host string) erro
 		return conflictf("VM %s is still being created; migrate it once it is up", vm.ID)
 	case api.StateMissing, api.StateLost:
 		return conflictf("VM %s is %s on host %s; delete it and create it again", vm.ID, vm.ObservedState, vm.HostName)
+	}
+	if vm.ForkID != nil {
+		return &Error{Code: api.CodeConflict, Details: map[string]any{"vm_id": vm.ID, "reason": "fork-child"},
+			Message: fmt.Sprintf("VM %s is a child of fork %s: its disk sits on the fork's snapshot on host %s, so it does not migrate; "+
+				"delete it and fork again on another host", vm.ID, *vm.ForkID, vm.HostName)}
 	}
 	if !vm.HoldsCapacity {
 		return conflictf("VM %s holds no capacity on host %s (state %s); it cannot be migrated", vm.ID, vm.HostName, vm.ObservedState)
@@ -558,24 +562,50 @@ func (s *Service) vmMigrations(ctx context.Context, out []api.VM) {
 	}
 }
 
-// unsupportedMigrations answers every migration call with ErrUnsupported:
-// the agent calls of a migration arrive with the agents' migration API.
-type unsupportedMigrations struct{}
+// agentMigrations are the migration calls over the agents' API
+// (internal/agentapi), with the pool's clients (timeouts and token).
+type agentMigrations struct{ pool *agentPool }
 
-var errMigrationUnsupported = fmt.Errorf("the agents of this build have no migration API: %w", errors.ErrUnsupported)
-
-func (unsupportedMigrations) putIncoming(context.Context, string, string, incomingSpec) (agentapi.VM, error) {
-	return agentapi.VM{}, errMigrationUnsupported
+func (a agentMigrations) putIncoming(ctx context.Context, target, id string, spec incomingSpec) (agentapi.VM, error) {
+	var out agentapi.VM
+	err := a.pool.call("put_incoming", func() error {
+		var err error
+		out, err = a.pool.client(target).PutIncoming(ctx, id, agentapi.IncomingSpec{Spec: spec.Spec, Live: spec.Live,
+			Source: agentapi.PeerRef{Address: spec.Source.Address, PublicKey: spec.Source.PublicKey}})
+		return err
+	})
+	return out, err
 }
 
-func (unsupportedMigrations) migrate(context.Context, string, string, peerRef, bool) error {
-	return errMigrationUnsupported
+func (a agentMigrations) migrate(ctx context.Context, source, id string, target peerRef, live bool) error {
+	return a.pool.call("migrate", func() error {
+		_, err := a.pool.client(source).Migrate(ctx, id, agentapi.MigrateSpec{Live: live,
+			Target: agentapi.PeerRef{Address: target.Address, PublicKey: target.PublicKey}})
+		return err
+	})
 }
 
-func (unsupportedMigrations) migration(context.Context, string, string) (agentMigration, error) {
-	return agentMigration{}, errNoAgentMigration
+func (a agentMigrations) migration(ctx context.Context, source, id string) (agentMigration, error) {
+	var m agentapi.Migration
+	err := a.pool.call("migration", func() error {
+		var err error
+		m, err = a.pool.client(source).Migration(ctx, id)
+		return err
+	})
+	if errors.Is(err, agentapi.ErrNotFound) {
+		return agentMigration{}, fmt.Errorf("vm %s: %w", id, errNoAgentMigration)
+	}
+	if err != nil {
+		return agentMigration{}, err
+	}
+	return agentMigration{State: m.State, Phase: m.Phase, DowntimeMS: m.DowntimeMS, Error: m.Error,
+		Transferred: m.Memory.Transferred + m.Disk.Transferred, Total: m.Memory.Total + m.Disk.Total}, nil
 }
 
-func (unsupportedMigrations) cancelMigration(context.Context, string, string) error {
-	return errNoAgentMigration
+func (a agentMigrations) cancelMigration(ctx context.Context, source, id string) error {
+	err := a.pool.call("cancel_migration", func() error { return a.pool.client(source).CancelMigration(ctx, id) })
+	if errors.Is(err, agentapi.ErrNotFound) {
+		return fmt.Errorf("vm %s: %w", id, errNoAgentMigration)
+	}
+	return err
 }

@@ -15,7 +15,7 @@ import (
 )
 
 // migrationFleet is a control plane with n sim agents h1..hn, migrating
-// through the simulated agent migration calls (UseSimMigrationsForTest).
+// through the agents' migration API (the sim driver's simulated migration).
 type migrationFleet struct {
 	c      *testenv.Control
 	agents map[string]*testenv.Agent
@@ -25,7 +25,6 @@ func startMigrationFleet(t *testing.T, dbURL string, n int, memoryMiB int64, opt
 	t.Helper()
 	opts.DatabaseURL = dbURL
 	f := migrationFleet{c: testenv.StartControl(t, opts), agents: map[string]*testenv.Agent{}}
-	control.UseSimMigrationsForTest(f.c.Service)
 	for i := 1; i <= n; i++ {
 		name := fmt.Sprintf("h%d", i)
 		f.agents[name] = testenv.StartAgent(t, testenv.AgentOptions{Driver: "sim", VCPUs: 16, MemoryMiB: memoryMiB, DiskMiB: 102400})

@@ -1,4 +1,0 @@
-package control
-
-// UseSimMigrationsForTest is UseSimMigrations for the external tests.
-var UseSimMigrationsForTest = UseSimMigrations
