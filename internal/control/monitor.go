@@ -241,6 +241,9 @@ func (s *Service) reconcileVMs(ctx context.Context, host string, rows []store.VM
 			}
 		case creating:
 			s.settleStuckCreate(ctx, host, row, a, l)
+		case a.State == agentapi.StateMigrated:
+			// Its migration completed: the switch (the request, or
+			// settleMigrations) records the state the target reports.
 		case a.State != row.ObservedState || a.Reason != row.Reason || (a.StartedFrom != "" && a.StartedFrom != row.StartedFrom):
 			if err := s.store.SetVMState(ctx, row.ID, a.State, a.Reason, a.StartedFrom); err != nil {
 				s.log.Error("host monitor: record vm state", "vm", row.ID, "err", err)
