@@ -457,6 +457,10 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 	defer endMirror()
 
 	if m.DiskMiB > 0 {
+		// What an earlier migration cut short (its agent killed) may have
+		// left: its mirror job and NBD node.
+		_ = q.run(ctx, "block-job-cancel", map[string]any{"device": mirrorJob, "force": true}, nil)
+		_ = q.run(ctx, "blockdev-del", map[string]any{"node-name": mirrorNode}, nil)
 		progress(agentapi.Migration{Phase: agentapi.PhaseDisk})
 		l, name, err := listenAbstract(m.ID)
 		if err != nil {
