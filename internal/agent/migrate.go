@@ -1,7 +1,6 @@
 package agent
 
-// Migration of a VM to another agent (docs/guides/architecture.md,
-// "Migration"). The control plane prepares the VM on the target (PUT
+// Migration of a VM to another agent. The control plane prepares the VM on the target (PUT
 // /v1/vms/{id}/incoming, migrate_incoming.go), then starts the migration
 // on the source (POST /v1/vms/{id}/migrate, migrate_source.go). The
 // source streams the VM to the target over connections it opens to the

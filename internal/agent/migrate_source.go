@@ -205,8 +205,10 @@ func (a *Agent) runMigration(ctx context.Context, e *vmEntry, mg Migrator, o *ou
 	// The VMM completed the stream: this copy never runs again (unless the
 	// target holds none, CancelMigration). Recorded before the target is
 	// told to run its copy.
+	streamed := time.Now()
 	mig = o.get()
 	mig.Phase = agentapi.PhaseSwitch
+	mig.VMMDowntimeMS = mig.DowntimeMS
 	if mig.TotalMS == 0 {
 		mig.TotalMS = time.Since(start).Milliseconds()
 	}
@@ -219,7 +221,7 @@ func (a *Agent) runMigration(ctx context.Context, e *vmEntry, mg Migrator, o *ou
 	o.update(func(s *agentapi.Migration) { *s = mig })
 	a.log.Info("migration stream completed; committing the target", "vm", r.ID, "target", target.address,
 		"downtime_ms", mig.DowntimeMS, "total_ms", mig.TotalMS)
-	if err := a.commitTarget(ctx, e, c); err != nil {
+	if err := a.commitTarget(ctx, e, c, streamed); err != nil {
 		a.log.Warn("commit of the migrated vm on its target failed; retrying in the background", "vm", r.ID, "err", err)
 		committing = true
 	}
@@ -248,7 +250,10 @@ func mergeProgress(s *agentapi.Migration, p agentapi.Migration) {
 // operation lock the caller holds), retrying for a while. A target that
 // answers that its copy failed (it never ran) makes the source run the VM
 // again: the migration failed.
-func (a *Agent) commitTarget(ctx context.Context, e *vmEntry, c *agentapi.Client) error {
+//
+// streamed is when the stream completed (zero: not known, after a
+// restart): the guest's pause is then the VMM's downtime plus the commit.
+func (a *Agent) commitTarget(ctx context.Context, e *vmEntry, c *agentapi.Client, streamed time.Time) error {
 	ctx, cancel := context.WithTimeout(ctx, CommitTimeout)
 	defer cancel()
 	var err error
@@ -261,6 +266,10 @@ func (a *Agent) commitTarget(ctx context.Context, e *vmEntry, c *agentapi.Client
 		if err == nil {
 			mig := *r.Migration
 			mig.State, mig.Phase, mig.Error = agentapi.MigrationCompleted, agentapi.PhaseDone, ""
+			if !streamed.IsZero() && mig.Live {
+				mig.DowntimeMS = mig.VMMDowntimeMS + time.Since(streamed).Milliseconds()
+				mig.TotalMS += time.Since(streamed).Milliseconds()
+			}
 			r.Migration = &mig
 			if err := a.saveRecord(&r); err != nil {
 				return err
@@ -378,7 +387,7 @@ func (a *Agent) commitVia(e *vmEntry, target agentapi.PeerRef) error {
 	if err != nil {
 		return err
 	}
-	return a.commitTarget(ctx, e, c)
+	return a.commitTarget(ctx, e, c, time.Time{})
 }
 
 // sendFiles sends the VM's files over the files channel and waits for the

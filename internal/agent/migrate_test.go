@@ -430,3 +430,32 @@ func TestMigrateRollBackWhenTargetLost(t *testing.T) {
 		t.Fatalf("migration after the roll back: %+v", mig)
 	}
 }
+
+// TestMigrateTargetRestartAfterPrepare: the target agent restarts between
+// the prepare and the migration: the incoming VM is still there, waiting,
+// and the migration completes.
+func TestMigrateTargetRestartAfterPrepare(t *testing.T) {
+	ctx := context.Background()
+	src := startMigAgent(t, sim.New(sim.Options{}))
+	dst := startMigAgent(t, sim.New(sim.Options{}))
+	spec := migSpec()
+	if _, err := src.client.CreateVM(ctx, "p1", spec); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dst.client.PutIncoming(ctx, "p1", agentapi.IncomingSpec{Spec: spec, Source: src.ref(), Live: true}); err != nil {
+		t.Fatal(err)
+	}
+	dst.restart(t)
+	if d, err := dst.client.GetVM(ctx, "p1"); err != nil || d.State != agentapi.StateIncoming {
+		t.Fatalf("target after restart: %+v, %v; want incoming", d, err)
+	}
+	if _, err := src.client.Migrate(ctx, "p1", agentapi.MigrateSpec{Target: dst.ref(), Live: true}); err != nil {
+		t.Fatal(err)
+	}
+	if mig := waitMigration(t, src.client, "p1"); mig.State != agentapi.MigrationCompleted {
+		t.Fatalf("migration: %+v; want completed", mig)
+	}
+	if d, _ := dst.client.GetVM(ctx, "p1"); d.State != agentapi.StateRunning {
+		t.Fatalf("target: %s; want running", d.State)
+	}
+}

@@ -110,7 +110,11 @@ type Migration struct {
 	// downtime), TotalMS the whole migration, SetupMS its setup (QEMU's
 	// figures for a live one), once completed; while it runs, TotalMS is
 	// the time so far and ExpectedDowntimeMS QEMU's estimate.
+	// VMMDowntimeMS is the VMM's own part of it (QEMU's downtime: from
+	// the source's stop to the end of the stream); DowntimeMS adds the
+	// commit, until the target runs the guest.
 	DowntimeMS         int64 `json:"downtime_ms"`
+	VMMDowntimeMS      int64 `json:"vmm_downtime_ms,omitempty"`
 	ExpectedDowntimeMS int64 `json:"expected_downtime_ms,omitempty"`
 	TotalMS            int64 `json:"total_ms"`
 	SetupMS            int64 `json:"setup_ms"`
