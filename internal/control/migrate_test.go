@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -217,5 +218,52 @@ func TestMigrationStoppedAtEachStep(t *testing.T) {
 				checkLedger(t, f.c.Store)
 			})
 		})
+	}
+}
+
+// While a VM moves, its answer shows the migration; afterwards it does not.
+func TestMigrationShowsInTheVMWhileItRuns(t *testing.T) {
+	ctx := ctxT(t)
+	reached, release := make(chan struct{}), make(chan struct{})
+	hooks := &control.Hooks{MigrationStep: func(ctx context.Context, _, step string) error {
+		if step == control.MigrationStepMoving {
+			close(reached)
+			select {
+			case <-release:
+			case <-ctx.Done():
+			}
+		}
+		return nil
+	}}
+	f := startMigrationFleet(t, "", 2, 8192, testenv.ControlOptions{Hooks: hooks})
+	var once sync.Once
+	letGo := func() { once.Do(func() { close(release) }) }
+	t.Cleanup(letGo) // before the control plane stops: a failed check must not leave the hook waiting
+	vm, err := f.c.Client.CreateVM(ctx, api.VMCreate{Name: "web", Image: "sim", VCPUs: 1, MemoryMiB: 1024, DiskMiB: 1024, Host: "h1"}, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := f.c.Client.MigrateVM(ctx, vm.ID, "h2")
+		done <- err
+	}()
+	<-reached
+	got, err := f.c.Client.GetVM(ctx, vm.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := got.Migration; m == nil || m.State != api.MigrationMoving || m.Source != "h1" || m.Target != "h2" || !m.Live || got.Host != "h1" {
+		t.Fatalf("vm while moving: host %s, migration %+v; want on h1 with a live migration h1 -> h2 moving", got.Host, got.Migration)
+	}
+	if err := noRetry(f.c).DeleteVM(ctx, vm.ID); apiCode(err) != api.CodeConflict {
+		t.Errorf("delete while migrating: %v; want 409 conflict", err)
+	}
+	letGo()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if err := f.oneCopy(ctx, vm.ID); err != nil {
+		t.Fatal(err)
 	}
 }
