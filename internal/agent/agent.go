@@ -109,6 +109,13 @@ type Agent struct {
 	syncs     sync.WaitGroup
 	closing   chan struct{}
 	closeOnce sync.Once
+
+	// outgoing are the migrations this agent runs, by VM id, and
+	// committing the VMs whose target it commits in the background
+	// (migrate_source.go), under migMu.
+	migMu      sync.Mutex
+	outgoing   map[string]*outMigration
+	committing map[string]bool
 }
 
 // vmEntry is one VM in the registry. A VM whose metadata is corrupt is
@@ -272,6 +279,15 @@ func (a *Agent) refreshLocked(ctx context.Context, e *vmEntry) vmRecord {
 	if corrupt != "" || gone {
 		return r
 	}
+	if r.Migration != nil && r.Migration.State == agentapi.MigrationRunning {
+		r = a.refreshMigrationLocked(ctx, e, r) // migrate_source.go
+	}
+	switch r.State {
+	case agentapi.StateIncoming:
+		return a.refreshIncomingLocked(ctx, e, r) // migrate_incoming.go
+	case agentapi.StateMigrated, agentapi.StateFailed:
+		return r // its VMM never runs the guest again; only a delete ends it
+	}
 	obs := a.cfg.Driver.Observe(ctx, machineOf(a, r), r.State)
 	adopted := obs.Process.PID != 0 && obs.Process != r.Process
 	if obs.State == r.State && (obs.Reason == r.Reason || obs.Reason == "") && !adopted {
@@ -317,9 +333,17 @@ func (a *Agent) lockVM(ctx context.Context, id, what string) (*vmEntry, error) {
 	case e == nil:
 		return nil, errNotFound(id)
 	}
-	if r, corrupt, _ := e.state(); corrupt != "" {
+	r, corrupt, _ := e.state()
+	if corrupt != "" {
 		e.unlock()
 		return nil, errConflict("vm %s cannot %s: %s; delete it and create it again", id, what, r.Reason)
+	}
+	if !migrationVerbs[what] {
+		switch r.State {
+		case agentapi.StateIncoming, agentapi.StateMigrated, agentapi.StateFailed:
+			e.unlock()
+			return nil, migrationRefusal(id, ReasonMigrationState, "vm %s cannot %s: it is %s (a migration); only a delete changes it here", id, what, r.State)
+		}
 	}
 	return e, nil
 }

@@ -70,6 +70,7 @@ func (a *Agent) routes() http.Handler {
 	v1.GET("/vms/:id/guest", a.getGuest)
 	v1.POST("/vms/:id/:action", a.postAction)
 	v1.PUT("/vms/:id/disk", a.putDisk)
+	a.migrationRoutes(v1)
 	a.snapshotRoutes(v1)
 	a.volumeRoutes(v1)
 	a.imageRoutes(v1)

@@ -60,6 +60,12 @@ type vmRecord struct {
 	// of an older agent has none: bios); SecureBoot says Secure Boot is on.
 	Firmware   string `json:"firmware,omitempty"`
 	SecureBoot bool   `json:"secure_boot,omitempty"`
+	// Incoming is set on a VM prepared here for a migration from another
+	// agent until its source commits it (migrate_incoming.go); Migration
+	// is the last migration of this VM to another agent
+	// (migrate_source.go).
+	Incoming  *incomingRecord     `json:"incoming,omitempty"`
+	Migration *agentapi.Migration `json:"migration,omitempty"`
 }
 
 // firmware is the VM's firmware, bios for a record that names none.
@@ -89,7 +95,8 @@ func (r *vmRecord) validate(dirName string) error {
 		return errors.New("image or shape missing")
 	}
 	switch r.State {
-	case agentapi.StateCreating, agentapi.StateRunning, agentapi.StatePaused, agentapi.StateStopped, agentapi.StateError:
+	case agentapi.StateCreating, agentapi.StateRunning, agentapi.StatePaused, agentapi.StateStopped, agentapi.StateError,
+		agentapi.StateIncoming, agentapi.StateMigrated, agentapi.StateFailed:
 		return nil
 	}
 	return fmt.Errorf("unknown state %q", r.State)

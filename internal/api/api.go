@@ -104,6 +104,8 @@ type Host struct {
 	Isolation string `json:"isolation,omitempty"`
 	// RetiredAt is set once the host is retired (POST /v1/hosts/{name}/retire).
 	RetiredAt *time.Time `json:"retired_at,omitempty"`
+	// Drain is the host's drain (state "" while it is in service).
+	Drain HostDrain `json:"drain"`
 }
 
 // VMCreate is the body of POST /v1/vms.
@@ -214,9 +216,11 @@ type VM struct {
 	ForkID        string `json:"fork_id,omitempty"`
 	// PendingResize is the shape a resize is applying and has not settled
 	// (its host's allocation holds the larger of the two meanwhile).
-	PendingResize *VMShape          `json:"pending_resize,omitempty"`
-	Placement     *Placement        `json:"placement,omitempty"`
-	Labels        map[string]string `json:"labels"`
+	PendingResize *VMShape `json:"pending_resize,omitempty"`
+	// Migration is the VM's migration while it runs (nil otherwise).
+	Migration *VMMigration      `json:"migration,omitempty"`
+	Placement *Placement        `json:"placement,omitempty"`
+	Labels    map[string]string `json:"labels"`
 	// NetworkInterfaces are the VM's NICs with their MAC, address and
 	// forwarded ports filled in.
 	NetworkInterfaces []NetworkInterface `json:"network_interfaces"`

@@ -86,17 +86,24 @@ type Hooks struct {
 	// names, volume_move.go). An error stops the move on the spot with no
 	// cleanup, like a process dying there.
 	VolumeMoveStep func(ctx context.Context, volumeID, step string) error
+	// MigrationStep runs at each step of a migration (MigrationStep*
+	// constants); an error stops the migration there, as a crash of the
+	// process would, and the host monitor finishes or undoes it.
+	MigrationStep func(ctx context.Context, vmID, step string) error
 }
 
 // Service runs the control plane's use cases.
 type Service struct {
-	store   *store.Store
-	opts    Options
-	log     *slog.Logger
-	view    *hostView
-	agents  *agentPool
-	metrics *metrics
-	hooks   Hooks
+	store  *store.Store
+	opts   Options
+	log    *slog.Logger
+	view   *hostView
+	agents *agentPool
+	// migrations are the agents' migration calls.
+	migrations migrationCalls
+	drains     drains
+	metrics    *metrics
+	hooks      Hooks
 	// tokens caches API token digests (tokens.go).
 	tokens tokenCache
 	// forkLocks serialises the passes of each fork (zero value ready).
@@ -199,7 +206,9 @@ func New(ctx context.Context, st *store.Store, opts Options) (*Service, error) {
 		s.hooks = *opts.Hooks
 	}
 	s.metrics = newMetrics(opts.Registry)
+	s.drains = newDrains()
 	s.agents = newAgentPool(opts.AgentToken, opts.AgentHTTPClient, opts.AgentTimeout, syncTimeout(opts.SyncInterval), s.metrics)
+	s.migrations = agentMigrations{pool: s.agents}
 	if err := s.startLease(ctx); err != nil {
 		return nil, err
 	}

@@ -146,7 +146,15 @@ func (s *Service) GetHost(ctx context.Context, name string) (api.Host, error) {
 	if err != nil {
 		return api.Host{}, fromStore(err, "read host "+name)
 	}
-	return s.withWarmReady(apiHost(h)), nil
+	out := s.withWarmReady(apiHost(h))
+	if h.Drain.State != store.DrainNone {
+		n, err := s.store.CountVMsOnHost(ctx, name)
+		if err != nil {
+			return api.Host{}, fromStore(err, "count vms of host "+name)
+		}
+		out.Drain.Remaining = n
+	}
+	return out, nil
 }
 
 // ListHosts returns one page of hosts, by name.
@@ -224,6 +232,7 @@ func apiHost(h store.Host) api.Host {
 		WarmPool:  []api.WarmPoolTarget{},
 		Isolation: h.Isolation,
 		RetiredAt: h.RetiredAt,
+		Drain:     apiDrain(h.Drain, 0),
 	}
 	if out.Labels == nil {
 		out.Labels = map[string]string{}

@@ -44,7 +44,7 @@ func newHostView(w scheduler.Weights, limit int) *hostView {
 
 func schedHost(h store.Host) scheduler.Host {
 	return scheduler.Host{
-		Name: h.Name, Alive: h.Alive, Schedulable: h.Schedulable, Images: h.Images,
+		Name: h.Name, Alive: h.Alive, Schedulable: h.Schedulable && h.Drain.State == store.DrainNone, Images: h.Images,
 		Total:              schedResources(h.Total),
 		CPUAllocationRatio: h.CPUAllocationRatio, MemoryReservedMiB: h.MemoryReservedMiB,
 		Allocated: schedResources(h.Allocated), Labels: h.Labels,

@@ -42,6 +42,7 @@ func (s *Service) Run(ctx context.Context) error {
 		} else {
 			s.resumeLapsedForks(ctx, l, resume.Go)
 		}
+		s.resumeDrains(ctx, l, resume.Go)
 		if time.Since(lastKeyCleanup) >= keyCleanupEvery {
 			if n, err := s.store.DeleteExpiredIdempotencyKeys(ctx); err != nil {
 				s.log.Warn("delete expired idempotency keys", "err", err)
@@ -64,6 +65,14 @@ func (s *Service) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			return nil
 		case <-tick.C:
+		case <-s.drains.kick:
+			// A drain was asked for: start its pass now, not a round later.
+			s.resumeDrains(ctx, s.readLeases(ctx), resume.Go)
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-tick.C:
+			}
 		}
 	}
 }
@@ -96,6 +105,7 @@ func (s *Service) syncHosts(ctx context.Context, first bool) leases {
 		})
 	}
 	wg.Wait()
+	s.settleMigrations(ctx, l)
 	s.metrics.vmStates.keepHosts(hosts)
 	s.refreshProjectMetrics(ctx)
 	if err := s.reloadView(ctx); err != nil && ctx.Err() == nil {
@@ -233,6 +243,9 @@ func (s *Service) reconcileVMs(ctx context.Context, host string, rows []store.VM
 			}
 		case creating:
 			s.settleStuckCreate(ctx, host, row, a, l)
+		case a.State == agentapi.StateMigrated:
+			// Its migration completed: the switch (the request, or
+			// settleMigrations) records the state the target reports.
 		case a.State != row.ObservedState || a.Reason != row.Reason || (a.StartedFrom != "" && a.StartedFrom != row.StartedFrom):
 			if err := s.store.SetVMState(ctx, row.ID, a.State, a.Reason, a.StartedFrom); err != nil {
 				s.log.Error("host monitor: record vm state", "vm", row.ID, "err", err)

@@ -385,6 +385,9 @@ func (s *Service) DeleteVM(ctx context.Context, id string) error {
 	if err != nil {
 		return fromStore(err, "read vm "+id)
 	}
+	if m, err := s.store.GetMigration(ctx, id); err == nil {
+		return conflictf("VM %s is being migrated from %s to %s (%s); delete it once the migration has finished", id, m.SourceHost, m.TargetHost, m.State)
+	}
 	step = timing.Since(ctx, "read", step)
 	address, alive, _ := s.view.agent(vm.HostName)
 	// A VM its agent reported missing, or lost with its retired host,
@@ -446,6 +449,7 @@ func (s *Service) apiVMs(ctx context.Context, vms []store.VM) ([]api.VM, error) 
 		}
 		out = append(out, s.withConstraints(apiVM(vm, alive[vm.HostName]), vm))
 	}
+	s.vmMigrations(ctx, out)
 	return out, nil
 }
 

@@ -80,6 +80,39 @@ func (h *handlers) retireHost(c echo.Context) error {
 	return c.JSON(http.StatusOK, out)
 }
 
+func (h *handlers) drainHost(c echo.Context) error {
+	out, err := h.svc.DrainHost(c.Request().Context(), c.Param("name"))
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, out)
+}
+
+func (h *handlers) undrainHost(c echo.Context) error {
+	out, err := h.svc.UndrainHost(c.Request().Context(), c.Param("name"))
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, out)
+}
+
+// migrateVM answers once the VM runs on its new host (synchronous, bounded
+// by the control plane's migration timeout); GET /v1/vms/{id} shows the
+// migration's progress meanwhile.
+func (h *handlers) migrateVM(c echo.Context) error {
+	var in api.VMMigrate
+	if c.Request().ContentLength != 0 {
+		if err := decode(c, &in); err != nil {
+			return err
+		}
+	}
+	out, err := h.svc.MigrateVM(c.Request().Context(), c.Param("id"), in)
+	if err != nil {
+		return err
+	}
+	return c.JSON(http.StatusOK, out)
+}
+
 func (h *handlers) createVM(c echo.Context) error {
 	ctx, timings := timing.NewContext(c.Request().Context())
 	start := time.Now()

@@ -233,6 +233,9 @@ var scopeMatrix = map[string][]string{
 	"POST /v1/tokens":                    {"admin"},
 	"GET /v1/tokens":                     {"admin"},
 	"DELETE /v1/tokens/:id":              {"admin"},
+	"POST /v1/hosts/:name/drain":         {"admin"},
+	"POST /v1/hosts/:name/undrain":       {"admin"},
+	"POST /v1/vms/:id/migrate":           {"user"},
 	// A path no route serves answers 404 no_route to any valid token.
 	"echo_route_not_found /v1/*": {"admin", "user"},
 	"echo_route_not_found /v1":   {"admin", "user"},

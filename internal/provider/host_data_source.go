@@ -73,6 +73,11 @@ func hostDataAttributes() map[string]schema.Attribute {
 			MarkdownDescription: "When the host was retired (RFC 3339, UTC); null while it is in service.",
 			Computed:            true,
 		},
+		"drain": schema.BoolAttribute{
+			MarkdownDescription: "Whether the host is drained or draining (it takes no new VM; its VMs are migrated off it).",
+			Computed:            true,
+		},
+		"drain_status": drainStatusDataAttribute(),
 		"alive": schema.BoolAttribute{
 			MarkdownDescription: "Whether the host agent answered the control API's last check.",
 			Computed:            true,

@@ -145,6 +145,13 @@ func (r *hostResource) Schema(_ context.Context, _ resource.SchemaRequest, resp 
 				MarkdownDescription: "When the host was retired (RFC 3339, UTC); null while it is in service.",
 				Computed:            true,
 			},
+			"drain": schema.BoolAttribute{
+				MarkdownDescription: drainDescription,
+				Optional:            true,
+				Computed:            true,
+				Default:             booldefault.StaticBool(false),
+			},
+			"drain_status": drainStatusResourceAttribute(),
 			"alive": schema.BoolAttribute{
 				MarkdownDescription: "Whether the host agent answered the control API's last check.",
 				Computed:            true,
@@ -233,6 +240,14 @@ func (r *hostResource) Create(ctx context.Context, req resource.CreateRequest, r
 		return
 	}
 	tflog.Info(ctx, "registered host", map[string]any{"name": name, "address": h.Address, "alive": h.Alive})
+	if plan.Drain.ValueBool() {
+		h, err = applyDrain(ctx, r.data.client, name, true)
+		r.data.wrote()
+		if err != nil {
+			addAPIError(&resp.Diagnostics, summaryCreateHost, fmt.Sprintf("draining host %q", name), err)
+			return
+		}
+	}
 	plan.fromAPI(h)
 	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
 }
@@ -297,6 +312,23 @@ func (r *hostResource) Update(ctx context.Context, req resource.UpdateRequest, r
 	if err != nil {
 		addAPIError(&resp.Diagnostics, summaryUpdateHost, fmt.Sprintf("updating host %q", name), err)
 		return
+	}
+	if drain := plan.Drain.ValueBool(); drain != state.Drain.ValueBool() ||
+		(drain && h.Drain.State != api.DrainDrained) {
+		tflog.Info(ctx, "changing the host's drain", map[string]any{"name": name, "drain": drain})
+		dh, derr := applyDrain(ctx, r.data.client, name, drain)
+		r.data.wrote()
+		if derr != nil {
+			if dh.Name != "" {
+				// What the drain did so far is the host's state now.
+				plan.fromAPI(dh)
+				plan.Drain = types.BoolValue(drain)
+				resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)
+			}
+			addAPIError(&resp.Diagnostics, summaryUpdateHost, fmt.Sprintf("draining host %q", name), derr)
+			return
+		}
+		h = dh
 	}
 	plan.fromAPI(h)
 	resp.Diagnostics.Append(resp.State.Set(ctx, &plan)...)

@@ -30,6 +30,8 @@ type hostModel struct {
 	Isolation          types.String  `tfsdk:"isolation"`
 	Retired            types.Bool    `tfsdk:"retired"`
 	RetiredAt          types.String  `tfsdk:"retired_at"`
+	Drain              types.Bool    `tfsdk:"drain"`
+	DrainStatus        types.Object  `tfsdk:"drain_status"`
 }
 
 func (m *hostModel) fromAPI(h api.Host) {
@@ -54,6 +56,8 @@ func (m *hostModel) fromAPI(h api.Host) {
 	if h.RetiredAt != nil {
 		m.RetiredAt = timestamp(*h.RetiredAt)
 	}
+	m.Drain = types.BoolValue(h.Drain.State != api.DrainNone)
+	m.DrainStatus = drainStatusValue(h.Drain)
 }
 
 // hostDataModel is a host as the data sources show it: the resource's

@@ -85,7 +85,9 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 			"a change of `vcpus` or `memory_mib` restarts a running guest (a clean power-off, then a boot in the new shape from " +
 			"the same disk); a larger `disk_mib` grows the disk without a restart; a change of `constraints` never moves the " +
 			"VM; adding or removing a `volume_attachment` block attaches or detaches the volume while the guest runs. " +
-			"`image`, `host` and a change of the configured `network_interface` blocks replace " +
+			"A change of a pinned `host` migrates the VM there in place (live while it runs, cold while it is stopped), " +
+			"keeping its id, disk and addresses; a VM the operator migrated or drained off its host shows no change, since " +
+			"`host` is computed. `image` and a change of the configured `network_interface` blocks replace " +
 			"the VM, which destroys its own disk; data that must outlive a replace belongs on a `kvm_volume`, attached " +
 			"with a `volume_attachment` block (the new VM gets the same volumes, on their host). A refresh reports the power state the host observed, so a VM stopped behind " +
 			"Terraform's back shows as a change and `terraform apply` starts it again; a VM deleted behind its back is " +
@@ -165,13 +167,15 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 			},
 			"host": schema.StringAttribute{
 				MarkdownDescription: "Name of the host to pin the VM to. Left out, the control API chooses the best host " +
-					"and this attribute reports it. Setting it to another host than the VM runs on replaces the VM.",
+					"and this attribute reports it (also after a migration or a host drain moved the VM: no change is " +
+					"planned). Setting it to another host than the VM runs on migrates the VM there in place, keeping its " +
+					"id: live while it runs (memory copied while the guest runs, then a short pause), cold while it is " +
+					"stopped. The target must take the VM under its own constraints; a VM with volumes stays with them.",
 				Optional:   true,
 				Computed:   true,
 				Validators: []validator.String{stringvalidator.LengthAtLeast(1)},
 				PlanModifiers: []planmodifier.String{
 					stringplanmodifier.UseStateForUnknown(),
-					stringplanmodifier.RequiresReplaceIfConfigured(),
 				},
 			},
 			"power_state": schema.StringAttribute{
@@ -593,6 +597,18 @@ func (r *vmResource) Update(ctx context.Context, req resource.UpdateRequest, res
 	defer cancel()
 
 	id := state.ID.ValueString()
+	if host := plan.Host.ValueString(); host != "" && !plan.Host.IsUnknown() && host != state.Host.ValueString() {
+		tflog.Info(ctx, "migrating VM to its pinned host", map[string]any{"id": id, "from": state.Host.ValueString(), "to": host})
+		_, err := r.data.client.MigrateVM(ctx, id, host)
+		r.data.wrote()
+		if err != nil {
+			resp.Diagnostics.AddAttributeError(path.Root("host"), summaryUpdateVM, fmt.Sprintf("VM %s (%q) could not migrate "+
+				"from host %s to host %s; it keeps running on %s. Choose another host or free capacity there, then run "+
+				"terraform apply again.\n\nError: %s", id, state.Name.ValueString(), state.Host.ValueString(), host,
+				state.Host.ValueString(), err))
+			return
+		}
+	}
 	// Send the whole in-place desired state: PATCH is idempotent, and the
 	// stored power_state may be the observed one, not what the API holds.
 	power := plan.PowerState.ValueString()

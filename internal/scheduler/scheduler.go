@@ -92,6 +92,10 @@ type Request struct {
 	// VolumeHost is the host of the volumes the VM attaches ("" for
 	// none): every other host is rejected (ReasonVolume).
 	VolumeHost string
+	// Source is the host a migrating VM leaves ("" for a create): it is
+	// rejected (ReasonSource). The caller counts the VM out of its group's
+	// domain there (Constraints.Counts), since it leaves it.
+	Source string
 }
 
 // NetworkHosts limits a request to the hosts a network is on.
@@ -115,11 +119,12 @@ const (
 	ReasonCPU           = "cpu"
 	ReasonDisk          = "disk"
 	ReasonVolume        = "volume"
+	ReasonSource        = "source"
 )
 
 // Reasons lists every rejection reason, in the order the filters apply.
 func Reasons() []string {
-	return []string{ReasonNotPinned, ReasonVolume, ReasonNotRegistered, ReasonNotAlive, ReasonUnschedulable, ReasonNoImage,
+	return []string{ReasonNotPinned, ReasonSource, ReasonVolume, ReasonNotRegistered, ReasonNotAlive, ReasonUnschedulable, ReasonNoImage,
 		ReasonNetwork, ReasonLabels, ReasonGroupCap, ReasonMemory, ReasonCPU, ReasonDisk}
 }
 
@@ -173,6 +178,9 @@ func Reject(h Host, req Request) Rejection {
 	}
 	if req.Host != "" && req.Host != h.Name {
 		return reject(ReasonNotPinned, "not the pinned host %q", req.Host)
+	}
+	if req.Source != "" && req.Source == h.Name {
+		return reject(ReasonSource, "source: the VM runs on this host now")
 	}
 	if req.VolumeHost != "" && req.VolumeHost != h.Name {
 		return reject(ReasonVolume, "volume: the VM's volumes are on host %q", req.VolumeHost)

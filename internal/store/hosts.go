@@ -53,7 +53,10 @@ type Host struct {
 	RetiredAt *time.Time `gorm:"column:retired_at"`
 	// AgentKey is the ed25519 public key (base64) the host's agent proved;
 	// "" until it has (hosts registered before agents joined).
-	AgentKey  string    `gorm:"column:agent_key"`
+	AgentKey string `gorm:"column:agent_key"`
+	// Drain is the host's drain (drain.go): its state ("" in service) and
+	// progress.
+	Drain     Drain     `gorm:"embedded;embeddedPrefix:drain_"`
 	CreatedAt time.Time `gorm:"column:created_at"`
 	UpdatedAt time.Time `gorm:"column:updated_at"`
 }
@@ -104,6 +107,9 @@ func (s *Store) UpsertHosts(ctx context.Context, hosts []Host) error {
 		}
 		if h.WarmPool == nil {
 			h.WarmPool = []PoolTarget{}
+		}
+		if h.Drain.Failed == nil {
+			h.Drain.Failed = DrainFailures{}
 		}
 		rows[i] = h
 	}

@@ -182,7 +182,7 @@ func (s *Store) ReserveAndInsertVM(ctx context.Context, vm VM) error {
 // vcpus, memory, disk, host, then vcpus, memory, disk again).
 const reserveOnHostSQL = `UPDATE hosts SET
 	alloc_vcpus = alloc_vcpus + ?, alloc_memory_mib = alloc_memory_mib + ?, alloc_disk_mib = alloc_disk_mib + ?
-	WHERE name = ? AND alive AND schedulable
+	WHERE name = ? AND alive AND schedulable AND drain_state = ''
 	AND alloc_vcpus + ? <= cap_vcpus AND alloc_memory_mib + ? <= cap_memory_mib AND alloc_disk_mib + ? <= cap_disk_mib`
 
 // reserveInOneStatement is the same reservation on PostgreSQL as one
@@ -409,7 +409,7 @@ func reserveStatement(vm VM, how reservation) (string, []any, error) {
 	), reserved AS (
 		UPDATE hosts SET
 			alloc_vcpus = alloc_vcpus + $1, alloc_memory_mib = alloc_memory_mib + $2, alloc_disk_mib = alloc_disk_mib + $3
-		WHERE name = $4 AND alive AND schedulable
+		WHERE name = $4 AND alive AND schedulable AND drain_state = ''
 			AND alloc_vcpus + $1 <= cap_vcpus AND alloc_memory_mib + $2 <= cap_memory_mib AND alloc_disk_mib + $3 <= cap_disk_mib
 			AND EXISTS (SELECT 1 FROM project_lock)
 			AND ($7::text = '' OR EXISTS (SELECT 1 FROM lease))`)

@@ -28,3 +28,14 @@ resource "kvm_host" "node2" {
   address     = "https://10.0.0.12:8471"
   schedulable = false
 }
+
+# A host being patched: drain = true keeps new VMs off it and migrates every
+# VM placed there to other hosts (live while they run), each under its own
+# constraints. The apply waits until the host is drained; drain_status shows
+# the progress and any VM that could not move. The kvm_vm resources of the
+# moved VMs show no change. Set drain = false once the host is back.
+resource "kvm_host" "node3" {
+  name    = "node3"
+  address = "https://10.0.0.13:8471"
+  drain   = true
+}

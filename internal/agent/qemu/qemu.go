@@ -113,7 +113,11 @@ type Driver struct {
 	// (sandbox.go). uidMu guards the uid registry, uidNext (where the next
 	// search for a free uid starts) and searchable (directories known to
 	// let QEMU's uids through).
-	runAs      bool
+	runAs bool
+	// incoming holds the agent's end of each incoming VM's stream socket
+	// pair until its memory channel arrives (migrate.go).
+	incomingMu sync.Mutex
+	incoming   map[string]*os.File
 	uidMu      sync.Mutex
 	uidNext    uint32
 	searchable map[string]bool
@@ -579,6 +583,7 @@ func (d *Driver) Shutdown(ctx context.Context, m *agent.Machine, grace time.Dura
 
 // Kill ends QEMU at once.
 func (d *Driver) Kill(_ context.Context, m *agent.Machine) error {
+	d.dropIncoming(m.ID)
 	var errs []error
 	pidfile := pidfileOf(m)
 	if err := killProcess(m.Process, pidfile); err != nil {

@@ -36,6 +36,10 @@ type Options struct {
 	CacheDir string
 	// BootDelay is how long a simulated boot takes (default 0).
 	BootDelay time.Duration
+	// MigrationTime is how long a simulated live migration's pre-copy
+	// takes (default 100 ms), in MigrationSteps steps (default 10).
+	MigrationTime  time.Duration
+	MigrationSteps int
 	// Bridges are the operator bridges the simulated host has, for NICs of
 	// mode bridge (nil: DefaultBridges).
 	Bridges []string
@@ -59,6 +63,10 @@ type Driver struct {
 	// moved it (snapshot.go); failVolumeSwitch fails such a move.
 	writing          map[string]string
 	failVolumeSwitch func(volume string) error
+	// incoming and outgoing are the simulated migration streams of each
+	// VM (migrate.go).
+	incoming map[string]string
+	outgoing map[string]string
 }
 
 var _ agent.Driver = (*Driver)(nil)
@@ -66,7 +74,7 @@ var _ agent.Driver = (*Driver)(nil)
 // New returns a simulated driver.
 func New(opts Options) *Driver {
 	return &Driver{opts: opts, state: map[string]string{}, booted: map[string]time.Time{}, ports: map[int]string{}, cursor: firstSimPort,
-		plugged: map[string]map[string]bool{}, writing: map[string]string{}}
+		plugged: map[string]map[string]bool{}, writing: map[string]string{}, incoming: map[string]string{}, outgoing: map[string]string{}}
 }
 
 // Name is "sim".
@@ -158,6 +166,8 @@ func (d *Driver) forget(id string) {
 	d.mu.Lock()
 	delete(d.state, id)
 	delete(d.plugged, id)
+	delete(d.incoming, id)
+	delete(d.outgoing, id)
 	d.mu.Unlock()
 }
 

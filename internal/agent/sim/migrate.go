@@ -1,0 +1,203 @@
+package sim
+
+// A simulated migration: the memory channel carries a few lines that stand
+// for the VM's memory ("sim-page" lines, each named a simulation), sent in
+// steps over MigrationTime while the simulated VM runs, then an end line
+// while it is paused; the target answers "ok" once it has all of it, as
+// QEMU's return path does. No guest state moves: a sim VM has none.
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"net"
+	"strings"
+	"time"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+)
+
+var _ agent.Migrator = (*Driver)(nil)
+
+// MigrationFiles: a sim VM has no files of its own.
+func (d *Driver) MigrationFiles(*agent.Machine, bool) ([]string, error) { return nil, nil }
+
+// AdoptIncomingFiles has nothing to check: a sim VM has no disk file.
+func (d *Driver) AdoptIncomingFiles(context.Context, *agent.Machine, []string) error { return nil }
+
+// PrepareIncoming marks the VM paused, waiting for its simulated stream,
+// with new simulated host ports for its forwards.
+func (d *Driver) PrepareIncoming(_ context.Context, m *agent.Machine) error {
+	for i := range m.NICs {
+		for j := range m.NICs[i].PortForwards {
+			m.NICs[i].PortForwards[j].HostPort = 0 // the source's ports are the source host's
+		}
+	}
+	if err := d.assignPorts(m); err != nil {
+		return err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.state[m.ID] = agentapi.StatePaused
+	d.incoming[m.ID] = agent.IncomingActive
+	d.plugged[m.ID] = map[string]bool{}
+	return nil
+}
+
+// Receive reads the simulated memory stream.
+func (d *Driver) Receive(_ context.Context, m *agent.Machine, channel string, conn net.Conn) error {
+	if channel != agentapi.ChannelMemory {
+		return fmt.Errorf("sim vm %s: the simulation has no %s channel", m.ID, channel)
+	}
+	fail := func(err error) error {
+		d.mu.Lock()
+		if d.incoming[m.ID] == agent.IncomingActive {
+			d.incoming[m.ID] = agent.IncomingFailed + ": " + err.Error()
+		}
+		d.mu.Unlock()
+		return err
+	}
+	br := bufio.NewReader(conn)
+	for {
+		line, err := br.ReadString('\n')
+		if err != nil {
+			return fail(fmt.Errorf("simulated stream of vm %s ended early: %w", m.ID, err))
+		}
+		line = strings.TrimSpace(line)
+		switch {
+		case strings.HasPrefix(line, "sim-page "), strings.HasPrefix(line, "sim-migration "):
+		case line == "sim-end":
+			d.mu.Lock()
+			d.incoming[m.ID] = agent.IncomingCompleted
+			d.booted[m.ID] = time.Time{}
+			d.mu.Unlock()
+			_, err := conn.Write([]byte("ok\n"))
+			return err
+		default:
+			return fail(fmt.Errorf("simulated stream of vm %s: unexpected %q", m.ID, line))
+		}
+	}
+}
+
+// IncomingState is the simulated stream's state.
+func (d *Driver) IncomingState(_ context.Context, m *agent.Machine) (string, string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	st, ok := d.incoming[m.ID]
+	if !ok {
+		return agent.IncomingFailed, "the simulated vmm is gone"
+	}
+	if reason, failed := strings.CutPrefix(st, agent.IncomingFailed+": "); failed {
+		return agent.IncomingFailed, reason
+	}
+	return st, ""
+}
+
+// MigrateOut sends the simulated stream: pre-copy steps while the VM runs,
+// then the end while it is paused, and waits for the target's answer. A
+// cancel or a failure leaves the VM running.
+func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.MigrateOut) (agentapi.Migration, error) {
+	start := time.Now()
+	d.mu.Lock()
+	was := d.state[m.ID]
+	d.outgoing[m.ID] = agent.OutgoingActive
+	d.mu.Unlock()
+	if was != agentapi.StateRunning && was != agentapi.StatePaused {
+		return agentapi.Migration{}, fmt.Errorf("sim vm %s is not running", m.ID)
+	}
+	stats := agentapi.Migration{Phase: agentapi.PhaseMemory}
+	total := m.MemoryMiB << 20
+	fail := func(err error) (agentapi.Migration, error) {
+		d.mu.Lock()
+		d.outgoing[m.ID] = agent.OutgoingFailed
+		if _, ok := d.state[m.ID]; ok {
+			d.state[m.ID] = was
+		}
+		d.mu.Unlock()
+		stats.TotalMS = time.Since(start).Milliseconds()
+		return stats, err
+	}
+	conn, err := out.Dial(ctx, agentapi.ChannelMemory)
+	if err != nil {
+		return fail(err)
+	}
+	defer func() { _ = conn.Close() }()
+	stop := context.AfterFunc(ctx, func() { _ = conn.Close() })
+	defer stop()
+	stats.SetupMS = time.Since(start).Milliseconds()
+	steps := max(d.opts.MigrationSteps, 1)
+	if d.opts.MigrationSteps == 0 {
+		steps = 10
+	}
+	dur := d.opts.MigrationTime
+	if dur == 0 {
+		dur = 100 * time.Millisecond
+	}
+	if _, err := fmt.Fprintf(conn, "sim-migration vm %s %d MiB (simulated: no guest memory moves)\n", m.ID, m.MemoryMiB); err != nil {
+		return fail(err)
+	}
+	for i := 1; i <= steps; i++ {
+		select {
+		case <-ctx.Done():
+			return fail(fmt.Errorf("migration of sim vm %s: %w", m.ID, ctx.Err()))
+		case <-time.After(dur / time.Duration(steps)):
+		}
+		if _, err := fmt.Fprintf(conn, "sim-page %d/%d\n", i, steps); err != nil {
+			return fail(err)
+		}
+		done := total * int64(i) / int64(steps)
+		stats.Memory = agentapi.MigrationBytes{Total: total, Transferred: done, Remaining: total - done}
+		stats.TotalMS = time.Since(start).Milliseconds()
+		if out.Progress != nil {
+			out.Progress(stats)
+		}
+	}
+	paused := time.Now()
+	d.mu.Lock()
+	if _, ok := d.state[m.ID]; ok {
+		d.state[m.ID] = agentapi.StatePaused
+	}
+	d.mu.Unlock()
+	stats.Phase = agentapi.PhaseStopAndCopy
+	if out.Progress != nil {
+		out.Progress(stats)
+	}
+	if _, err := conn.Write([]byte("sim-end\n")); err != nil {
+		return fail(err)
+	}
+	answer, err := bufio.NewReader(conn).ReadString('\n')
+	if err != nil || answer != "ok\n" {
+		return fail(fmt.Errorf("migration of sim vm %s: the target did not confirm the stream (%q, %v)", m.ID, answer, err))
+	}
+	d.mu.Lock()
+	d.outgoing[m.ID] = agent.OutgoingCompleted
+	d.mu.Unlock()
+	stats.DowntimeMS = max(time.Since(paused).Milliseconds(), 1)
+	stats.TotalMS = time.Since(start).Milliseconds()
+	return stats, nil
+}
+
+// OutgoingState is the simulated stream's state as the source saw it.
+func (d *Driver) OutgoingState(_ context.Context, m *agent.Machine) (string, agentapi.Migration) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	st, ok := d.outgoing[m.ID]
+	if !ok {
+		return agent.OutgoingNone, agentapi.Migration{}
+	}
+	return st, agentapi.Migration{}
+}
+
+// ResumeOutgoing runs the VM again after a completed stream its target
+// did not take.
+func (d *Driver) ResumeOutgoing(_ context.Context, m *agent.Machine) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, ok := d.state[m.ID]; !ok {
+		return fmt.Errorf("sim vm %s is not there to resume", m.ID)
+	}
+	d.state[m.ID] = agentapi.StateRunning
+	d.outgoing[m.ID] = agent.OutgoingFailed
+	return nil
+}
