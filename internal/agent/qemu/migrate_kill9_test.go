@@ -324,3 +324,60 @@ func TestKill9AfterStreamBeforeCommit(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestKill9TargetDuringPreCopy: the target agent dies mid pre-copy: the
+// migration fails on the source, where the VM runs on; the restarted
+// target reports its copy failed (its QEMU lost its stream and exited).
+func TestKill9TargetDuringPreCopy(t *testing.T) {
+	ctx := context.Background()
+	src, dst := startProcAgent(t, ""), startProcAgent(t, "")
+	const id = "k9tgt"
+	spec := migGuest(id, dirtyScript, 256)
+	if _, err := src.client.CreateVM(ctx, id, spec); err != nil {
+		t.Fatal(err)
+	}
+	src.waitCount(t, id, 20)
+	if _, err := dst.client.PutIncoming(ctx, id, agentapi.IncomingSpec{Spec: spec, Source: src.ref(), Live: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := src.client.Migrate(ctx, id, agentapi.MigrateSpec{Target: dst.ref(), Live: true, MaxDowntimeMS: 1}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(bootWait)
+	for {
+		mig, err := src.client.Migration(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if mig.Phase == agentapi.PhaseMemory && mig.Memory.Transferred > 0 {
+			break
+		}
+		if mig.State != agentapi.MigrationRunning || time.Now().After(deadline) {
+			t.Fatalf("no pre-copy: %+v", mig)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	dst.kill()
+	var mig agentapi.Migration
+	for range 600 {
+		var err error
+		if mig, err = src.client.Migration(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+		if mig.State != agentapi.MigrationRunning {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if mig.State != agentapi.MigrationFailed {
+		t.Fatalf("migration after the target's kill: %+v; want failed", mig)
+	}
+	src.waitState(t, id, agentapi.StateRunning)
+	cs := counts(src.console(id))
+	src.waitCount(t, id, cs[len(cs)-1]+10)
+	dst.start()
+	dst.waitState(t, id, agentapi.StateFailed)
+	if p := dst.running(id); len(p) != 0 {
+		t.Fatalf("target still has qemu %v", p)
+	}
+}
