@@ -35,7 +35,13 @@ func (a *Agent) putIncoming(c echo.Context) error {
 }
 
 func (a *Agent) postIncomingCommit(c echo.Context) error {
-	vm, err := a.CommitIncoming(c.Request().Context(), c.Param("id"))
+	var body agentapi.IncomingCommit
+	if c.Request().ContentLength != 0 {
+		if err := bindJSON(c, &body); err != nil {
+			return err
+		}
+	}
+	vm, err := a.CommitIncoming(c.Request().Context(), c.Param("id"), body.Paused)
 	if err != nil {
 		return err
 	}

@@ -350,8 +350,9 @@ func isZero(b []byte) bool {
 
 // CommitIncoming runs VM id (live) or records it stopped (cold) once its
 // stream completed: called by its source once the source's copy is
-// stopped for good. Committing a committed VM returns it.
-func (a *Agent) CommitIncoming(ctx context.Context, id string) (agentapi.VM, error) {
+// stopped for good; paused keeps a live VM paused (it was paused there).
+// Committing a committed VM returns it.
+func (a *Agent) CommitIncoming(ctx context.Context, id string, paused bool) (agentapi.VM, error) {
 	e, err := a.lockVM(ctx, id, "be committed")
 	if err != nil {
 		return agentapi.VM{}, err
@@ -381,10 +382,13 @@ func (a *Agent) CommitIncoming(ctx context.Context, id string) (agentapi.VM, err
 		if st != IncomingCompleted {
 			return agentapi.VM{}, migrationRefusal(id, ReasonMigrationState, "vm %s: its incoming stream has not completed (%s %s); it does not run", id, st, reason)
 		}
-		if err := a.cfg.Driver.Resume(ctx, m); err != nil {
-			return agentapi.VM{}, fmt.Errorf("run migrated vm %s: %w", id, err)
+		r.State = agentapi.StatePaused
+		if !paused {
+			if err := a.cfg.Driver.Resume(ctx, m); err != nil {
+				return agentapi.VM{}, fmt.Errorf("run migrated vm %s: %w", id, err)
+			}
+			r.State = agentapi.StateRunning
 		}
-		r.State = agentapi.StateRunning
 	} else {
 		if !r.Incoming.Files {
 			return agentapi.VM{}, migrationRefusal(id, ReasonMigrationState, "vm %s: its files have not all arrived; it cannot be committed", id)

@@ -109,7 +109,7 @@ func (a *Agent) MigrateVM(ctx context.Context, id string, spec agentapi.MigrateS
 		return agentapi.Migration{}, err
 	}
 	mig := agentapi.Migration{VMID: id, Target: spec.Target, Live: live, State: agentapi.MigrationRunning,
-		Phase: agentapi.PhaseSetup, StartedAt: time.Now().UTC()}
+		Phase: agentapi.PhaseSetup, StartedAt: time.Now().UTC(), SourcePaused: r.State == agentapi.StatePaused}
 	r.Migration = &mig
 	if err := a.saveRecord(&r); err != nil {
 		e.unlock()
@@ -262,7 +262,7 @@ func (a *Agent) commitTarget(ctx context.Context, e *vmEntry, c *agentapi.Client
 		if r.State != agentapi.StateMigrated || r.Migration == nil || r.Migration.State != agentapi.MigrationRunning {
 			return nil
 		}
-		_, err = c.CommitIncoming(ctx, e.id)
+		_, err = c.CommitIncomingAs(ctx, e.id, agentapi.IncomingCommit{Paused: r.Migration.SourcePaused})
 		if err == nil {
 			mig := *r.Migration
 			mig.State, mig.Phase, mig.Error = agentapi.MigrationCompleted, agentapi.PhaseDone, ""
@@ -306,12 +306,15 @@ func (a *Agent) rollBackLocked(ctx context.Context, e *vmEntry, why string) erro
 		return nil
 	}
 	m := machineOf(a, r)
-	if r.Migration != nil && r.Migration.Live {
+	switch {
+	case r.Migration != nil && r.Migration.Live && r.Migration.SourcePaused:
+		r.State = agentapi.StatePaused // a resume continues it (and takes its disk back)
+	case r.Migration != nil && r.Migration.Live:
 		if err := mg.ResumeOutgoing(ctx, m); err != nil {
 			return fmt.Errorf("run vm %s here again after its migration failed at the target: %w", e.id, err)
 		}
 		r.State = agentapi.StateRunning
-	} else {
+	default:
 		r.State = agentapi.StateStopped
 	}
 	r.Reason = ""

@@ -459,3 +459,33 @@ func TestMigrateTargetRestartAfterPrepare(t *testing.T) {
 		t.Fatalf("target: %s; want running", d.State)
 	}
 }
+
+// TestMigratePausedVMStaysPaused: a VM paused on the source is paused on
+// the target after a live migration, and a resume runs it there.
+func TestMigratePausedVMStaysPaused(t *testing.T) {
+	ctx := context.Background()
+	src := startMigAgent(t, sim.New(sim.Options{}))
+	dst := startMigAgent(t, sim.New(sim.Options{}))
+	spec := migSpec()
+	if _, err := src.client.CreateVM(ctx, "z1", spec); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := src.client.Action(ctx, "z1", agentapi.ActionPause); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dst.client.PutIncoming(ctx, "z1", agentapi.IncomingSpec{Spec: spec, Source: src.ref(), Live: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := src.client.Migrate(ctx, "z1", agentapi.MigrateSpec{Target: dst.ref(), Live: true}); err != nil {
+		t.Fatal(err)
+	}
+	if mig := waitMigration(t, src.client, "z1"); mig.State != agentapi.MigrationCompleted || !mig.SourcePaused {
+		t.Fatalf("migration: %+v; want completed, source paused", mig)
+	}
+	if d, _ := dst.client.GetVM(ctx, "z1"); d.State != agentapi.StatePaused {
+		t.Fatalf("target: %s; want paused", d.State)
+	}
+	if d, err := dst.client.Action(ctx, "z1", agentapi.ActionResume); err != nil || d.State != agentapi.StateRunning {
+		t.Fatalf("resume on the target: %+v, %v", d, err)
+	}
+}

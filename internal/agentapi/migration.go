@@ -119,9 +119,12 @@ type Migration struct {
 	TotalMS            int64 `json:"total_ms"`
 	SetupMS            int64 `json:"setup_ms"`
 	// Throttle is the vCPU throttle auto-converge applied, in percent.
-	Throttle  int64     `json:"throttle_pct,omitempty"`
-	StartedAt time.Time `json:"started_at"`
-	Error     string    `json:"error,omitempty"`
+	Throttle int64 `json:"throttle_pct,omitempty"`
+	// SourcePaused: the VM was paused on the source; it stays paused on
+	// the target.
+	SourcePaused bool      `json:"source_paused,omitempty"`
+	StartedAt    time.Time `json:"started_at"`
+	Error        string    `json:"error,omitempty"`
 }
 
 // MigrationStreamUpgrade is the Upgrade protocol of a migration stream.
@@ -143,6 +146,20 @@ func (c *Client) PutIncoming(ctx context.Context, id string, spec IncomingSpec) 
 func (c *Client) CommitIncoming(ctx context.Context, id string) (VM, error) {
 	var out VM
 	err := c.do(ctx, http.MethodPost, "/v1/vms/"+url.PathEscape(id)+"/incoming/commit", nil, &out, 6*c.timeout)
+	return out, err
+}
+
+// IncomingCommit is the optional body of POST /v1/vms/{id}/incoming/commit.
+type IncomingCommit struct {
+	// Paused keeps a live VM paused on the target (it was paused on the
+	// source) instead of running it.
+	Paused bool `json:"paused,omitempty"`
+}
+
+// CommitIncomingAs is CommitIncoming with a body.
+func (c *Client) CommitIncomingAs(ctx context.Context, id string, body IncomingCommit) (VM, error) {
+	var out VM
+	err := c.do(ctx, http.MethodPost, "/v1/vms/"+url.PathEscape(id)+"/incoming/commit", body, &out, 6*c.timeout)
 	return out, err
 }
 

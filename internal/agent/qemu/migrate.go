@@ -575,6 +575,7 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 		return stats, fmt.Errorf("start the migration of vm %s: %w", m.ID, err)
 	}
 	progress(agentapi.Migration{Phase: agentapi.PhaseMemory, Disk: stats.Disk})
+	var preSwitch, mirrorEnded time.Time
 	cancelled := false
 	cancel := func() {
 		if cancelled {
@@ -616,6 +617,13 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 			if err := waitPostmigrate(cctx, q); err != nil {
 				return stats, err
 			}
+			var mirrorMS, continueMS int64
+			if !preSwitch.IsZero() {
+				mirrorMS, continueMS = mirrorEnded.Sub(preSwitch).Milliseconds(), time.Since(mirrorEnded).Milliseconds()
+			}
+			d.log.Info("migration stream completed", "vm", m.ID, "downtime_ms", s.Downtime, "total_ms", s.TotalTime,
+				"setup_ms", s.SetupTime, "ram_bytes", p.Memory.Transferred, "throttle_pct", s.Throttle,
+				"mirror_end_ms", mirrorMS, "continue_to_completed_ms", continueMS)
 			p.Phase = agentapi.PhaseStopAndCopy
 			progress(p)
 			mirroring = false // ended at the switch
@@ -636,12 +644,14 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 		case "pre-switchover":
 			// The guest is paused: the mirror ends in sync (a ready mirror
 			// cancelled completes without pivot), then the device state goes.
+			preSwitch = time.Now()
 			if err := d.switchDisk(ctx, q); err != nil {
 				d.log.Warn("end the disk mirror at the switch; cancelling", "vm", m.ID, "err", err)
 				cancel()
 				continue
 			}
 			mirroring = false
+			mirrorEnded = time.Now()
 			if err := q.run(ctx, "migrate-continue", map[string]any{"state": "pre-switchover"}, nil); err != nil {
 				cancel()
 				continue

@@ -279,3 +279,73 @@ func TestLiveMigrationCancelKeepsSourceRunning(t *testing.T) {
 func processesOf2(f *forkAgent, id string) []int {
 	return qemu.ProcessesOf(filepath.Join(f.dir, "vms", id))
 }
+
+// TestMigrationMovesDisk: what the guest wrote to its disk is there after
+// a live migration (the NBD mirror) and after a cold one back (the files).
+func TestMigrationMovesDisk(t *testing.T) {
+	ctx := context.Background()
+	src := startForkAgent(t, t.TempDir())
+	dst := startForkAgent(t, t.TempDir())
+	const id = "disk"
+	script := "#!/bin/sh\nprintf 'kvm-marker:moved-by-mirror\\n' | dd of=/dev/vda conv=notrunc 2>/dev/null\nsync\necho kvm-marker-written\n"
+	spec := migGuest(id, script, 128)
+	if _, err := src.client.CreateVM(ctx, id, spec); err != nil {
+		t.Fatal(err)
+	}
+	marker := regexp.MustCompile(`(?m)^kvm-guest-disk-marker vda kvm-marker:moved-by-mirror`)
+	waitFor := func(f *forkAgent, re *regexp.Regexp, n int) {
+		t.Helper()
+		deadline := time.Now().Add(bootWait)
+		for len(re.FindAllString(f.console(t, id), -1)) < n {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s not %d times on the console:\n%s", re, n, f.console(t, id))
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	waitFor(src, regexp.MustCompile(`(?m)^kvm-marker-written`), 1)
+	if mig := liveMigrate(t, src, dst, id, spec, agentapi.MigrateSpec{}); mig.State != agentapi.MigrationCompleted {
+		t.Fatalf("live migration: %+v", mig)
+	}
+	t.Logf("disk mirrored: %+v", mig0(t, src, id).Disk)
+	// A reboot on the target reads the marker from the mirrored overlay.
+	if _, err := dst.client.Action(ctx, id, agentapi.ActionStop); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dst.client.Action(ctx, id, agentapi.ActionStart); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(dst, marker, 1)
+	if _, err := dst.client.Action(ctx, id, agentapi.ActionStop); err != nil {
+		t.Fatal(err)
+	}
+	// Cold, back to the source (its migrated copy deleted first).
+	if err := src.client.DeleteVM(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := src.client.PutIncoming(ctx, id, agentapi.IncomingSpec{Spec: spec, Source: peerRef(dst)}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dst.client.Migrate(ctx, id, agentapi.MigrateSpec{Target: peerRef(src)}); err != nil {
+		t.Fatal(err)
+	}
+	if mig := waitMigrated(t, dst, id); mig.State != agentapi.MigrationCompleted || mig.Live {
+		t.Fatalf("cold migration: %+v", mig)
+	}
+	if vm, err := src.client.GetVM(ctx, id); err != nil || vm.State != agentapi.StateStopped {
+		t.Fatalf("after the cold migration: %+v, %v; want stopped", vm, err)
+	}
+	if _, err := src.client.Action(ctx, id, agentapi.ActionStart); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(src, marker, 1)
+}
+
+func mig0(t *testing.T, f *forkAgent, id string) agentapi.Migration {
+	t.Helper()
+	mig, err := f.client.Migration(context.Background(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return mig
+}
