@@ -54,6 +54,9 @@ type projectDecision struct {
 	how   string
 	param string // byObject: the kind of object the path parameter names
 	why   string
+	// fixed: byObject, the values of the route's other path parameters
+	// (":volume" of a VM's volume), the same in both requests.
+	fixed map[string]string
 }
 
 // projectDecisions is how every route the server serves is walked by a
@@ -76,37 +79,41 @@ var projectDecisions = map[string]projectDecision{
 	"PATCH /v1/vms/:id":            {how: byObject, param: paramVM},
 	"DELETE /v1/vms/:id":           {how: byObject, param: paramVM},
 	"POST /v1/vms/:id/migrate":     {how: byObject, param: paramVM},
-	"POST /v1/placements":          {how: byBody},
-	"POST /v1/forks":               {how: byBody},
-	"GET /v1/forks/:id":            {how: byObject, param: paramFork},
-	"PATCH /v1/forks/:id":          {how: byObject, param: paramFork},
-	"DELETE /v1/forks/:id":         {how: byObject, param: paramFork},
-	"POST /v1/networks":            {how: adminOnly, why: "networks are made by admins, for a project"},
-	"GET /v1/networks":             {how: byList},
-	"GET /v1/networks/:name":       {how: byObject, param: paramNetwork},
-	"PATCH /v1/networks/:name":     {how: byObject, param: paramNetwork},
-	"DELETE /v1/networks/:name":    {how: byObject, param: paramNetwork},
-	"POST /v1/images":              {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
-	"GET /v1/images":               {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
-	"GET /v1/images/:name":         {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
-	"PATCH /v1/images/:name":       {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
-	"DELETE /v1/images/:name":      {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
-	"GET /v1/whoami":               {how: noObject, why: "answers the caller's own token: its scopes and project"},
-	"POST /v1/tokens":              {how: adminOnly, why: "tokens are made by admins; a project token never makes one"},
-	"GET /v1/tokens":               {how: adminOnly, why: "tokens are listed by admins only"},
-	"DELETE /v1/tokens/:id":        {how: byObject, param: paramToken},
-	"POST /v1/projects":            {how: adminOnly, why: "projects are made by admins"},
-	"GET /v1/projects":             {how: byList},
-	"GET /v1/projects/:name":       {how: byObject, param: paramProject},
-	"PATCH /v1/projects/:name":     {how: byObject, param: paramProject},
-	"DELETE /v1/projects/:name":    {how: byObject, param: paramProject},
-	"POST /v1/volumes":             {how: byBody},
-	"GET /v1/volumes":              {how: byList},
-	"GET /v1/volumes/:ref":         {how: byObject, param: paramVolume},
-	"PATCH /v1/volumes/:ref":       {how: byObject, param: paramVolume},
-	"POST /v1/volumes/:ref/resize": {how: byObject, param: paramVolume},
-	"POST /v1/volumes/:ref/move":   {how: byObject, param: paramVolume},
-	"DELETE /v1/volumes/:ref":      {how: byObject, param: paramVolume},
+	"POST /v1/vms/:id/volumes":     {how: byObject, param: paramVM},
+	// B's VM with a volume name that names none: the answer must be the one for an
+	// unknown VM (B's volume in A's attach is TestVolumeHotAttachBadInput's).
+	"DELETE /v1/vms/:id/volumes/:volume": {how: byObject, param: paramVM, fixed: map[string]string{":volume": "alpha-vol"}},
+	"POST /v1/placements":                {how: byBody},
+	"POST /v1/forks":                     {how: byBody},
+	"GET /v1/forks/:id":                  {how: byObject, param: paramFork},
+	"PATCH /v1/forks/:id":                {how: byObject, param: paramFork},
+	"DELETE /v1/forks/:id":               {how: byObject, param: paramFork},
+	"POST /v1/networks":                  {how: adminOnly, why: "networks are made by admins, for a project"},
+	"GET /v1/networks":                   {how: byList},
+	"GET /v1/networks/:name":             {how: byObject, param: paramNetwork},
+	"PATCH /v1/networks/:name":           {how: byObject, param: paramNetwork},
+	"DELETE /v1/networks/:name":          {how: byObject, param: paramNetwork},
+	"POST /v1/images":                    {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
+	"GET /v1/images":                     {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
+	"GET /v1/images/:name":               {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
+	"PATCH /v1/images/:name":             {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
+	"DELETE /v1/images/:name":            {how: fleetWide, why: "images are the fleet's: readable by every token, written by admins"},
+	"GET /v1/whoami":                     {how: noObject, why: "answers the caller's own token: its scopes and project"},
+	"POST /v1/tokens":                    {how: adminOnly, why: "tokens are made by admins; a project token never makes one"},
+	"GET /v1/tokens":                     {how: adminOnly, why: "tokens are listed by admins only"},
+	"DELETE /v1/tokens/:id":              {how: byObject, param: paramToken},
+	"POST /v1/projects":                  {how: adminOnly, why: "projects are made by admins"},
+	"GET /v1/projects":                   {how: byList},
+	"GET /v1/projects/:name":             {how: byObject, param: paramProject},
+	"PATCH /v1/projects/:name":           {how: byObject, param: paramProject},
+	"DELETE /v1/projects/:name":          {how: byObject, param: paramProject},
+	"POST /v1/volumes":                   {how: byBody},
+	"GET /v1/volumes":                    {how: byList},
+	"GET /v1/volumes/:ref":               {how: byObject, param: paramVolume},
+	"PATCH /v1/volumes/:ref":             {how: byObject, param: paramVolume},
+	"POST /v1/volumes/:ref/resize":       {how: byObject, param: paramVolume},
+	"POST /v1/volumes/:ref/move":         {how: byObject, param: paramVolume},
+	"DELETE /v1/volumes/:ref":            {how: byObject, param: paramVolume},
 	// A path no route serves answers no_route whatever it names.
 	"echo_route_not_found /v1/*": {how: byObject, param: paramVM},
 	"echo_route_not_found /v1":   {how: noObject, why: "the bare prefix names nothing"},
@@ -237,11 +244,15 @@ func randomLabel(n int) string {
 }
 
 // fillPath puts value into the one path parameter (or wildcard) of route.
-func fillPath(t *testing.T, route, value string) string {
+func fillPath(t *testing.T, route, value string, fixed map[string]string) string {
 	t.Helper()
 	parts := strings.Split(route, "/")
 	n := 0
 	for i, s := range parts {
+		if v, ok := fixed[s]; ok {
+			parts[i] = url.PathEscape(v)
+			continue
+		}
 		if strings.HasPrefix(s, ":") || s == "*" {
 			parts[i] = url.PathEscape(value)
 			n++
@@ -388,6 +399,7 @@ func TestProjectIsolationWalk(t *testing.T) {
 		"PATCH /v1/volumes/:ref":       `{"size_mib":128}`,
 		"POST /v1/volumes/:ref/resize": `{"size_mib":128}`,
 		"POST /v1/volumes/:ref/move":   `{"host":"probe-host"}`,
+		"POST /v1/vms/:id/volumes":     `{"volume":"alpha-vol"}`,
 		"PUT /v1/hosts/:name":          `{"address":"http://127.0.0.1:1"}`,
 		"PATCH /v1/images/:name":       `{}`,
 		"POST /v1/images":              `{}`,
@@ -619,8 +631,8 @@ func TestProjectIsolationWalk(t *testing.T) {
 				unknown := unknownLike(d.param)
 				body := objectBodies[key]
 				w.same(fmt.Sprintf("%s as project A (%s)", key, d.param), other, unknown,
-					w.send(method, fillPath(t, r.Path, other), a, body, nil),
-					w.send(method, fillPath(t, r.Path, unknown), a, body, nil), false)
+					w.send(method, fillPath(t, r.Path, other, d.fixed), a, body, nil),
+					w.send(method, fillPath(t, r.Path, unknown, d.fixed), a, body, nil), false)
 			}
 		case byBody:
 			probes, ok := bodyProbes[key]
