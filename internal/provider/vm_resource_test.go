@@ -282,10 +282,11 @@ func TestAccVM_hostPin(t *testing.T) {
 				Check: f.checkAgentVMCount("h2", 1),
 			},
 			{
-				// Another pin moves the VM, which only a replacement can do.
+				// Another pin migrates the VM there in place: the same VM
+				// (TestAccVM_migrate checks its id), only on the other host.
 				Config: vmConfig(f, "pinned", "sim", 1, `host = "h1"`),
 				ConfigPlanChecks: resource.ConfigPlanChecks{
-					PreApply: []plancheck.PlanCheck{plancheck.ExpectResourceAction(vmAddr, plancheck.ResourceActionDestroyBeforeCreate)},
+					PreApply: []plancheck.PlanCheck{plancheck.ExpectResourceAction(vmAddr, plancheck.ResourceActionUpdate)},
 				},
 				ConfigStateChecks: []statecheck.StateCheck{
 					statecheck.ExpectKnownValue(vmAddr, tfjsonpath.New("host"), knownvalue.StringExact("h1")),
