@@ -152,7 +152,7 @@ func (s *Service) forkChildVolume(ctx context.Context, f store.Fork, vm store.VM
 		return store.Volume{}, fromAgent(err, vm.HostName, fmt.Sprintf("make volume %s of child %s of fork %s", name, vm.Name, f.ID))
 	}
 	if v.State != store.VolumeReady {
-		if err := s.store.MarkVolumeReady(ctx, v.ID); err != nil {
+		if err := s.store.MarkVolumeReady(ctx, v.ID); err != nil && !s.volumeReadyNow(ctx, v.ID, err) {
 			return store.Volume{}, fromStore(err, "record volume "+name+" ready")
 		}
 	}
@@ -160,6 +160,18 @@ func (s *Service) forkChildVolume(ctx context.Context, f store.Fork, vm store.VM
 	s.log.Info("fork child volume made", "fork", f.ID, "vm", vm.ID, "volume", v.ID, "name", name, "host", vm.HostName,
 		"pulled", vm.HostName != f.SourceHost)
 	return v, nil
+}
+
+// volumeReadyNow reports whether a volume that MarkVolumeReady did not
+// find creating (err) is ready after all: the host monitor, finishing the
+// create a dead replica left, may have marked it ready while a resumed
+// fork pass made the same volume (the agent's create is idempotent).
+func (s *Service) volumeReadyNow(ctx context.Context, id string, err error) bool {
+	if !errors.Is(err, store.ErrNotFound) {
+		return false
+	}
+	cur, gerr := s.store.GetVolume(ctx, id)
+	return gerr == nil && cur.State == store.VolumeReady
 }
 
 // forkVolumePeer is the source's agent that a spilled child's volume is
