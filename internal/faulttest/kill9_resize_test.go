@@ -1,15 +1,9 @@
 package faulttest
 
 import (
-	"context"
 	"fmt"
-	"io"
 	"net/http"
-	"net/http/httptest"
-	"net/http/httputil"
-	"net/url"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -17,47 +11,13 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
 )
 
-// resizeGate sits between kvmd control and a sim agent. The first resize
-// call (PUT /v1/vms/{id}/shape) is held there, before the agent sees it or
-// after the agent applied it, and reached is closed; it is released only
-// when its caller goes away (the kill). Every other call passes.
-type resizeGate struct {
-	forward bool // let the agent apply the held resize first
-	reached chan struct{}
-	stop    chan struct{} // closed at the end of the test: release a held call
-	held    atomic.Bool
-	address string
-}
-
-func startResizeGate(t *testing.T, agentURL string, forward bool) *resizeGate {
+// startResizeGate holds the first resize call (PUT /v1/vms/{id}/shape)
+// to the agent, before the agent sees it or after it applied it (forward).
+func startResizeGate(t *testing.T, agentURL string, forward bool) *callGate {
 	t.Helper()
-	g := &resizeGate{forward: forward, reached: make(chan struct{}), stop: make(chan struct{})}
-	target, err := url.Parse(agentURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := httputil.NewSingleHostReverseProxy(target)
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Method != http.MethodPut || !strings.HasSuffix(r.URL.Path, "/shape") || !g.held.CompareAndSwap(false, true) {
-			proxy.ServeHTTP(w, r)
-			return
-		}
-		if g.forward {
-			// The agent does the work whatever happens to the caller.
-			proxy.ServeHTTP(httptest.NewRecorder(), r.WithContext(context.WithoutCancel(r.Context())))
-		} else {
-			// Read to the end, so that the server notices the caller hang up.
-			_, _ = io.Copy(io.Discard, r.Body)
-		}
-		close(g.reached)
-		select {
-		case <-r.Context().Done():
-		case <-g.stop:
-		}
-	}))
-	t.Cleanup(func() { close(g.stop); srv.Close() })
-	g.address = srv.URL
-	return g
+	return startCallGate(t, agentURL, forward, func(r *http.Request) bool {
+		return r.Method == http.MethodPut && strings.HasSuffix(r.URL.Path, "/shape")
+	})
 }
 
 // kvmd control is killed with SIGKILL in the middle of a resize: after it

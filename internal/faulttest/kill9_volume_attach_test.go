@@ -4,11 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
-	"net/http/httptest"
-	"net/http/httputil"
-	"net/url"
 	"regexp"
 	"slices"
 	"strings"
@@ -26,47 +22,14 @@ import (
 // vmVolumePath is an agent's attach (PUT) or detach (DELETE) of a volume.
 var vmVolumePath = regexp.MustCompile(`^/v1/vms/[^/]+/volumes/[^/]+$`)
 
-// volumeCallGate sits between kvmd control and a sim agent and holds the
-// first attach (PUT) or detach (DELETE) call to the agent there, before
-// the agent sees it or after the agent applied it; reached is closed
-// then. The held call is released only when its caller goes away (the
-// kill). Every other call passes.
-type volumeCallGate struct {
-	method  string
-	forward bool
-	reached chan struct{}
-	stop    chan struct{}
-	held    atomic.Bool
-	address string
-}
-
-func startVolumeCallGate(t *testing.T, agentURL, method string, forward bool) *volumeCallGate {
+// startVolumeCallGate holds the first attach (PUT) or detach (DELETE)
+// call of method to the agent, before the agent sees it or after it
+// applied it (forward).
+func startVolumeCallGate(t *testing.T, agentURL, method string, forward bool) *callGate {
 	t.Helper()
-	g := &volumeCallGate{method: method, forward: forward, reached: make(chan struct{}), stop: make(chan struct{})}
-	target, err := url.Parse(agentURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := httputil.NewSingleHostReverseProxy(target)
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Method != g.method || !vmVolumePath.MatchString(r.URL.Path) || !g.held.CompareAndSwap(false, true) {
-			proxy.ServeHTTP(w, r)
-			return
-		}
-		if g.forward {
-			proxy.ServeHTTP(httptest.NewRecorder(), r.WithContext(context.WithoutCancel(r.Context())))
-		} else {
-			_, _ = io.Copy(io.Discard, r.Body)
-		}
-		close(g.reached)
-		select {
-		case <-r.Context().Done():
-		case <-g.stop:
-		}
-	}))
-	t.Cleanup(func() { close(g.stop); srv.Close() })
-	g.address = srv.URL
-	return g
+	return startCallGate(t, agentURL, forward, func(r *http.Request) bool {
+		return r.Method == method && vmVolumePath.MatchString(r.URL.Path)
+	})
 }
 
 // vmVolumes lists what an agent has on each VM: vm -> "volume/read_only".

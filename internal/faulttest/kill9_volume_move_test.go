@@ -4,12 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
-	"net/http/httptest"
-	"net/http/httputil"
-	"net/url"
 	"os"
 	"path/filepath"
 	"slices"
@@ -23,52 +19,6 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
 )
-
-// callGate sits between kvmd control and an agent. The first call that
-// matches is held there (after the agent answered it when forward is set,
-// else before the agent sees it) and reached is closed; it is released
-// only when its caller goes away (the kill) or the test ends. Every other
-// call passes.
-type callGate struct {
-	match   func(r *http.Request) bool
-	forward bool
-	reached chan struct{}
-	stop    chan struct{}
-	abort   chan struct{} // closed by the test: the held call's connection is cut
-	held    atomic.Bool
-	address string
-}
-
-func startCallGate(t *testing.T, agentURL string, forward bool, match func(r *http.Request) bool) *callGate {
-	t.Helper()
-	g := &callGate{match: match, forward: forward, reached: make(chan struct{}), stop: make(chan struct{}), abort: make(chan struct{})}
-	target, err := url.Parse(agentURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := httputil.NewSingleHostReverseProxy(target)
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if !g.match(r) || !g.held.CompareAndSwap(false, true) {
-			proxy.ServeHTTP(w, r)
-			return
-		}
-		if g.forward {
-			proxy.ServeHTTP(httptest.NewRecorder(), r.WithContext(context.WithoutCancel(r.Context())))
-		} else {
-			_, _ = io.Copy(io.Discard, r.Body)
-		}
-		close(g.reached)
-		select {
-		case <-r.Context().Done():
-		case <-g.stop:
-		case <-g.abort:
-			panic(http.ErrAbortHandler)
-		}
-	}))
-	t.Cleanup(func() { close(g.stop); srv.Close() })
-	g.address = srv.URL
-	return g
-}
 
 // movedVolumesLedger checks that every volume is ready, that each host's disk
 // allocation equals the sizes of the volumes on it (the test has no VMs),
