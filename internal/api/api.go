@@ -47,8 +47,18 @@ const (
 	ForkSnapshotting = "snapshotting"
 	ForkSpawning     = "spawning"
 	ForkReady        = "ready"
-	ForkFailed       = "failed"
+	// ForkRetrying: the last pass failed (Error says why) and the control
+	// plane runs it again at RetryAt, up to MaxForkAttempts passes in all.
+	ForkRetrying = "retrying"
+	// ForkFailed is terminal: MaxForkAttempts passes failed in a row. Only
+	// a request (a retried POST, a PATCH) runs the fork again; DELETE
+	// removes it.
+	ForkFailed = "failed"
 )
+
+// MaxForkAttempts is how many passes of a fork may fail in a row before it
+// is failed for good (a request's pass and the control plane's retries).
+const MaxForkAttempts = 3
 
 // Resources is an amount of capacity. Memory and disk are in MiB, CPUs in whole vCPUs.
 type Resources struct {
@@ -390,7 +400,12 @@ type Fork struct {
 	SnapshotID    string `json:"snapshot_id"`
 	SnapshotTaken bool   `json:"snapshot_taken"`
 	Phase         string `json:"phase"`
-	Error         string `json:"error,omitempty"`
+	// Error is the reason the last pass failed (phases retrying and failed).
+	Error string `json:"error,omitempty"`
+	// Attempts counts the passes that failed in a row; RetryAt is when the
+	// control plane runs the next one (phase retrying only).
+	Attempts int        `json:"attempts"`
+	RetryAt  *time.Time `json:"retry_at,omitempty"`
 	// Constraints apply to every child.
 	Constraints *Constraints `json:"constraints,omitempty"`
 	Children    []VM         `json:"children"`

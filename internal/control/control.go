@@ -63,6 +63,10 @@ type Options struct {
 	// 10 s; at least 3 intervals). See leases.go.
 	LeaseInterval time.Duration
 	LeaseLapse    time.Duration
+	// ForkRetryBackoff is how long after a fork's first failed pass the
+	// host monitor runs it again; each later retry waits twice as long, up
+	// to api.MaxForkAttempts passes (default 30 s).
+	ForkRetryBackoff time.Duration
 }
 
 // Hooks let tests inject failures at points that are otherwise hard to reach.
@@ -108,6 +112,8 @@ type Service struct {
 	tokens tokenCache
 	// forkLocks serialises the passes of each fork (zero value ready).
 	forkLocks keyedLocks
+	// forkResumes are the forks whose pass the host monitor runs now.
+	forkResumes inflight
 	// volumeMoves are the volume moves this replica runs now (volume_move.go).
 	volumeMoves inflight
 	// networks caches networks for creates; ipam holds the address hints.
@@ -134,7 +140,9 @@ const (
 	defaultAgentTimeout   = 10 * time.Second
 	defaultDeadAfter      = 3
 	defaultCandidateLimit = 32
-	minIdempotencyTTL     = 24 * time.Hour
+	// defaultForkRetryBackoff: a failed fork pass runs again after 30 s, then 60 s.
+	defaultForkRetryBackoff = 30 * time.Second
+	minIdempotencyTTL       = 24 * time.Hour
 	// idempotencyLease is how long a request may hold its key in flight
 	// before another replica may assume it was abandoned (its replica died).
 	idempotencyLease = 15 * time.Minute
@@ -172,6 +180,9 @@ func New(ctx context.Context, st *store.Store, opts Options) (*Service, error) {
 	}
 	if opts.LeaseLapse < 3*opts.LeaseInterval {
 		opts.LeaseLapse = max(defaultLeaseLapse, 3*opts.LeaseInterval)
+	}
+	if opts.ForkRetryBackoff <= 0 {
+		opts.ForkRetryBackoff = defaultForkRetryBackoff
 	}
 	if opts.IdempotencyTTL < minIdempotencyTTL {
 		opts.IdempotencyTTL = minIdempotencyTTL

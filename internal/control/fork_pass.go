@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
@@ -37,29 +38,37 @@ const forkConcurrency = 4
 // snapshot (idempotent on the fork id) -> snapshot_taken durable -> the
 // children slot by slot, each reserved like any VM and recorded right
 // after it starts. A child already there is kept and never started again.
-// Any interrupted or failed pass can run again from the top.
-func (s *Service) forkPass(ctx context.Context, id string) (api.Fork, error) {
+// Any interrupted or failed pass can run again from the top. A request's
+// pass (fresh) starts a new count of failed attempts; a retry of the host
+// monitor continues the count (recordForkFailure).
+func (s *Service) forkPass(ctx context.Context, id string, fresh bool) (api.Fork, error) {
 	unlock := s.forkLocks.lock(id)
 	defer unlock()
-	return s.forkPassLocked(ctx, id)
+	return s.forkPassLocked(ctx, id, fresh)
 }
 
 // forkPassLocked is forkPass for a caller that holds the fork's lock.
-func (s *Service) forkPassLocked(ctx context.Context, id string) (api.Fork, error) {
+func (s *Service) forkPassLocked(ctx context.Context, id string, fresh bool) (api.Fork, error) {
+	f, err := s.store.GetFork(ctx, id)
+	if err != nil {
+		return api.Fork{}, fromStore(err, "read fork "+id)
+	}
+	failedBefore := f.Attempts
+	if fresh {
+		failedBefore = 0
+	}
 	// A simulated crash cancels the rest of the pass (the other children).
 	ctx, crash := context.WithCancelCause(ctx)
 	defer crash(nil)
-	err := s.runForkPass(ctx, crash, id)
+	err = s.runForkPass(ctx, crash, id)
 	if crashed(ctx) || errors.Is(err, ErrSimulatedCrash) {
 		return api.Fork{}, internal(ErrSimulatedCrash, "fork "+id+": pass stopped by a simulated crash")
 	}
 	if err != nil {
-		if werr := s.store.SetForkPhase(ctx, id, api.ForkFailed, err.Error()); werr != nil {
-			s.log.Error("record failed fork pass", "fork", id, "err", werr)
-		}
+		next := s.recordForkFailure(ctx, id, failedBefore+1, err)
 		var e *Error
 		if errors.As(err, &e) {
-			e.Message += fmt.Sprintf("; fork %s is kept in phase failed (a retry, a PATCH or DELETE /v1/forks/%s continues)", id, id)
+			e.Message += "; " + next
 			if e.Details == nil {
 				e.Details = map[string]any{}
 			}
@@ -67,10 +76,34 @@ func (s *Service) forkPassLocked(ctx context.Context, id string) (api.Fork, erro
 		}
 		return api.Fork{}, err
 	}
-	if err := s.store.SetForkPhase(ctx, id, api.ForkReady, ""); err != nil {
+	if err := s.store.SetForkReady(ctx, id); err != nil {
 		return api.Fork{}, fromStore(err, "record fork "+id+" ready")
 	}
 	return s.GetFork(ctx, id)
+}
+
+// recordForkFailure records the attempts-th failed pass in a row: retrying
+// with a backoff (ForkRetryBackoff, doubling) while attempts remain, else
+// failed for good, so that no replica runs it again by itself. It returns
+// what happens next, for the error message.
+func (s *Service) recordForkFailure(ctx context.Context, id string, attempts int, cause error) string {
+	phase, next := api.ForkFailed, fmt.Sprintf(
+		"fork %s failed %d passes in a row and is kept in phase failed; a retry of the request, a PATCH or DELETE /v1/forks/%s continues",
+		id, attempts, id)
+	var retryAt *time.Time
+	if attempts < api.MaxForkAttempts {
+		at := time.Now().Add(s.opts.ForkRetryBackoff << (attempts - 1))
+		phase, retryAt = api.ForkRetrying, &at
+		next = fmt.Sprintf("fork %s is kept in phase retrying: attempt %d of %d failed, the next runs at %s (a retry, a PATCH or DELETE /v1/forks/%s continues now)",
+			id, attempts, api.MaxForkAttempts, at.UTC().Format(time.RFC3339), id)
+	}
+	if err := s.store.RecordForkFailure(ctx, id, phase, cause.Error(), attempts, retryAt); err != nil {
+		s.log.Error("record failed fork pass", "fork", id, "err", err)
+	}
+	if phase == api.ForkFailed {
+		s.log.Warn("fork failed for good: no replica retries it by itself", "fork", id, "attempts", attempts, "err", cause)
+	}
+	return next
 }
 
 func crashed(ctx context.Context) bool { return errors.Is(context.Cause(ctx), ErrSimulatedCrash) }

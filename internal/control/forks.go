@@ -82,7 +82,7 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 			if err := sameForkRequest(f, in, key); err != nil {
 				return api.Fork{}, err
 			}
-			return s.forkPass(ctx, f.ID)
+			return s.forkPass(ctx, f.ID, true)
 		}
 	}
 	src, err := s.visibleVM(ctx, in.SourceVMID)
@@ -118,13 +118,13 @@ func (s *Service) createFork(ctx context.Context, in api.ForkCreate, key string)
 				if err := sameForkRequest(g, in, key); err != nil {
 					return api.Fork{}, err
 				}
-				return s.forkPass(ctx, g.ID)
+				return s.forkPass(ctx, g.ID, true)
 			}
 		}
 		return api.Fork{}, fromStore(err, "record fork of vm "+src.ID)
 	}
 	s.log.Info("fork created", "fork", f.ID, "source", src.ID, "host", src.HostName, "count", f.Count, "placement", f.Placement)
-	return s.forkPass(ctx, f.ID)
+	return s.forkPass(ctx, f.ID, true)
 }
 
 // GetFork returns a fork and its children.
@@ -143,8 +143,8 @@ func (s *Service) GetFork(ctx context.Context, id string) (api.Fork, error) {
 	}
 	return api.Fork{
 		ID: f.ID, Project: f.Project, SourceVMID: f.SourceVMID, Count: f.Count, PauseSource: f.PauseSource, Placement: f.Placement,
-		SnapshotID: f.ID, SnapshotTaken: f.SnapshotTaken, Phase: f.Phase, Error: f.Error, Children: vms,
-		Constraints: parseConstraints(f.Constraints), CreatedAt: f.CreatedAt,
+		SnapshotID: f.ID, SnapshotTaken: f.SnapshotTaken, Phase: f.Phase, Error: f.Error, Attempts: f.Attempts, Children: vms,
+		Constraints: parseConstraints(f.Constraints), CreatedAt: f.CreatedAt, RetryAt: retryAt(f),
 	}, nil
 }
 
@@ -176,7 +176,7 @@ func (s *Service) UpdateFork(ctx context.Context, id string, in api.ForkPatch) (
 			return api.Fork{}, fromStore(err, "update count of fork "+id)
 		}
 	}
-	return s.forkPass(ctx, id)
+	return s.forkPass(ctx, id, true)
 }
 
 // DeleteFork removes the children (each like a VM delete: agent first,
@@ -260,9 +260,24 @@ func (s *Service) ResumeForks(ctx context.Context, before time.Time) {
 	}
 }
 
+// retryAt is when a retrying fork's next pass is due (nil otherwise).
+func retryAt(f store.Fork) *time.Time {
+	if f.Phase != api.ForkRetrying || f.RetryAt == nil {
+		return nil
+	}
+	at := f.RetryAt.UTC()
+	return &at
+}
+
 // resumeFork runs the pass of one unfinished fork unless a request
-// finished it meanwhile (checked under the fork's lock).
+// finished it meanwhile, it failed for good, or its retry is not due yet
+// (checked under the fork's lock). A pass of this process that resumes the
+// fork already (a round of the monitor before) is left to finish.
 func (s *Service) resumeFork(ctx context.Context, id string) {
+	if !s.forkResumes.begin(id) {
+		return
+	}
+	defer s.forkResumes.end(id)
 	unlock := s.forkLocks.lock(id)
 	defer unlock()
 	f, err := s.store.GetFork(ctx, id)
@@ -272,11 +287,14 @@ func (s *Service) resumeFork(ctx context.Context, id string) {
 		}
 		return
 	}
-	if f.Phase == api.ForkReady {
+	if f.Phase == api.ForkReady || f.Phase == api.ForkFailed {
 		return
 	}
-	if _, err := s.forkPassLocked(ctx, id); err != nil {
-		s.log.Warn("resume fork: pass failed; a retry or PATCH resumes it again", "fork", id, "err", err)
+	if f.Phase == api.ForkRetrying && f.RetryAt != nil && f.RetryAt.After(time.Now()) {
+		return
+	}
+	if _, err := s.forkPassLocked(ctx, id, false); err != nil {
+		s.log.Warn("resume fork: pass failed", "fork", id, "err", err)
 		return
 	}
 	s.log.Info("fork resumed", "fork", id)

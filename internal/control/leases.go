@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
 )
 
@@ -137,11 +138,10 @@ func (s *Service) takeOver(ctx context.Context, row store.VM) bool {
 
 // resumeLapsedForks runs, in the background, the pass of every unfinished
 // fork whose replica's lease has lapsed, once per fork: the replica that
-// takes the fork over (a conditional write) runs it.
+// takes the fork over (a conditional write) runs it. It also runs the due
+// retries of this replica's own retrying forks (a failed pass of one of
+// its requests, or of an earlier retry).
 func (s *Service) resumeLapsedForks(ctx context.Context, l leases, run func(func())) {
-	if l.live == nil {
-		return
-	}
 	forks, err := s.store.UnfinishedForks(ctx, time.Now().Add(time.Minute))
 	if err != nil {
 		if ctx.Err() == nil {
@@ -150,6 +150,11 @@ func (s *Service) resumeLapsedForks(ctx context.Context, l leases, run func(func
 		return
 	}
 	for _, f := range forks {
+		if f.Phase == api.ForkRetrying && (f.Owner == nil || *f.Owner == s.replicaID) {
+			s.log.Info("retrying a failed fork pass", "fork", f.ID, "failed_attempts", f.Attempts)
+			run(func() { s.resumeFork(ctx, f.ID) })
+			continue
+		}
 		if !l.lapsed(f.Owner) {
 			continue
 		}

@@ -28,10 +28,14 @@ type Fork struct {
 	Constraints   string `gorm:"column:constraints"`
 	SnapshotTaken bool   `gorm:"column:snapshot_taken"`
 	// SnapshotHosts are the hosts that may hold the snapshot (JSON list).
-	SnapshotHosts  []string `gorm:"column:snapshot_hosts;serializer:json"`
-	Phase          string   `gorm:"column:phase"`
-	Error          string   `gorm:"column:error"`
-	IdempotencyKey *string  `gorm:"column:idempotency_key"`
+	SnapshotHosts []string `gorm:"column:snapshot_hosts;serializer:json"`
+	Phase         string   `gorm:"column:phase"`
+	Error         string   `gorm:"column:error"`
+	// Attempts counts the passes that failed in a row; RetryAt is when the
+	// host monitor runs the next (nil: none is due, see RecordForkFailure).
+	Attempts       int        `gorm:"column:attempts"`
+	RetryAt        *time.Time `gorm:"column:retry_at"`
+	IdempotencyKey *string    `gorm:"column:idempotency_key"`
 	// IdempotencyCaller is who sent IdempotencyKey (see IdempotencyRecord).
 	IdempotencyCaller string `gorm:"column:idempotency_caller"`
 	// NICs are the source's NICs when the fork was made: each child gets
@@ -101,11 +105,13 @@ func (s *Store) takeFork(ctx context.Context, where string, args ...any) (Fork, 
 	return f, nil
 }
 
-// UnfinishedForks lists the forks whose last pass did not end ready and
-// that were last written before `before`.
+// UnfinishedForks lists the forks whose last pass did not end ready nor
+// failed for good, that were last written before `before`, and whose
+// retry (if a failed pass set one) is due.
 func (s *Store) UnfinishedForks(ctx context.Context, before time.Time) ([]Fork, error) {
 	var out []Fork
-	q := s.db.WithContext(ctx).Where("phase <> ? AND updated_at < ?", "ready", before.UTC()).Order("id")
+	q := s.db.WithContext(ctx).Where("phase NOT IN (?, ?) AND updated_at < ? AND (retry_at IS NULL OR retry_at <= ?)",
+		"ready", "failed", before.UTC(), now()).Order("id")
 	if err := q.Find(&out).Error; err != nil {
 		return nil, fmt.Errorf("list unfinished forks: %w", err)
 	}
@@ -121,6 +127,23 @@ func (s *Store) MarkForkSnapshotTaken(ctx context.Context, id string) error {
 // SetForkPhase records a fork's phase and error message.
 func (s *Store) SetForkPhase(ctx context.Context, id, phase, errMsg string) error {
 	return s.updateFork(ctx, id, map[string]any{"phase": phase, "error": errMsg})
+}
+
+// SetForkReady records that a pass brought the fork to its desired state:
+// no error, no failed attempt, no retry due.
+func (s *Store) SetForkReady(ctx context.Context, id string) error {
+	return s.updateFork(ctx, id, map[string]any{"phase": "ready", "error": "", "attempts": 0, "retry_at": nil})
+}
+
+// RecordForkFailure records a failed pass: the phase ("retrying" or the
+// terminal "failed"), its reason, the failed passes in a row, and when
+// the next retry is due (nil: none).
+func (s *Store) RecordForkFailure(ctx context.Context, id, phase, errMsg string, attempts int, retryAt *time.Time) error {
+	var at any
+	if retryAt != nil {
+		at = retryAt.UTC()
+	}
+	return s.updateFork(ctx, id, map[string]any{"phase": phase, "error": errMsg, "attempts": attempts, "retry_at": at})
 }
 
 // SetForkCount records a new number of children.

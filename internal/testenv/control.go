@@ -44,6 +44,8 @@ type ControlOptions struct {
 	// --allow-insecure-agents does: for tests whose agents listen on an
 	// address of their own network namespace.
 	AllowInsecureAgents bool
+	// ForkRetryBackoff passes through to control.Options (default control's).
+	ForkRetryBackoff time.Duration
 }
 
 // Control is a control API running in the test process with real HTTP.
@@ -96,7 +98,8 @@ func StartControl(t testing.TB, opts ControlOptions) *Control {
 	}
 	svc, err := control.New(ctx, st, control.Options{AgentToken: opts.AgentToken, SyncInterval: opts.SyncInterval,
 		AgentTimeout: opts.AgentTimeout, Logger: log, Hooks: opts.Hooks, DeadAfter: opts.DeadAfter,
-		CreateGrace: opts.CreateGrace, OrphanGrace: opts.OrphanGrace, AllowInsecureAgents: opts.AllowInsecureAgents})
+		CreateGrace: opts.CreateGrace, OrphanGrace: opts.OrphanGrace, AllowInsecureAgents: opts.AllowInsecureAgents,
+		ForkRetryBackoff: opts.ForkRetryBackoff})
 	if err != nil {
 		_ = st.Close()
 		t.Fatalf("start control: %v", err)
