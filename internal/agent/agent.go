@@ -829,13 +829,17 @@ func (a *Agent) capacity() (agentapi.Resources, error) {
 // usable is what the agent keeps its VMs and warm VMs within: its
 // capacity, lowered to the capacity the control plane last said it places
 // by (VMSpec.HostCapacity: memory reserved for the host is no room for a
-// warm VM either).
+// warm VM either). Its VCPUs are the control plane's (0: not known yet).
 func (a *Agent) usable() (agentapi.Resources, error) {
 	c, err := a.capacity()
 	if err != nil {
 		return c, err
 	}
+	// vCPUs count only as the control plane places them (its CPU
+	// allocation ratio); until it said, they are not counted (0).
+	c.VCPUs = 0
 	if p := a.placedCapacity.Load(); p != nil {
+		c.VCPUs = p.VCPUs
 		if p.MemoryMiB > 0 {
 			c.MemoryMiB = min(c.MemoryMiB, p.MemoryMiB)
 		}

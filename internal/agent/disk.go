@@ -56,6 +56,7 @@ func (a *Agent) ResizeDisk(ctx context.Context, id string, diskMiB int64) (agent
 		return agentapi.VM{}, errInvalid("the %s driver cannot grow disks", a.cfg.Driver.Name())
 	}
 	online := r.State == agentapi.StateRunning || r.State == agentapi.StatePaused
+	defer a.pool.userCreating()()
 	if err := rd.ResizeDisk(ctx, machineOf(a, r), online, diskMiB); err != nil {
 		return agentapi.VM{}, fmt.Errorf("grow the disk of vm %s to %d MiB: %w", id, diskMiB, err)
 	}
@@ -65,6 +66,8 @@ func (a *Agent) ResizeDisk(ctx context.Context, id string, diskMiB int64) (agent
 		return agentapi.VM{}, err
 	}
 	e.set(r)
+	// The grown disk takes room the warm VMs give up, as a create does.
+	a.pool.makeRoom(id)
 	a.log.Info("vm disk grown", "vm", id, "from_mib", from, "to_mib", diskMiB, "online", online)
 	return r.wire(), nil
 }

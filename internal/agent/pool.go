@@ -352,8 +352,7 @@ func (p *pool) fill() time.Duration {
 			c.booting++
 			booting++
 		}
-		held.MemoryMiB += w.MemoryMiB
-		held.DiskMiB += p.a.vmDiskMiB(w.DiskMiB)
+		held = addResources(held, p.warmHeld(w), 1)
 	}
 	// Surplus: ready VMs beyond a lowered target, newest first.
 	var surplus []*warmVM
@@ -365,8 +364,7 @@ func (p *pool) fill() time.Duration {
 		for _, w := range p.sortedEntries(key, warmReady, true)[:extra] {
 			delete(p.entries, w.ID)
 			surplus = append(surplus, w)
-			held.MemoryMiB -= w.MemoryMiB
-			held.DiskMiB -= p.a.vmDiskMiB(w.DiskMiB)
+			held = addResources(held, p.warmHeld(w), -1)
 		}
 		c.ready -= extra
 	}
@@ -391,11 +389,11 @@ func (p *pool) fill() time.Duration {
 					retry = 10 * time.Second
 					break
 				}
-				if info.Allocated.MemoryMiB+held.MemoryMiB+key.MemoryMiB > usable.MemoryMiB ||
-					info.Allocated.DiskMiB+held.DiskMiB+p.a.vmDiskMiB(key.DiskMiB) > usable.DiskMiB {
+				next := agentapi.Resources{VCPUs: key.VCPUs, MemoryMiB: key.MemoryMiB, DiskMiB: p.a.vmDiskMiB(key.DiskMiB)}
+				if overCapacity(addResources(addResources(info.Allocated, held, 1), next, 1), usable) {
 					if !p.short[key] {
 						p.short[key] = true
-						p.log.Warn("warm pool below target: the host's memory or disk is taken by vms; it refills when they are deleted",
+						p.log.Warn("warm pool below target: the host's vcpus, memory or disk are taken by vms; it refills when they are deleted",
 							"image", key.Image, "vcpus", key.VCPUs, "memory_mib", key.MemoryMiB, "disk_mib", key.DiskMiB,
 							"target", p.targets[key], "warm", c.ready+c.booting)
 					}
@@ -410,8 +408,7 @@ func (p *pool) fill() time.Duration {
 				starts = append(starts, w)
 				c.booting++
 				booting++
-				held.MemoryMiB += key.MemoryMiB
-				held.DiskMiB += p.a.vmDiskMiB(key.DiskMiB)
+				held = addResources(held, next, 1)
 			}
 		}
 	}
@@ -580,22 +577,38 @@ func (p *pool) held() agentapi.Resources {
 	defer p.mu.Unlock()
 	var r agentapi.Resources
 	for _, w := range p.entries {
-		r.VCPUs += w.VCPUs
-		r.MemoryMiB += w.MemoryMiB
-		r.DiskMiB += p.a.vmDiskMiB(w.DiskMiB)
+		r = addResources(r, p.warmHeld(w), 1)
 	}
 	return r
 }
 
-// makeRoom evicts warm VMs while the user VMs (vm, being created, counted
-// among them) and the warm pool together take more memory or disk than the
-// host has: a user VM never waits for, nor is refused for, a warm VM. Ready
-// warm VMs go first, oldest first, then boots in flight are stopped. The
-// filler boots replacements only once there is room again (fill).
+// warmHeld is what one warm VM takes of the host.
+func (p *pool) warmHeld(w *warmVM) agentapi.Resources {
+	return agentapi.Resources{VCPUs: w.VCPUs, MemoryMiB: w.MemoryMiB, DiskMiB: p.a.vmDiskMiB(w.DiskMiB)}
+}
+
+// addResources is a + sign*b.
+func addResources(a, b agentapi.Resources, sign int64) agentapi.Resources {
+	return agentapi.Resources{VCPUs: a.VCPUs + sign*b.VCPUs, MemoryMiB: a.MemoryMiB + sign*b.MemoryMiB, DiskMiB: a.DiskMiB + sign*b.DiskMiB}
+}
+
+// overCapacity reports whether used exceeds capacity in any resource;
+// vCPUs count only when capacity knows them (usable).
+func overCapacity(used, capacity agentapi.Resources) bool {
+	return (capacity.VCPUs > 0 && used.VCPUs > capacity.VCPUs) ||
+		used.MemoryMiB > capacity.MemoryMiB || used.DiskMiB > capacity.DiskMiB
+}
+
+// makeRoom evicts warm VMs while the user VMs (vm, being created or
+// grown, counted among them) and the warm pool together take more vCPUs,
+// memory or disk than the host has: a user VM never waits for, nor is
+// refused for, a warm VM. Ready warm VMs go first, oldest first, then
+// boots in flight are stopped. The filler boots replacements only once
+// there is room again (fill).
 func (p *pool) makeRoom(vm string) {
 	capacity, err := p.a.usable()
 	if err != nil {
-		p.log.Error("read host capacity; no warm vm evicted for the create", "vm", vm, "err", err)
+		p.log.Error("read host capacity; no warm vm evicted for the vm", "vm", vm, "err", err)
 		return
 	}
 	alloc, _ := p.a.allocated()
@@ -603,20 +616,16 @@ func (p *pool) makeRoom(vm string) {
 	var held agentapi.Resources
 	var victims []*warmVM
 	for _, w := range p.entries {
-		held.MemoryMiB += w.MemoryMiB
-		held.DiskMiB += p.a.vmDiskMiB(w.DiskMiB)
+		held = addResources(held, p.warmHeld(w), 1)
 	}
-	over := func() bool {
-		return alloc.MemoryMiB+held.MemoryMiB > capacity.MemoryMiB || alloc.DiskMiB+held.DiskMiB > capacity.DiskMiB
-	}
+	over := func() bool { return overCapacity(addResources(alloc, held, 1), capacity) }
 	var stopped []*warmVM
 	for _, state := range []string{warmReady, warmBooting} {
 		for _, w := range p.sortedByAge(state) {
 			if !over() {
 				break
 			}
-			held.MemoryMiB -= w.MemoryMiB
-			held.DiskMiB -= p.a.vmDiskMiB(w.DiskMiB)
+			held = addResources(held, p.warmHeld(w), -1)
 			if state == warmReady {
 				delete(p.entries, w.ID)
 				victims = append(victims, w)

@@ -43,6 +43,9 @@ func (a *Agent) ResizeVM(ctx context.Context, id string, shape agentapi.VMShape)
 		return agentapi.VM{}, err
 	}
 	old := r
+	// The filler waits until the change is done: a growth may need the
+	// warm VMs' share (makeRoom below).
+	defer a.pool.userCreating()()
 	d := a.cfg.Driver
 	m := machineOf(a, r)
 	wasUp := r.State == agentapi.StateRunning || r.State == agentapi.StatePaused
@@ -73,6 +76,8 @@ func (a *Agent) ResizeVM(ctx context.Context, id string, shape agentapi.VMShape)
 		shown := r
 		shown.State = old.State
 		e.set(shown)
+		// A growth boots into room the warm VMs give up, as a create does.
+		a.pool.makeRoom(id)
 		m = machineOf(a, r)
 		if err := a.ensureSeed(r); err != nil {
 			return agentapi.VM{}, a.failedRestart(ctx, e, r, err)
@@ -89,7 +94,9 @@ func (a *Agent) ResizeVM(ctx context.Context, id string, shape agentapi.VMShape)
 		}
 		e.set(r)
 	} else {
+		// A stopped VM keeps its reservation in its new shape.
 		e.set(r)
+		a.pool.makeRoom(id)
 	}
 	a.log.Info("vm resized", "vm", id, "vcpus", r.VCPUs, "memory_mib", r.MemoryMiB,
 		"was_vcpus", old.VCPUs, "was_memory_mib", old.MemoryMiB, "state", r.State, "pid", r.Process.PID)
