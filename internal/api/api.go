@@ -346,6 +346,12 @@ type PlacementRequest struct {
 	Host      string `json:"host,omitempty"`
 	// Constraints are applied as they would be to a create.
 	Constraints *Constraints `json:"constraints,omitempty"`
+	// NetworkInterfaces and Volumes are a create's: hosts a network is not
+	// on, or that do not hold the volumes, are refused as a create refuses
+	// them, and a network with no free address is the create's 409.
+	// Omitted NICs are a create's default: one NIC on "default".
+	NetworkInterfaces []NetworkInterface `json:"network_interfaces,omitempty"`
+	Volumes           []VMVolume         `json:"volumes,omitempty"`
 }
 
 // RankedHost is one host that fits a request, with its score (lower is better).

@@ -252,6 +252,35 @@ func (s *Service) assignAddresses(ctx context.Context, p vmNICs, attempt int) er
 	return nil
 }
 
+// checkFreeAddresses is the dry run's assignAddresses: it refuses, as a
+// create would, a plan whose networks lack a free address for each of its
+// NICs there, or whose fixed address a VM holds, and changes nothing (no
+// hint moves, nothing is held).
+func (s *Service) checkFreeAddresses(ctx context.Context, p vmNICs) error {
+	need := map[string]int{}
+	var order []store.Network
+	for i, nic := range p.nics {
+		n := p.nets[i]
+		if !n.HasIPAM() || nic.Fixed {
+			continue
+		}
+		if need[n.Name] == 0 {
+			order = append(order, n)
+		}
+		need[n.Name]++
+	}
+	for _, n := range order {
+		free, err := s.store.FreeAddresses(ctx, n, need[n.Name])
+		if err != nil {
+			return fromStore(err, "find a free address on network "+n.Name)
+		}
+		if len(free) < need[n.Name] {
+			return noAddress(n)
+		}
+	}
+	return s.resolveTakenFixed(ctx, "", p)
+}
+
 func noAddress(n store.Network) error {
 	return &Error{Code: api.CodeNoAddress,
 		Message: fmt.Sprintf("network %q has no free address: all %d addresses of %s are held by VMs; delete some or use a larger network", n.Name, n.Size(), n.CIDR),

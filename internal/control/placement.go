@@ -33,10 +33,7 @@ const (
 func (s *Service) placeAndReserve(ctx context.Context, vm *store.VM, p vmNICs, req scheduler.Request) error {
 	start := time.Now()
 	vm.NICs = p.nics // the same array: address changes below show in the row
-	req.NetworkHosts = networkHosts(p)
-	// A VM with guest configuration needs its seed at first boot, which a
-	// warm VM booted without.
-	req.ColdOnly = !warmCapable(p) || vm.Guest != nil
+	withNICs(&req, p, vm.Guest != nil)
 	err := s.assignAddresses(ctx, p, 0)
 	if err == nil {
 		err = s.reserve(ctx, vm, p, req)
@@ -209,8 +206,20 @@ func placementJSONNote(req scheduler.Request, best scheduler.Ranked, rejected []
 	return string(b)
 }
 
+// withNICs holds a placement to what the VM's NICs need: the hosts of its
+// networks and, unless its one NIC is the user-mode one a warm VM has (and
+// it has no guest configuration, whose seed a warm VM booted without), a
+// cold boot. A create and the dry run both use it.
+func withNICs(req *scheduler.Request, p vmNICs, guest bool) {
+	req.NetworkHosts = networkHosts(p)
+	req.ColdOnly = !warmCapable(p) || guest
+}
+
 // Place is the dry run of POST /v1/placements: every host ranked, every
-// rejection explained, nothing reserved.
+// rejection explained, nothing reserved. It checks what a create checks
+// before and during placement, in the same order, with the same errors:
+// volumes (the VM goes to their host), NICs (their networks' hosts), free
+// addresses on the NICs' networks, then the hosts.
 func (s *Service) Place(ctx context.Context, in api.PlacementRequest) (api.PlacementResult, error) {
 	if err := validateShape(in.Image, in.VCPUs, in.MemoryMiB, in.DiskMiB); err != nil {
 		return api.PlacementResult{}, err
@@ -224,9 +233,25 @@ func (s *Service) Place(ctx context.Context, in api.PlacementRequest) (api.Place
 	if err != nil {
 		return api.PlacementResult{}, err
 	}
-	req := scheduler.Request{Image: in.Image, Host: in.Host,
+	if err := checkProjectLabels(in.Constraints, project); err != nil {
+		return api.PlacementResult{}, err
+	}
+	_, _, volumeHost, err := s.vmVolumes(ctx, project.Name, in.Volumes)
+	if err != nil {
+		return api.PlacementResult{}, err
+	}
+	// MACs derive from a VM id; the dry run's are thrown away.
+	nics, err := s.resolveNICs(ctx, newID(), project.Name, in.NetworkInterfaces)
+	if err != nil {
+		return api.PlacementResult{}, err
+	}
+	if err := s.checkFreeAddresses(ctx, nics); err != nil {
+		return api.PlacementResult{}, err
+	}
+	req := scheduler.Request{Image: in.Image, Host: in.Host, VolumeHost: volumeHost,
 		Resources:   scheduler.Resources{VCPUs: in.VCPUs, MemoryMiB: in.MemoryMiB, DiskMiB: in.DiskMiB},
 		Constraints: schedConstraints(projectConstraints(in.Constraints, project))}
+	withNICs(&req, nics, false)
 	img, err := s.registeredImage(ctx, in.Image, in.DiskMiB)
 	if err != nil {
 		return api.PlacementResult{}, err
