@@ -512,6 +512,13 @@ type NetworkInterface struct {
 	// agent answers (lists leave it out: one guest round trip per VM),
 	// whatever the network's mode, also where the network assigns none.
 	IPv4Addresses []string `json:"ipv4_addresses,omitempty"`
+	// GuestIPv4Address, in the children of a fork's answer only, is the
+	// address the child's guest has inside on a nat network: its source's
+	// address at the fork point, which the agent translates to and from the
+	// child's own (IPv4Address). It is a known alias of the child, not of
+	// the source: inside the child it names the child itself, so the child
+	// cannot reach its source there (docs/guides/networks.md, "Forks").
+	GuestIPv4Address string `json:"guest_ipv4_address,omitempty"`
 }
 
 // Constraints steer placement (all optional).

@@ -141,6 +141,7 @@ func (s *Service) GetFork(ctx context.Context, id string) (api.Fork, error) {
 	if err != nil {
 		return api.Fork{}, err
 	}
+	s.withGuestAddresses(ctx, f, vms)
 	return api.Fork{
 		ID: f.ID, Project: f.Project, SourceVMID: f.SourceVMID, Count: f.Count, PauseSource: f.PauseSource, Placement: f.Placement,
 		SnapshotID: f.ID, SnapshotTaken: f.SnapshotTaken, Phase: f.Phase, Error: f.Error, Attempts: f.Attempts, Children: vms,
@@ -257,6 +258,25 @@ func (s *Service) ResumeForks(ctx context.Context, before time.Time) {
 			}
 		}
 		s.resumeFork(ctx, f.ID)
+	}
+}
+
+// withGuestAddresses tells each child's NIC on a nat network the address
+// its guest has inside: the source's at the fork point (f.NICs, by index),
+// which the agent's namespace for the child translates to the child's own.
+func (s *Service) withGuestAddresses(ctx context.Context, f store.Fork, children []api.VM) {
+	for c := range children {
+		for i := range children[c].NetworkInterfaces {
+			nic := &children[c].NetworkInterfaces[i]
+			if i >= len(f.NICs) || f.NICs[i].Network != nic.Network || f.NICs[i].IPv4Address == "" {
+				continue
+			}
+			n, err := s.networks.get(ctx, s.store, nic.Network)
+			if err != nil || n.Mode != api.NetworkNAT {
+				continue
+			}
+			nic.GuestIPv4Address = f.NICs[i].IPv4Address
+		}
 	}
 }
 
