@@ -55,16 +55,19 @@ func (d *forkDataSource) Schema(_ context.Context, _ datasource.SchemaRequest, r
 			},
 			"placement":   computed("`colocate` or `spread`."),
 			"snapshot_id": computed("ID of the one snapshot every child starts from."),
-			"phase":       computed("Phase of the fork's last pass: `pending`, `snapshotting`, `spawning`, `ready` or `failed`."),
+			"phase": computed("Phase of the fork's last pass: `pending`, `snapshotting`, `spawning`, `ready`, `retrying` " +
+				"(the pass failed; the control API runs it again a few times by itself) or `failed` (terminal until an apply resumes it)."),
 			"children": schema.ListNestedAttribute{
 				MarkdownDescription: "The children, in slot order (child `i` is named `<fork id>-<i>`).",
 				Computed:            true,
 				NestedObject: schema.NestedAttributeObject{Attributes: map[string]schema.Attribute{
-					"id":             computed("ID of the child VM."),
-					"name":           computed("Name of the child VM, `<fork id>-<slot>`."),
-					"project":        computed("Project of the child: its source VM's."),
-					"host":           computed("Host the child runs on."),
-					"ipv4_address":   computed("Address of the child's first NIC."),
+					"id":           computed("ID of the child VM."),
+					"name":         computed("Name of the child VM, `<fork id>-<slot>`."),
+					"project":      computed("Project of the child: its source VM's."),
+					"host":         computed("Host the child runs on."),
+					"ipv4_address": computed("Address of the child's first NIC."),
+					"guest_ipv4_address": computed("On a `nat` network, the address the child's guest has inside on its " +
+						"first NIC (the source's at the fork point; inside the child it names the child itself). Null on other networks."),
 					"observed_state": computed("State the control API last observed on the child's host (see `kvm_vm`)."),
 					"volume_ids": schema.ListAttribute{
 						MarkdownDescription: "IDs of the child's volumes: a clone of each read-write volume of the source " +

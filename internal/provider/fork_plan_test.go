@@ -106,7 +106,7 @@ func TestForkModifyPlanNoWarningWhenReplaced(t *testing.T) {
 }
 
 func TestForkModifyPlanResumesAForkThatIsNotReady(t *testing.T) {
-	for _, phase := range []string{api.ForkFailed, api.ForkSpawning, api.ForkPending} {
+	for _, phase := range []string{api.ForkFailed, api.ForkRetrying, api.ForkSpawning, api.ForkPending} {
 		state := readyFork()
 		state.Phase = types.StringValue(phase)
 		got, diags := modifyPlan(t, state, state)

@@ -78,7 +78,9 @@ var forkChildAttrTypes = map[string]attr.Type{
 	"host":           types.StringType,
 	"observed_state": types.StringType,
 	"ipv4_address":   types.StringType,
-	"volume_ids":     types.ListType{ElemType: types.StringType},
+	// guest_ipv4_address is the first NIC's GuestIPv4Address.
+	"guest_ipv4_address": types.StringType,
+	"volume_ids":         types.ListType{ElemType: types.StringType},
 }
 
 // fromAPI fills the attributes from a fork as the control API reports it.
@@ -116,16 +118,26 @@ func forkChildren(children []api.VM) types.List {
 			vols = append(vols, types.StringValue(v.VolumeID))
 		}
 		elems[i] = types.ObjectValueMust(forkChildAttrTypes, map[string]attr.Value{
-			"volume_ids":     types.ListValueMust(types.StringType, vols),
-			"id":             types.StringValue(vm.ID),
-			"name":           types.StringValue(vm.Name),
-			"project":        optionalString(vm.Project),
-			"host":           optionalString(vm.Host),
-			"observed_state": optionalString(vm.ObservedState),
-			"ipv4_address":   optionalString(vm.IPv4Address),
+			"volume_ids":         types.ListValueMust(types.StringType, vols),
+			"id":                 types.StringValue(vm.ID),
+			"name":               types.StringValue(vm.Name),
+			"project":            optionalString(vm.Project),
+			"host":               optionalString(vm.Host),
+			"observed_state":     optionalString(vm.ObservedState),
+			"ipv4_address":       optionalString(vm.IPv4Address),
+			"guest_ipv4_address": optionalString(firstGuestAddress(vm)),
 		})
 	}
 	return types.ListValueMust(types.ObjectType{AttrTypes: forkChildAttrTypes}, elems)
+}
+
+// firstGuestAddress is the address a child's guest has inside on its first
+// NIC when that is on a nat network (the source's), or "".
+func firstGuestAddress(vm api.VM) string {
+	if len(vm.NetworkInterfaces) == 0 {
+		return ""
+	}
+	return vm.NetworkInterfaces[0].GuestIPv4Address
 }
 
 // childSlot is the slot number at the end of a child's name, or -1.
@@ -199,8 +211,9 @@ func (r *forkResource) Schema(ctx context.Context, _ resource.SchemaRequest, res
 				PlanModifiers:       fixedAtCreate,
 			},
 			"phase": schema.StringAttribute{
-				MarkdownDescription: "Phase of the fork's last pass: `pending`, `snapshotting`, `spawning`, `ready` or " +
-					"`failed`. When it is not `ready`, the plan shows an update that resumes the pass (apply sends " +
+				MarkdownDescription: "Phase of the fork's last pass: `pending`, `snapshotting`, `spawning`, `ready`, `retrying` (the pass " +
+					"failed; the control API runs it again a few times by itself) or `failed` (it failed that many times " +
+					"in a row and is not retried by itself). When it is not `ready`, the plan shows an update that resumes the pass (apply sends " +
 					"`child_count` again and waits until the fork is ready).",
 				Computed: true,
 			},
@@ -218,6 +231,13 @@ func (r *forkResource) Schema(ctx context.Context, _ resource.SchemaRequest, res
 					"ipv4_address": schema.StringAttribute{
 						MarkdownDescription: "Address of the child's first NIC: its own, allocated with its reservation " +
 							"(children never share the source's address).",
+						Computed: true,
+					},
+					"guest_ipv4_address": schema.StringAttribute{
+						MarkdownDescription: "On a `nat` network, the address the child's guest has inside on its first " +
+							"NIC: the source's address at the fork point, which the host translates to and from " +
+							"`ipv4_address`. Inside the child it names the child itself, so the child cannot reach its " +
+							"source there (see the networks guide). Null on other networks.",
 						Computed: true,
 					},
 					"observed_state": schema.StringAttribute{

@@ -165,7 +165,12 @@ func waitForFork(ctx context.Context, c *client.Client, f api.Fork) (api.Fork, e
 			if reason == "" {
 				reason = "no error given"
 			}
-			if phase != api.ForkFailed {
+			switch phase {
+			case api.ForkFailed:
+				reason = fmt.Sprintf("%s; it failed %d passes in a row and the control API does not retry it any more", reason, f.Attempts)
+			case api.ForkRetrying:
+				reason = fmt.Sprintf("%s; the control API retries it by itself (attempt %d of %d failed)", reason, f.Attempts, api.MaxForkAttempts)
+			default:
 				reason = fmt.Sprintf("phase %q: %s", phase, reason)
 			}
 			return fmt.Errorf("the control API reports it failed (%s); %d of %d children exist", reason, len(f.Children), f.Count)
