@@ -38,6 +38,8 @@ type placementDataModel struct {
 	MemoryMiB  types.Int64      `tfsdk:"memory_mib"`
 	DiskMiB    types.Int64      `tfsdk:"disk_mib"`
 	Host       types.String     `tfsdk:"host"`
+	Networks   []types.String   `tfsdk:"networks"`
+	Volumes    []types.String   `tfsdk:"volumes"`
 	Fits       types.Bool       `tfsdk:"fits"`
 	ChosenHost types.String     `tfsdk:"chosen_host"`
 	Score      types.Float64    `tfsdk:"score"`
@@ -91,6 +93,19 @@ func (d *placementDataSource) Schema(_ context.Context, _ datasource.SchemaReque
 				Optional:            true,
 				Validators:          []validator.String{stringvalidator.LengthAtLeast(1)},
 			},
+			"networks": schema.ListAttribute{
+				MarkdownDescription: "Networks of the VM's NICs, in order, as its `network_interface` blocks name them; " +
+					"omitted, one NIC on `default` as a `kvm_vm` without blocks. Hosts a network is not on are rejected " +
+					"(`network`), and a network with no free address fails the read with `no_address`, as a create would.",
+				ElementType: types.StringType,
+				Optional:    true,
+			},
+			"volumes": schema.ListAttribute{
+				MarkdownDescription: "Volumes (names or IDs) the VM would attach: every host but theirs is rejected " +
+					"(`volume`), as a create would.",
+				ElementType: types.StringType,
+				Optional:    true,
+			},
 			"fits": schema.BoolAttribute{
 				MarkdownDescription: "Whether any host can take the VM now.",
 				Computed:            true,
@@ -134,7 +149,7 @@ func (d *placementDataSource) Schema(_ context.Context, _ datasource.SchemaReque
 					"host": schema.StringAttribute{MarkdownDescription: "Name of the host.", Computed: true},
 					"reason": schema.StringAttribute{
 						MarkdownDescription: "Why it was rejected, the first filter it failed: `not_alive`, `unschedulable`, " +
-							"`no_image`, `network` (a `network_interface`'s network is not on the host), `labels` (`host_labels` or the spread label), `group_cap` (`max_per_domain`), " +
+							"`no_image`, `volume` (the volumes are on another host), `network` (a `network_interface`'s network is not on the host), `labels` (`host_labels` or the spread label), `group_cap` (`max_per_domain`), " +
 							"`memory`, `cpu`, `disk`, or `not_pinned` (more may be added).",
 						Computed: true,
 					},
@@ -165,6 +180,12 @@ func (d *placementDataSource) Read(ctx context.Context, req datasource.ReadReque
 		MemoryMiB: cfg.MemoryMiB.ValueInt64(),
 		DiskMiB:   cfg.DiskMiB.ValueInt64(),
 		Host:      cfg.Host.ValueString(),
+	}
+	for _, n := range cfg.Networks {
+		in.NetworkInterfaces = append(in.NetworkInterfaces, api.NetworkInterface{Network: n.ValueString()})
+	}
+	for _, v := range cfg.Volumes {
+		in.Volumes = append(in.Volumes, api.VMVolume{Volume: v.ValueString()})
 	}
 	var diags diag.Diagnostics
 	in.Constraints, diags = constraintsFromObject(ctx, cfg.Constraints)
