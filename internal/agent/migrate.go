@@ -18,6 +18,7 @@ package agent
 import (
 	"context"
 	"net"
+	"slices"
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
@@ -137,14 +138,18 @@ func migrationRefusal(id, reason, format string, args ...any) *Error {
 	return e
 }
 
-// checkMovable refuses a VM the agent cannot move (either end): volumes
-// stay on their host, and a VM whose disk sits on a snapshot's frozen disk
-// needs that snapshot on the target, which a migration does not carry yet.
-func checkMovable(id string, volumes int, snapshot, disk string) error {
+// checkMovable refuses a VM the agent cannot move (either end): a
+// read-only volume (which other VMs may share) stays on its host, and a VM
+// whose disk sits on a snapshot's frozen disk needs that snapshot on the
+// target, which a migration does not carry yet. Read-write volumes move
+// with the VM: the control plane gives the target a copy of each first
+// (empty for a live migration, which mirrors them; pulled for a cold one).
+func checkMovable(id string, volumes []agentapi.VolumeAttachment, snapshot, disk string) error {
+	ro := slices.IndexFunc(volumes, func(v agentapi.VolumeAttachment) bool { return v.ReadOnly })
 	switch {
-	case volumes > 0:
+	case ro >= 0:
 		return migrationRefusal(id, ReasonMigrationVolumes,
-			"vm %s has %d volume(s) attached: volumes do not move with a migration; detach them first", id, volumes)
+			"vm %s has volume %s attached read-only: read-only volumes (which other vms may share) do not move with a migration; detach it first", id, volumes[ro].ID)
 	case snapshot != "":
 		return migrationRefusal(id, ReasonMigrationForkChild,
 			"vm %s was started from snapshot %s (a fork child): its disk sits on that snapshot, which a migration does not move; it cannot migrate", id, snapshot)

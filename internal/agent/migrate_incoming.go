@@ -17,6 +17,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -61,7 +62,7 @@ func (a *Agent) PutIncoming(ctx context.Context, id string, in agentapi.Incoming
 	in.Source.Address = addr
 	spec := in.Spec
 	spec.HostCapacity = nil
-	if err := checkMovable(id, len(spec.Volumes), snapshotID(spec.Snapshot), ""); err != nil {
+	if err := checkMovable(id, spec.Volumes, snapshotID(spec.Snapshot), ""); err != nil {
 		return agentapi.VM{}, false, err
 	}
 	src := spec.ImageSource
@@ -79,7 +80,7 @@ func (a *Agent) PutIncoming(ctx context.Context, id string, in agentapi.Incoming
 		e.unlock()
 		if !gone {
 			if corrupt == "" && r.Image == spec.Image && r.VCPUs == spec.VCPUs && r.MemoryMiB == spec.MemoryMiB && r.DiskMiB == spec.DiskMiB &&
-				(r.Incoming == nil || (r.Incoming.Source == in.Source && r.Incoming.Live == in.Live)) &&
+				(r.Incoming == nil || (r.Incoming.Source == in.Source && r.Incoming.Live == in.Live)) && sameVolumeSet(wireVolumes(r.Volumes), spec.Volumes) &&
 				r.State != agentapi.StateFailed && r.State != agentapi.StateMigrated {
 				cur := a.current(ctx, e)
 				return cur.wire(), false, nil
@@ -127,6 +128,10 @@ func (a *Agent) PutIncoming(ctx context.Context, id string, in agentapi.Incoming
 	case !in.Live && srcVM.State != agentapi.StateStopped:
 		return agentapi.VM{}, false, migrationRefusal(id, ReasonMigrationState, "vm %s is %s on its source %s: a cold migration needs it stopped; stop it or migrate it live", id, srcVM.State, addr)
 	}
+	if !sameVolumeSet(srcVM.Volumes, spec.Volumes) {
+		return agentapi.VM{}, false, errConflict("vm %s on its source %s has volumes %s; the spec says %s", id, addr,
+			volumeIDs(srcVM.Volumes), volumeIDs(spec.Volumes))
+	}
 	nics := requestedNICs(spec.NICs)
 	for i := range nics {
 		// The guest keeps the MACs it has (a warm VM's differ from those
@@ -149,6 +154,18 @@ func (a *Agent) PutIncoming(ctx context.Context, id string, in agentapi.Incoming
 	if r.StartedFrom == "" || r.StartedFrom == agentapi.StartedWarm {
 		r.StartedFrom = agentapi.StartedCold
 	}
+	if len(srcVM.Volumes) > 0 {
+		// The control plane made this agent's copy of each volume first;
+		// claimed under the volumes' locks, as a create's.
+		held, vols, err := a.claimIncomingVolumes(ctx, id, srcVM.Volumes)
+		if err != nil {
+			a.vms.drop(e)
+			return agentapi.VM{}, false, err
+		}
+		r.Volumes = vols
+		e.set(r)
+		held.unlock()
+	}
 	if err := os.MkdirAll(a.vmDir(id), 0o750); err != nil {
 		a.vms.drop(e)
 		return agentapi.VM{}, false, fmt.Errorf("prepare incoming vm %s: %w", id, err)
@@ -161,6 +178,29 @@ func (a *Agent) PutIncoming(ctx context.Context, id string, in agentapi.Incoming
 	e.set(r)
 	a.log.Info("vm prepared for an incoming migration", "vm", id, "source", addr, "live", in.Live)
 	return r.wire(), true, nil
+}
+
+// sameVolumeSet says whether two lists name the same attachments, in any
+// order (the control plane lists a migration's volumes by id, the source
+// in its slots' order).
+func sameVolumeSet(a, b []agentapi.VolumeAttachment) bool {
+	key := func(vs []agentapi.VolumeAttachment) []string {
+		out := make([]string, len(vs))
+		for i, v := range vs {
+			out[i] = fmt.Sprintf("%s/%t", v.ID, v.ReadOnly)
+		}
+		slices.Sort(out)
+		return out
+	}
+	return slices.Equal(key(a), key(b))
+}
+
+func volumeIDs(vs []agentapi.VolumeAttachment) string {
+	ids := make([]string, len(vs))
+	for i, v := range vs {
+		ids[i] = v.ID
+	}
+	return "[" + strings.Join(ids, ", ") + "]"
 }
 
 func snapshotID(s *agentapi.SnapshotSource) string {

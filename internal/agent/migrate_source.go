@@ -104,7 +104,7 @@ func (a *Agent) MigrateVM(ctx context.Context, id string, spec agentapi.MigrateS
 		e.unlock()
 		return agentapi.Migration{}, migrationRefusal(id, ReasonMigrationState, "vm %s is %s: only a running, paused or stopped vm migrates", id, r.State)
 	}
-	if err := checkMovable(id, len(r.Volumes), r.Snapshot, r.Disk); err != nil {
+	if err := checkMovable(id, wireVolumes(r.Volumes), r.Snapshot, r.Disk); err != nil {
 		e.unlock()
 		return agentapi.Migration{}, err
 	}

@@ -322,9 +322,9 @@ func TestMigrateRefusals(t *testing.T) {
 		t.Errorf("incoming fork child: %v", err)
 	}
 	vol := spec
-	vol.Volumes = []agentapi.VolumeAttachment{{ID: "v1"}}
-	if _, err := dst.client.PutIncoming(ctx, "r3", agentapi.IncomingSpec{Spec: vol, Source: src.ref(), Live: true}); !strings.Contains(reason(err), "volume") {
-		t.Errorf("incoming vm with a volume: %v", err)
+	vol.Volumes = []agentapi.VolumeAttachment{{ID: "v1", ReadOnly: true}}
+	if _, err := dst.client.PutIncoming(ctx, "r3", agentapi.IncomingSpec{Spec: vol, Source: src.ref(), Live: true}); !strings.Contains(reason(err), "read-only") {
+		t.Errorf("incoming vm with a read-only volume (which other vms may share): %v", err)
 	}
 }
 

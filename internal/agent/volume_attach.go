@@ -48,6 +48,20 @@ func (a *Agent) claimVolumes(ctx context.Context, vm string, want []agentapi.Vol
 	return held, out, nil
 }
 
+// claimIncomingVolumes claims the volumes of an incoming VM as claimVolumes
+// does, each in the slot it has on the source (want: the source VM's
+// attachments), so that the target's VMM has the source's device layout.
+func (a *Agent) claimIncomingVolumes(ctx context.Context, vm string, want []agentapi.VolumeAttachment) (volumeLocks, []vmVolume, error) {
+	held, out, err := a.claimVolumes(ctx, vm, want)
+	if err != nil {
+		return nil, nil, err
+	}
+	for i := range out {
+		out[i].Slot = want[i].Slot
+	}
+	return held, out, nil
+}
+
 // sameVolumes says whether a VM's attachments are the ones a create asks for.
 func sameVolumes(have []vmVolume, want []agentapi.VolumeAttachment) bool {
 	return slices.EqualFunc(have, want, func(h vmVolume, w agentapi.VolumeAttachment) bool {
@@ -58,7 +72,7 @@ func sameVolumes(have []vmVolume, want []agentapi.VolumeAttachment) bool {
 func wireVolumes(vs []vmVolume) []agentapi.VolumeAttachment {
 	var out []agentapi.VolumeAttachment
 	for _, v := range vs {
-		out = append(out, agentapi.VolumeAttachment{ID: v.ID, ReadOnly: v.ReadOnly})
+		out = append(out, agentapi.VolumeAttachment{ID: v.ID, ReadOnly: v.ReadOnly, Slot: v.Slot})
 	}
 	return out
 }

@@ -109,4 +109,8 @@ type VolumeResize struct {
 type VolumeAttachment struct {
 	ID       string `json:"id,omitempty"`
 	ReadOnly bool   `json:"read_only"`
+	// Slot is the volume's hot-plug slot in the VM (in a VM's answer; a
+	// create gives slots 0, 1, ... in order): a migration's target puts
+	// each volume in the slot it has on the source.
+	Slot int `json:"slot,omitempty"`
 }

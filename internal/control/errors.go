@@ -66,7 +66,8 @@ func fromStore(err error, what string) error {
 		return quotaExceeded(qe)
 	case errors.Is(err, store.ErrNotFound):
 		return &Error{Code: api.CodeNotFound, Message: err.Error(), Err: err}
-	case errors.Is(err, store.ErrDuplicateName), errors.Is(err, store.ErrHostInUse), errors.Is(err, store.ErrVolumeNotReady):
+	case errors.Is(err, store.ErrDuplicateName), errors.Is(err, store.ErrHostInUse), errors.Is(err, store.ErrVolumeNotReady),
+		errors.Is(err, store.ErrMigrating):
 		return &Error{Code: api.CodeConflict, Message: err.Error(), Err: err}
 	}
 	return internal(err, what)

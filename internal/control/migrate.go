@@ -140,8 +140,8 @@ func (s *Service) migrationStep(ctx context.Context, id, step string) error {
 }
 
 // migratable refuses what no target could fix: a VM that is not settled,
-// a target that is its own host, and (while the agents cannot move them)
-// a VM with volumes.
+// a target that is its own host, and a VM with a volume that cannot move
+// with it (migrationVolumesRefusal).
 func (s *Service) migratable(ctx context.Context, vm store.VM, host string) error {
 	switch vm.ObservedState {
 	case api.StateCreating:
@@ -173,6 +173,9 @@ func (s *Service) migratable(ctx context.Context, vm store.VM, host string) erro
 				return invalidf("host %q is not registered", host)
 			}
 		}
+	}
+	if err := s.migrationVolumesRefusal(ctx, vm); err != nil {
+		return err
 	}
 	if m, err := s.store.GetMigration(ctx, vm.ID); err == nil {
 		return conflictf("VM %s is being migrated from %s to %s already (%s); retry once that has finished", vm.ID, m.SourceHost, m.TargetHost, m.State)
@@ -223,10 +226,14 @@ func (s *Service) migrationRequest(ctx context.Context, vm store.VM, host string
 	if err != nil {
 		return req, fromStore(err, "read volumes of vm "+vm.ID)
 	}
-	if len(atts[vm.ID]) > 0 {
-		// The agents move a VM's own disk chain, not its volumes: a VM
-		// with volumes stays with them.
-		req.VolumeHost = vm.HostName
+	for _, a := range atts[vm.ID] {
+		// The volumes move with the VM: the target must have room for
+		// them too (store.BeginMigration reserves them with its disk).
+		v, err := s.store.GetVolume(ctx, a.VolumeID)
+		if err != nil {
+			return req, fromStore(err, "read volume "+a.VolumeID)
+		}
+		req.Resources.DiskMiB += v.SizeMiB
 	}
 	return req, nil
 }
@@ -263,6 +270,8 @@ func (s *Service) reserveTarget(ctx context.Context, vm store.VM, host, drain st
 				continue
 			case errors.Is(err, store.ErrMigrating):
 				return store.Migration{}, conflictf("VM %s is being migrated by another request; retry once that has finished", vm.ID)
+			case errors.Is(err, store.ErrVolumeNotReady):
+				return store.Migration{}, migrationVolumeConflict(vm, err)
 			case errors.Is(err, store.ErrResizing):
 				return store.Migration{}, conflictf("VM %s is being resized; migrate it once that has settled", vm.ID)
 			case errors.Is(err, store.ErrNotFound):
@@ -289,9 +298,6 @@ func (s *Service) noTarget(vm store.VM, req scheduler.Request, res scheduler.Res
 	if req.Host != "" && len(res.Rejected) == 1 {
 		msg = fmt.Sprintf("host %s cannot take VM %s: %s", req.Host, vm.ID, res.Rejected[0].Detail)
 	}
-	if req.VolumeHost != "" {
-		msg += "; the VM has volumes, which stay on their host: detach them to migrate it"
-	}
 	return &Error{Code: api.CodeNoCapacity, Message: msg,
 		Details: map[string]any{"vm_id": vm.ID, "source": vm.HostName, "rejected": rejected, "rejected_total": len(rejected)}}
 }
@@ -303,6 +309,9 @@ func (s *Service) runMigration(ctx context.Context, vm store.VM, m store.Migrati
 	dstAddress, _, _ := s.view.agent(m.TargetHost)
 	spec, err := s.incomingSpec(ctx, vm, m, srcAddress)
 	if err != nil {
+		return s.undoMigration(ctx, m, err)
+	}
+	if err := s.prepareTargetVolumes(ctx, m, srcAddress, dstAddress); err != nil {
 		return s.undoMigration(ctx, m, err)
 	}
 	if _, err := s.migrations.putIncoming(ctx, dstAddress, vm.ID, spec); err != nil {
@@ -364,7 +373,8 @@ func (s *Service) incomingSpec(ctx context.Context, vm store.VM, m store.Migrati
 	}
 	spec := agentapi.VMSpec{Image: vm.Image, VCPUs: vm.Resources.VCPUs, MemoryMiB: vm.Resources.MemoryMiB,
 		DiskMiB: vm.Resources.DiskMiB, Stopped: !m.Live, NICs: agentNICs(p), NoWarm: true, Seed: seedSpec(vm.ID, vm.Guest),
-		HostCapacity: s.view.hostCapacity(m.TargetHost), GuestAgent: vm.GuestAgent, SecureBoot: vm.SecureBoot}
+		HostCapacity: s.view.hostCapacity(m.TargetHost), GuestAgent: vm.GuestAgent, SecureBoot: vm.SecureBoot,
+		Volumes: migrationAttachments(m)}
 	if img, err := s.store.GetImage(ctx, vm.Image); err == nil {
 		src := s.imageSource(img, m.TargetHost)
 		spec.ImageSource = &src
@@ -400,14 +410,20 @@ func (s *Service) settleRunning(ctx context.Context, m store.Migration, cause er
 	return cause
 }
 
-// undoMigration deletes the incoming VM on the target and then releases
-// the target's share; the VM stays on the source. If the target does not
+// undoMigration deletes the incoming VM on the target (and the copies of
+// its volumes there) and then releases the target's share; the VM and its
+// volumes stay on the source. If the target does not
 // confirm the delete, the migration row stays for the host monitor.
 func (s *Service) undoMigration(ctx context.Context, m store.Migration, cause error) error {
 	ctx, cancel := detached(ctx, 2*s.opts.AgentTimeout+10*time.Second)
 	defer cancel()
 	if err := s.deleteOnAgent(ctx, m.TargetHost, m.VMID); err != nil {
 		s.log.Warn("migration failed and the target did not confirm deleting the incoming VM; the host monitor retries",
+			"vm", m.VMID, "target", m.TargetHost, "err", err, "cause", cause)
+		return cause
+	}
+	if err := s.deleteMigrationVolumes(ctx, m, m.TargetHost); err != nil {
+		s.log.Warn("migration failed and the target did not confirm deleting its copies of the VM's volumes; the host monitor retries",
 			"vm", m.VMID, "target", m.TargetHost, "err", err, "cause", cause)
 		return cause
 	}
@@ -454,11 +470,16 @@ func (s *Service) switchMigration(ctx context.Context, m store.Migration, st age
 }
 
 // finishSource deletes the source's stopped copy of a switched migration
-// and then its row; the host monitor retries when the source does not
+// (the VM, then its volumes' old copies) and then its row; the host monitor retries when the source does not
 // confirm.
 func (s *Service) finishSource(ctx context.Context, m store.Migration) error {
 	if err := s.deleteOnAgent(ctx, m.SourceHost, m.VMID); err != nil {
 		s.log.Warn("vm migrated; its source did not confirm deleting the old copy, the host monitor retries", "vm", m.VMID,
+			"source", m.SourceHost, "err", err)
+		return nil
+	}
+	if err := s.deleteMigrationVolumes(ctx, m, m.SourceHost); err != nil {
+		s.log.Warn("vm migrated; its source did not confirm deleting the old copies of its volumes, the host monitor retries", "vm", m.VMID,
 			"source", m.SourceHost, "err", err)
 		return nil
 	}

@@ -170,7 +170,8 @@ func (r *vmResource) Schema(ctx context.Context, _ resource.SchemaRequest, resp 
 					"and this attribute reports it (also after a migration or a host drain moved the VM: no change is " +
 					"planned). Setting it to another host than the VM runs on migrates the VM there in place, keeping its " +
 					"id: live while it runs (memory copied while the guest runs, then a short pause), cold while it is " +
-					"stopped. The target must take the VM under its own constraints; a VM with volumes stays with them.",
+					"stopped. The target must take the VM under its own constraints; its read-write volumes move with it " +
+					"(a VM with a read-only volume is refused: detach it first).",
 				Optional:   true,
 				Computed:   true,
 				Validators: []validator.String{stringvalidator.LengthAtLeast(1)},

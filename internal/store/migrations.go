@@ -44,17 +44,98 @@ type Migration struct {
 	TargetDomain string `gorm:"column:target_domain"`
 	// DrainHost is the host whose drain started the migration ("" for a
 	// migration asked for by a user).
-	DrainHost   string    `gorm:"column:drain_host"`
-	Phase       string    `gorm:"column:phase"`
-	Transferred int64     `gorm:"column:transferred"`
-	Total       int64     `gorm:"column:total"`
-	Owner       *string   `gorm:"column:owner_replica"`
-	StartedAt   time.Time `gorm:"column:started_at"`
-	UpdatedAt   time.Time `gorm:"column:updated_at"`
+	DrainHost   string  `gorm:"column:drain_host"`
+	Phase       string  `gorm:"column:phase"`
+	Transferred int64   `gorm:"column:transferred"`
+	Total       int64   `gorm:"column:total"`
+	Owner       *string `gorm:"column:owner_replica"`
+	// Volumes are the VM's read-write volumes that move with it
+	// (0026_migration_volumes.sql): the target's reservation holds their
+	// sizes beside Resources, and the switch moves their rows.
+	Volumes   []MigrationVolume `gorm:"column:volumes;serializer:json"`
+	StartedAt time.Time         `gorm:"column:started_at"`
+	UpdatedAt time.Time         `gorm:"column:updated_at"`
 }
 
 // TableName is the table of Migration.
 func (Migration) TableName() string { return "vm_migrations" }
+
+// MigrationVolume is one volume that moves with its VM, with the size the
+// reservation took for it.
+type MigrationVolume struct {
+	ID      string `json:"id"`
+	SizeMiB int64  `json:"size_mib"`
+}
+
+// VolumeDiskMiB is the disk the migration's volumes hold on the target.
+func (m Migration) VolumeDiskMiB() int64 {
+	var n int64
+	for _, v := range m.Volumes {
+		n += v.SizeMiB
+	}
+	return n
+}
+
+// MigrationVolumeError is why a VM's volume cannot move with it now: it
+// is attached read-only (it may be shared), shared, being attached or
+// detached, moving, or not ready on the VM's host. It unwraps to
+// ErrVolumeNotReady.
+type MigrationVolumeError struct {
+	VM, Volume, Name, Why string
+}
+
+func (e *MigrationVolumeError) Error() string {
+	return fmt.Sprintf("volume %s (%s) of vm %s %s", e.Name, e.Volume, e.VM, e.Why)
+}
+
+// Unwrap makes errors.Is(err, ErrVolumeNotReady) hold.
+func (e *MigrationVolumeError) Unwrap() error { return ErrVolumeNotReady }
+
+// migrationVolumes reads (and on PostgreSQL locks, in id order) the
+// volumes of vm, which is to move from host: each must be attached
+// read-write (settled, not attaching or detaching), ready on host and not
+// moving; a *MigrationVolumeError names the first that is not.
+func (s *Store) migrationVolumes(tx *gorm.DB, vm VM, host string) ([]MigrationVolume, error) {
+	var atts []AttachmentStep
+	if err := tx.Table("volume_attachments").Where("vm_id = ?", vm.ID).Order("volume_id").Find(&atts).Error; err != nil {
+		return nil, fmt.Errorf("read volumes of vm %s: %w", vm.ID, err)
+	}
+	out := make([]MigrationVolume, 0, len(atts))
+	for _, a := range atts {
+		v, err := s.lockVolume(tx, a.VolumeID)
+		if err != nil {
+			return nil, err
+		}
+		refuse := func(why string) error {
+			return &MigrationVolumeError{VM: vm.ID, Volume: v.ID, Name: v.Name, Why: why}
+		}
+		switch {
+		case a.State != AttachmentAttached:
+			return nil, refuse("is " + a.State)
+		case a.ReadOnly:
+			return nil, refuse("is attached read-only")
+		case v.State != VolumeReady || v.MoveTarget != nil || v.MoveSource != nil:
+			return nil, refuse("is " + v.State)
+		case v.HostName != host || !v.HoldsCapacity:
+			return nil, refuse("is not on host " + host)
+		}
+		out = append(out, MigrationVolume{ID: v.ID, SizeMiB: v.SizeMiB})
+	}
+	return out, nil
+}
+
+// refuseWhileMigrating is ErrMigrating when VM id has an unfinished
+// migration (the caller holds the VM's row).
+func refuseWhileMigrating(tx *gorm.DB, id, what string) error {
+	var n int64
+	if err := tx.Raw("SELECT COUNT(*) FROM vm_migrations WHERE vm_id = ?", id).Scan(&n).Error; err != nil {
+		return fmt.Errorf("read migration of vm %s: %w", id, err)
+	}
+	if n > 0 {
+		return fmt.Errorf("vm %s is being migrated, so %s waits: retry once the migration has finished: %w", id, what, ErrMigrating)
+	}
+	return nil
+}
 
 // BeginMigration reserves the target of a migration of VM m.VMID from
 // m.SourceHost to m.TargetHost: in one transaction the migration row is
@@ -66,6 +147,10 @@ func (Migration) TableName() string { return "vm_migrations" }
 // (ErrNoRoom; ErrGroupCap for the slot). The VM must hold capacity on
 // m.SourceHost and have no pending resize (ErrNotFound, ErrResizing).
 // The project is not charged again: the VM counts once in its quota.
+//
+// The VM's volumes move with it: m.Volumes is set to them (each attached
+// read-write, ready on the source: a *MigrationVolumeError otherwise) and
+// the same UPDATE reserves their sizes on the target with the VM's disk.
 func (s *Store) BeginMigration(ctx context.Context, m Migration, targetDomain string) (Migration, error) {
 	err := s.inTx(ctx, func(tx *gorm.DB) error {
 		vm, err := s.lockVM(tx, m.VMID)
@@ -77,6 +162,9 @@ func (s *Store) BeginMigration(ctx context.Context, m Migration, targetDomain st
 		}
 		if _, pending := vm.Pending(); pending {
 			return fmt.Errorf("vm %s: %w", m.VMID, ErrResizing)
+		}
+		if m.Volumes, err = s.migrationVolumes(tx, vm, m.SourceHost); err != nil {
+			return err
 		}
 		t := now()
 		m.State, m.Resources, m.StartedAt, m.UpdatedAt = MigrationReserved, vm.Resources, t, t
@@ -95,7 +183,8 @@ func (s *Store) BeginMigration(ctx context.Context, m Migration, targetDomain st
 		}
 		// The lock order of a reservation: the host, then the group slot.
 		r := m.Resources
-		res := tx.Exec(reserveOnHostSQL, r.VCPUs, r.MemoryMiB, r.DiskMiB, m.TargetHost, r.VCPUs, r.MemoryMiB, r.DiskMiB)
+		disk := r.DiskMiB + m.VolumeDiskMiB()
+		res := tx.Exec(reserveOnHostSQL, r.VCPUs, r.MemoryMiB, disk, m.TargetHost, r.VCPUs, r.MemoryMiB, disk)
 		if res.Error != nil {
 			return fmt.Errorf("reserve migration of vm %s on host %s: %w", m.VMID, m.TargetHost, res.Error)
 		}
@@ -208,7 +297,8 @@ func (s *Store) TakeMigration(ctx context.Context, id string, from *string, to s
 // one transaction the VM row points at the target (and its group slot at
 // the target's domain), the source's share is released (with the source
 // domain's slot when the target's was taken), and the migration becomes
-// switched. It reports whether this call switched it (false: it was
+// switched; the migration's volume rows move to the target with it and
+// their sizes leave the source. It reports whether this call switched it (false: it was
 // switched already). ErrNotFound when there is no unswitched migration or
 // the VM no longer holds capacity on the source (then the migration is
 // to be undone instead).
@@ -249,9 +339,20 @@ func (s *Store) SwitchMigration(ctx context.Context, id string) (VM, bool, error
 		if res.RowsAffected != 1 {
 			return fmt.Errorf("vm %s left host %s meanwhile: %w", id, m.SourceHost, ErrNotFound)
 		}
+		for _, v := range m.Volumes {
+			// The target holds the volume's size since the reservation.
+			res := tx.Exec(`UPDATE volumes SET host_name = ?, updated_at = ? WHERE id = ? AND host_name = ? AND size_mib = ? AND holds_capacity`,
+				m.TargetHost, now(), v.ID, m.SourceHost, v.SizeMiB)
+			if res.Error != nil {
+				return fmt.Errorf("switch volume %s of vm %s to host %s: %w", v.ID, id, m.TargetHost, res.Error)
+			}
+			if res.RowsAffected != 1 {
+				return fmt.Errorf("volume %s of vm %s is no longer %d MiB on host %s: %w", v.ID, id, v.SizeMiB, m.SourceHost, ErrVolumeNotReady)
+			}
+		}
 		r := vm.held()
 		res = tx.Exec(`UPDATE hosts SET alloc_vcpus = alloc_vcpus - ?, alloc_memory_mib = alloc_memory_mib - ?,
-			alloc_disk_mib = alloc_disk_mib - ? WHERE name = ?`, r.VCPUs, r.MemoryMiB, r.DiskMiB, m.SourceHost)
+			alloc_disk_mib = alloc_disk_mib - ? WHERE name = ?`, r.VCPUs, r.MemoryMiB, r.DiskMiB+m.VolumeDiskMiB(), m.SourceHost)
 		if res.Error != nil {
 			return fmt.Errorf("release vm %s on host %s: %w", id, m.SourceHost, res.Error)
 		}
@@ -273,7 +374,8 @@ func (s *Store) SwitchMigration(ctx context.Context, id string) (VM, bool, error
 }
 
 // AbortMigration undoes VM id's unswitched migration: in one transaction
-// the row goes and the target gives back what it held (and the group slot
+// the row goes and the target gives back what it held, the VM's share and
+// its volumes' (and the group slot
 // of the target's domain). It reports whether this call undid it (false:
 // there was none, or it has switched: a switched migration is finished,
 // never undone).
@@ -298,7 +400,7 @@ func (s *Store) AbortMigration(ctx context.Context, id string) (bool, error) {
 		}
 		r := m.Resources
 		if err := tx.Exec(`UPDATE hosts SET alloc_vcpus = alloc_vcpus - ?, alloc_memory_mib = alloc_memory_mib - ?,
-			alloc_disk_mib = alloc_disk_mib - ? WHERE name = ?`, r.VCPUs, r.MemoryMiB, r.DiskMiB, m.TargetHost).Error; err != nil {
+			alloc_disk_mib = alloc_disk_mib - ? WHERE name = ?`, r.VCPUs, r.MemoryMiB, r.DiskMiB+m.VolumeDiskMiB(), m.TargetHost).Error; err != nil {
 			return fmt.Errorf("release migration of vm %s on host %s: %w", id, m.TargetHost, err)
 		}
 		if m.TargetDomain != "" {

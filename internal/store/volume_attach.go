@@ -78,6 +78,9 @@ func (s *Store) BeginAttach(ctx context.Context, vmID, volID string, readOnly bo
 		case "creating", "missing", "lost", "error":
 			return fmt.Errorf("vm %s is %s: %w", vmID, vm.ObservedState, ErrVMNotAttachable)
 		}
+		if err := refuseWhileMigrating(tx, vmID, "the attach of volume "+volID); err != nil {
+			return err
+		}
 		var rows []AttachmentStep
 		if err := tx.Table("volume_attachments").Where("vm_id = ?", vmID).Find(&rows).Error; err != nil {
 			return fmt.Errorf("read volumes of vm %s: %w", vmID, err)
@@ -154,6 +157,9 @@ func (s *Store) BeginDetach(ctx context.Context, vmID, volID, owner string) (Att
 	var row AttachmentStep
 	err := s.inTx(ctx, func(tx *gorm.DB) error {
 		if _, err := s.lockVM(tx, vmID); err != nil {
+			return err
+		}
+		if err := refuseWhileMigrating(tx, vmID, "the detach of volume "+volID); err != nil {
 			return err
 		}
 		err := tx.Table("volume_attachments").Where("volume_id = ? AND vm_id = ?", volID, vmID).Take(&row).Error

@@ -304,12 +304,16 @@ func (s *Store) GrowVolume(ctx context.Context, id string, from, to int64) error
 
 func (s *Store) growVolume(ctx context.Context, id string, from, to int64, reclaim bool) error {
 	return s.inTx(ctx, func(tx *gorm.DB) error {
-		var v Volume
-		if err := tx.Where("id = ?", id).Take(&v).Error; err != nil {
-			if errors.Is(err, gorm.ErrRecordNotFound) {
-				return fmt.Errorf("volume %s: %w", id, ErrNotFound)
+		v, err := s.lockVolume(tx, id)
+		if err != nil {
+			return err
+		}
+		if v.RWVM != nil {
+			// The copy a migration makes of the volume has the size it
+			// had when the migration began.
+			if err := refuseWhileMigrating(tx, *v.RWVM, "the growth of volume "+id); err != nil {
+				return err
 			}
-			return fmt.Errorf("read volume %s: %w", id, err)
 		}
 		if reclaim {
 			if err := reclaimLeases(tx, v.Project, nil); err != nil {

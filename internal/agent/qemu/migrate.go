@@ -35,6 +35,14 @@ package qemu
 // and only then the device state goes. A migration that fails at any point
 // leaves the source's overlay the VM's disk.
 //
+// Volumes: each read-write volume moves the same way, in the same
+// migration: the target's QEMU (started with the control plane's empty
+// copy of each volume) exports it beside the overlay on the same NBD
+// server, the source mirrors it there with sync=full (a volume has no base
+// both agents share: its frozen bases are flattened into the copy), and
+// all mirrors must be ready before memory goes and end together at the
+// switch.
+//
 // Exactly one copy: the source's QEMU uses the return path, so it reports
 // "completed" only once the target's QEMU loaded the whole stream; the
 // target's QEMU is started with -S and stays paused until the target agent
@@ -170,11 +178,7 @@ func (d *Driver) PrepareIncoming(ctx context.Context, m *agent.Machine) error {
 	if err := q.migrateSetCapabilities(ctx, migrationCapability{Capability: "events", State: true}); err != nil {
 		return fail(err)
 	}
-	if m.DiskMiB > 0 {
-		node, err := diskNode(ctx, q)
-		if err != nil {
-			return fail(err)
-		}
+	if exports := incomingExports(m); len(exports) > 0 {
 		// QEMU runs as its VM's uid and cannot make a socket in the VM's
 		// directory: the agent makes it (root's, 0600) and hands it over.
 		l, err := listenUnixIn(m.Dir, nbdSocket)
@@ -195,10 +199,16 @@ func (d *Driver) PrepareIncoming(ctx context.Context, m *agent.Machine) error {
 		}, nil); err != nil {
 			return fail(err)
 		}
-		if err := q.run(ctx, "block-export-add", map[string]any{
-			"type": "nbd", "id": mirrorJob, "node-name": node, "name": nbdExport, "writable": true,
-		}, nil); err != nil {
-			return fail(err)
+		for _, x := range exports {
+			node, err := x.node(ctx, q)
+			if err != nil {
+				return fail(err)
+			}
+			if err := q.run(ctx, "block-export-add", map[string]any{
+				"type": "nbd", "id": x.job, "node-name": node, "name": x.export, "writable": true,
+			}, nil); err != nil {
+				return fail(err)
+			}
 		}
 	}
 	// The stream comes through one end of a socket pair; the agent keeps
@@ -227,7 +237,7 @@ func (d *Driver) PrepareIncoming(ctx context.Context, m *agent.Machine) error {
 	}
 	d.incoming[m.ID] = af
 	d.incomingMu.Unlock()
-	d.log.Info("vm waits for its incoming migration", "vm", m.ID, "pid", m.Process.PID, "disk", m.DiskMiB > 0)
+	d.log.Info("vm waits for its incoming migration", "vm", m.ID, "pid", m.Process.PID, "disk", m.DiskMiB > 0, "volumes", len(m.Volumes))
 	return nil
 }
 
@@ -342,9 +352,11 @@ func (d *Driver) IncomingState(ctx context.Context, m *agent.Machine) (string, s
 			return err
 		}
 		st, err = q.queryStatus(ctx)
-		if err == nil && info.Status == "completed" && m.DiskMiB > 0 {
-			// Both may have ended before (an earlier call): errors ignored.
-			_ = q.run(ctx, "block-export-del", map[string]any{"id": mirrorJob}, nil)
+		if exports := incomingExports(m); err == nil && info.Status == "completed" && len(exports) > 0 {
+			// They may have ended before (an earlier call): errors ignored.
+			for _, x := range exports {
+				_ = q.run(ctx, "block-export-del", map[string]any{"id": x.job}, nil)
+			}
 			_ = q.run(ctx, "nbd-server-stop", nil, nil)
 		}
 		return err
@@ -437,6 +449,7 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 			_ = c.Close()
 		}
 	}()
+	mirrors := incomingExports(m) // the source's mirrors of the target's exports
 	mirroring := false
 	endMirror := func() {
 		if !mirroring {
@@ -444,23 +457,33 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 		}
 		mirroring = false
 		_ = d.rescue(cctx, m, q, func(q *monitor) error {
-			_ = q.run(cctx, "block-job-cancel", map[string]any{"device": mirrorJob, "force": true}, nil)
-			for range 500 {
-				if j, err := q.blockJob(cctx, mirrorJob); err != nil || j == nil {
-					break
-				}
-				time.Sleep(10 * time.Millisecond)
+			for _, x := range mirrors {
+				_ = q.run(cctx, "block-job-cancel", map[string]any{"device": x.job, "force": true}, nil)
 			}
-			return q.run(cctx, "blockdev-del", map[string]any{"node-name": mirrorNode}, nil)
+			for _, x := range mirrors {
+				for range 500 {
+					if j, err := q.blockJob(cctx, x.job); err != nil || j == nil {
+						break
+					}
+					time.Sleep(10 * time.Millisecond)
+				}
+			}
+			var errs []error
+			for _, x := range mirrors {
+				errs = append(errs, q.run(cctx, "blockdev-del", map[string]any{"node-name": x.nbdNode}, nil))
+			}
+			return errors.Join(errs...)
 		})
 	}
 	defer endMirror()
 
-	if m.DiskMiB > 0 {
+	if len(mirrors) > 0 {
 		// What an earlier migration cut short (its agent killed) may have
-		// left: its mirror job and NBD node.
-		_ = q.run(ctx, "block-job-cancel", map[string]any{"device": mirrorJob, "force": true}, nil)
-		_ = q.run(ctx, "blockdev-del", map[string]any{"node-name": mirrorNode}, nil)
+		// left: its mirror jobs and NBD nodes.
+		for _, x := range mirrors {
+			_ = q.run(ctx, "block-job-cancel", map[string]any{"device": x.job, "force": true}, nil)
+			_ = q.run(ctx, "blockdev-del", map[string]any{"node-name": x.nbdNode}, nil)
+		}
 		progress(agentapi.Migration{Phase: agentapi.PhaseDisk})
 		l, name, err := listenAbstract(m.ID)
 		if err != nil {
@@ -491,33 +514,42 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 				go func() { defer bridges.Done(); _ = bridge(c, ch) }()
 			}
 		}()
-		node, err := diskNode(ctx, q)
-		if err != nil {
-			return stats, err
-		}
-		if err := q.run(ctx, "blockdev-add", map[string]any{
-			"driver": "nbd", "node-name": mirrorNode, "export": nbdExport,
-			"server": map[string]any{"type": "unix", "path": name, "abstract": true},
-		}, nil); err != nil {
-			return stats, fmt.Errorf("connect the mirror of vm %s to its target: %w", m.ID, err)
-		}
-		mirroring = true
-		if err := q.run(ctx, "blockdev-mirror", map[string]any{
-			"job-id": mirrorJob, "device": node, "target": mirrorNode, "sync": "top",
-		}, nil); err != nil {
-			return stats, fmt.Errorf("mirror the disk of vm %s: %w", m.ID, err)
+		for _, x := range mirrors {
+			node, err := x.node(ctx, q)
+			if err != nil {
+				return stats, err
+			}
+			if err := q.run(ctx, "blockdev-add", map[string]any{
+				"driver": "nbd", "node-name": x.nbdNode, "export": x.export,
+				"server": map[string]any{"type": "unix", "path": name, "abstract": true},
+			}, nil); err != nil {
+				return stats, fmt.Errorf("connect the mirror of %s of vm %s to its target: %w", x.what, m.ID, err)
+			}
+			mirroring = true
+			if err := q.run(ctx, "blockdev-mirror", map[string]any{
+				"job-id": x.job, "device": node, "target": x.nbdNode, "sync": x.sync,
+			}, nil); err != nil {
+				return stats, fmt.Errorf("mirror %s of vm %s: %w", x.what, m.ID, err)
+			}
 		}
 		for {
-			j, err := q.blockJob(converge, mirrorJob)
-			if err != nil {
-				return stats, fmt.Errorf("mirror of vm %s: %w", m.ID, err)
+			ready := true
+			stats.Disk = agentapi.MigrationBytes{}
+			for _, x := range mirrors {
+				j, err := q.blockJob(converge, x.job)
+				if err != nil {
+					return stats, fmt.Errorf("mirror of %s of vm %s: %w", x.what, m.ID, err)
+				}
+				if j == nil {
+					return stats, fmt.Errorf("mirror of %s of vm %s ended before it was in sync", x.what, m.ID)
+				}
+				stats.Disk.Total += j.Len
+				stats.Disk.Transferred += j.Offset
+				stats.Disk.Remaining += j.Len - j.Offset
+				ready = ready && j.Ready
 			}
-			if j == nil {
-				return stats, fmt.Errorf("mirror of vm %s ended before it was in sync", m.ID)
-			}
-			stats.Disk = agentapi.MigrationBytes{Total: j.Len, Transferred: j.Offset, Remaining: j.Len - j.Offset}
 			progress(stats)
-			if j.Ready {
+			if ready {
 				break
 			}
 			select {
@@ -531,7 +563,7 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 	caps := []migrationCapability{
 		{Capability: "events", State: true}, {Capability: "x-ignore-shared", State: false},
 		{Capability: "auto-converge", State: true}, {Capability: "return-path", State: true},
-		{Capability: "pause-before-switchover", State: m.DiskMiB > 0},
+		{Capability: "pause-before-switchover", State: len(mirrors) > 0},
 	}
 	if err := q.migrateSetCapabilities(ctx, caps...); err != nil {
 		return stats, err
@@ -627,7 +659,9 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 			p.Phase = agentapi.PhaseStopAndCopy
 			progress(p)
 			mirroring = false // ended at the switch
-			_ = q.run(cctx, "blockdev-del", map[string]any{"node-name": mirrorNode}, nil)
+			for _, x := range mirrors {
+				_ = q.run(cctx, "blockdev-del", map[string]any{"node-name": x.nbdNode}, nil)
+			}
 			return stats, nil
 		case "failed", "cancelled":
 			why := s.ErrorDesc
@@ -645,7 +679,7 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 			// The guest is paused: the mirror ends in sync (a ready mirror
 			// cancelled completes without pivot), then the device state goes.
 			preSwitch = time.Now()
-			if err := d.switchDisk(ctx, q); err != nil {
+			if err := d.switchDisk(ctx, q, mirrors); err != nil {
 				d.log.Warn("end the disk mirror at the switch; cancelling", "vm", m.ID, "err", err)
 				cancel()
 				continue
@@ -664,22 +698,61 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 	}
 }
 
-// switchDisk ends the ready mirror in sync, without pivoting.
-func (d *Driver) switchDisk(ctx context.Context, q *monitor) error {
-	if err := q.run(ctx, "block-job-cancel", map[string]any{"device": mirrorJob}, nil); err != nil {
-		return err
-	}
-	for range 3000 {
-		j, err := q.blockJob(ctx, mirrorJob)
-		if err != nil {
+// switchDisk ends the ready mirrors in sync, without pivoting.
+func (d *Driver) switchDisk(ctx context.Context, q *monitor, mirrors []diskExport) error {
+	for _, x := range mirrors {
+		if err := q.run(ctx, "block-job-cancel", map[string]any{"device": x.job}, nil); err != nil {
 			return err
 		}
-		if j == nil {
-			return nil
-		}
-		time.Sleep(time.Millisecond)
 	}
-	return errors.New("the mirror did not end within 3 s")
+	for _, x := range mirrors {
+		ended := false
+		for range 3000 {
+			j, err := q.blockJob(ctx, x.job)
+			if err != nil {
+				return err
+			}
+			if j == nil {
+				ended = true
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+		if !ended {
+			return fmt.Errorf("the mirror of %s did not end within 3 s", x.what)
+		}
+	}
+	return nil
+}
+
+// diskExport is one disk a live migration mirrors: the target exports it
+// over NBD (export), the source mirrors its node there through its NBD
+// node nbdNode with job job. The overlay moves with sync=top (its base is
+// the image both agents have); a read-write volume with sync=full into
+// the empty copy the control plane made on the target (its frozen bases,
+// if any, are flattened into it).
+type diskExport struct {
+	what, job, nbdNode, export, sync string
+	node                             func(context.Context, *monitor) (string, error)
+}
+
+// incomingExports are the disks of m that a live migration mirrors: its
+// overlay (when it has a disk) and its read-write volumes. Read-only
+// volumes never migrate (the agent refuses them).
+func incomingExports(m *agent.Machine) []diskExport {
+	var out []diskExport
+	if m.DiskMiB > 0 {
+		out = append(out, diskExport{what: "its disk", job: mirrorJob, nbdNode: mirrorNode, export: nbdExport, sync: "top", node: diskNode})
+	}
+	for _, v := range m.Volumes {
+		if v.ReadOnly {
+			continue
+		}
+		out = append(out, diskExport{what: "volume " + v.ID, job: "mig-" + volumeNode(v), nbdNode: "mig-nbd-" + v.Serial,
+			export: volumeNode(v), sync: "full",
+			node: func(ctx context.Context, q *monitor) (string, error) { return activeVolumeNode(ctx, q, v) }})
+	}
+	return out
 }
 
 // listenAbstract listens on a fresh abstract unix socket for the source's

@@ -5,12 +5,21 @@ package sim
 // steps over MigrationTime while the simulated VM runs, then an end line
 // while it is paused; the target answers "ok" once it has all of it, as
 // QEMU's return path does. No guest state moves: a sim VM has none.
+//
+// Its read-write volumes do move, before the memory: one disk channel per
+// volume carries the data blocks of the source's volume file into the
+// target's (its copy, which the control plane made), so that what a test
+// wrote into a volume on the source reads back on the target.
 
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"net"
+	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -42,11 +51,17 @@ func (d *Driver) PrepareIncoming(_ context.Context, m *agent.Machine) error {
 	d.state[m.ID] = agentapi.StatePaused
 	d.incoming[m.ID] = agent.IncomingActive
 	d.plugged[m.ID] = map[string]bool{}
+	for _, v := range m.Volumes {
+		d.plugged[m.ID][v.ID] = true
+	}
 	return nil
 }
 
 // Receive reads the simulated memory stream.
 func (d *Driver) Receive(_ context.Context, m *agent.Machine, channel string, conn net.Conn) error {
+	if channel == agentapi.ChannelDisk {
+		return receiveVolume(m, conn)
+	}
 	if channel != agentapi.ChannelMemory {
 		return fmt.Errorf("sim vm %s: the simulation has no %s channel", m.ID, channel)
 	}
@@ -117,6 +132,17 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 		d.mu.Unlock()
 		stats.TotalMS = time.Since(start).Milliseconds()
 		return stats, err
+	}
+	for _, v := range m.Volumes {
+		if v.ReadOnly {
+			continue
+		}
+		n, err := sendVolume(ctx, out.Dial, v)
+		if err != nil {
+			return fail(fmt.Errorf("copy volume %s of sim vm %s: %w", v.ID, m.ID, err))
+		}
+		stats.Disk.Total += n
+		stats.Disk.Transferred += n
 	}
 	conn, err := out.Dial(ctx, agentapi.ChannelMemory)
 	if err != nil {
@@ -200,4 +226,113 @@ func (d *Driver) ResumeOutgoing(_ context.Context, m *agent.Machine) error {
 	d.state[m.ID] = agentapi.StateRunning
 	d.outgoing[m.ID] = agent.OutgoingFailed
 	return nil
+}
+
+// simVolumeBlock is the unit of a simulated volume copy; blocks of zeros
+// are not sent (the target's file is sparse and empty).
+const simVolumeBlock = 1 << 20
+
+// sendVolume copies volume v's file over a disk channel: a header line,
+// then "sim-block <offset> <length>" lines each followed by the bytes,
+// then an end line; the target answers "ok". It returns the bytes sent.
+func sendVolume(ctx context.Context, dial func(context.Context, string) (net.Conn, error), v agent.MachineVolume) (int64, error) {
+	f, err := os.Open(v.Path)
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = f.Close() }()
+	conn, err := dial(ctx, agentapi.ChannelDisk)
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = conn.Close() }()
+	stop := context.AfterFunc(ctx, func() { _ = conn.Close() })
+	defer stop()
+	w := bufio.NewWriter(conn)
+	if _, err := fmt.Fprintf(w, "sim-volume %s\n", v.ID); err != nil {
+		return 0, err
+	}
+	buf := make([]byte, simVolumeBlock)
+	var off, sent int64
+	for {
+		k, err := io.ReadFull(f, buf)
+		if k > 0 && !allZero(buf[:k]) {
+			if _, err := fmt.Fprintf(w, "sim-block %d %d\n", off, k); err != nil {
+				return sent, err
+			}
+			if _, err := w.Write(buf[:k]); err != nil {
+				return sent, err
+			}
+			sent += int64(k)
+		}
+		off += int64(k)
+		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+			break
+		}
+		if err != nil {
+			return sent, err
+		}
+	}
+	if _, err := w.WriteString("sim-volume-end\n"); err != nil {
+		return sent, err
+	}
+	if err := w.Flush(); err != nil {
+		return sent, err
+	}
+	answer, err := bufio.NewReader(conn).ReadString('\n')
+	if err != nil || answer != "ok\n" {
+		return sent, fmt.Errorf("the target did not take the volume (%q, %v)", answer, err)
+	}
+	return sent, nil
+}
+
+// receiveVolume writes a volume sent by sendVolume into the target's copy
+// (one of m's volumes) and answers "ok".
+func receiveVolume(m *agent.Machine, conn net.Conn) error {
+	br := bufio.NewReader(conn)
+	line, err := br.ReadString('\n')
+	if err != nil {
+		return fmt.Errorf("sim vm %s: volume stream ended early: %w", m.ID, err)
+	}
+	id, ok := strings.CutPrefix(strings.TrimSpace(line), "sim-volume ")
+	i := slices.IndexFunc(m.Volumes, func(v agent.MachineVolume) bool { return v.ID == id && !v.ReadOnly })
+	if !ok || i < 0 {
+		return fmt.Errorf("sim vm %s: no read-write volume %q to receive", m.ID, strings.TrimSpace(line))
+	}
+	f, err := os.OpenFile(m.Volumes[i].Path, os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = f.Close() }()
+	for {
+		line, err := br.ReadString('\n')
+		if err != nil {
+			return fmt.Errorf("sim vm %s: volume %s stream ended early: %w", m.ID, id, err)
+		}
+		line = strings.TrimSpace(line)
+		if line == "sim-volume-end" {
+			break
+		}
+		var off, n int64
+		if _, err := fmt.Sscanf(line, "sim-block %d %d", &off, &n); err != nil || n <= 0 || n > simVolumeBlock {
+			return fmt.Errorf("sim vm %s: volume %s: unexpected %q", m.ID, id, line)
+		}
+		if _, err := io.Copy(io.NewOffsetWriter(f, off), io.LimitReader(br, n)); err != nil {
+			return err
+		}
+	}
+	if err := f.Sync(); err != nil {
+		return err
+	}
+	_, err = conn.Write([]byte("ok\n"))
+	return err
+}
+
+func allZero(b []byte) bool {
+	for _, c := range b {
+		if c != 0 {
+			return false
+		}
+	}
+	return true
 }
