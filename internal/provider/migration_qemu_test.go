@@ -37,10 +37,34 @@ func migQEMUHost(t *testing.T, f *fleet, register string) *testenv.Agent {
 	return a
 }
 
-// migWaitBooted waits until every VM on host (by the control API) printed
-// its ready line: a guest migrated before it booted would prove less.
-func (f *fleet) migWaitBooted(t *testing.T, host string) {
+// migQEMUControl is a control API for busy TCG agents on a shared
+// machine: an agent that answers slowly while its guests boot is not dead.
+func migQEMUControl(t *testing.T) *fleet {
 	t.Helper()
+	accPreCheck(t)
+	return &fleet{Control: testenv.StartControl(t, testenv.ControlOptions{AgentTimeout: 30 * time.Second, DeadAfter: 20}),
+		Agents: map[string]*testenv.Agent{}}
+}
+
+// migWaitBooted waits until every VM on host (by the control API) printed
+// its ready line: a guest migrated before it booted would prove less. Then
+// it waits until the other hosts are alive again, as a drain needs.
+func (f *fleet) migWaitBooted(t *testing.T, host string, others ...string) {
+	t.Helper()
+	defer func() {
+		for _, name := range others {
+			for poll := 0; ; poll++ {
+				h, err := f.Control.Client.GetHost(context.Background(), name)
+				if err == nil && h.Alive {
+					break
+				}
+				if poll == 60 {
+					t.Fatalf("host %s not alive after 60 polls (about two minutes): %+v, %v", name, h, err)
+				}
+				time.Sleep(2 * time.Second)
+			}
+		}
+	}()
 	vms, err := f.Control.Client.AllVMs(context.Background(), client.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -97,8 +121,7 @@ func (f *fleet) migNoReboot(*terraform.State) error {
 // per host, finishes (drain_status), and the next plan is empty; undrain
 // puts the host back in service.
 func TestAccHost_drainQEMU(t *testing.T) {
-	accPreCheck(t)
-	f := &fleet{Control: testenv.StartControl(t, testenv.ControlOptions{}), Agents: map[string]*testenv.Agent{}}
+	f := migQEMUControl(t)
 	migQEMUHost(t, f, "h2")
 	migQEMUHost(t, f, "h3")
 	a := migQEMUHost(t, f, "")
@@ -117,7 +140,7 @@ func TestAccHost_drainQEMU(t *testing.T) {
 				},
 			},
 			{
-				PreConfig: func() { f.migWaitBooted(t, "h1") },
+				PreConfig: func() { f.migWaitBooted(t, "h1", "h2", "h3") },
 				Config:    cfg(true, false),
 				ConfigPlanChecks: resource.ConfigPlanChecks{
 					PreApply: []plancheck.PlanCheck{
@@ -210,8 +233,7 @@ func migHTTPGet(port string) (string, error) {
 // API: it answers through its new forward on the target, the VM reports
 // that forward, and a refresh puts the new host_port in state (no plan).
 func TestAccVM_migrateUserNetQEMU(t *testing.T) {
-	accPreCheck(t)
-	f := &fleet{Control: testenv.StartControl(t, testenv.ControlOptions{}), Agents: map[string]*testenv.Agent{}}
+	f := migQEMUControl(t)
 	migQEMUHost(t, f, "h1")
 	migQEMUHost(t, f, "h2")
 	sameID := statecheck.CompareValue(compare.ValuesSame())
