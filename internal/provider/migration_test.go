@@ -116,6 +116,18 @@ func (f *fleet) vmOnHost(id *string, host string, moved bool) resource.TestCheck
 // afterwards they are left unpinned, so wherever the drain takes them
 // shows no change.
 func drainConfig(f *fleet, address string, drain, pinned bool) string {
+	return drainConfigOf(f, address, drain, pinned, drainSimShape)
+}
+
+// drainSimShape and drainBusyboxShape are the image and size of
+// drainConfigOf's VMs: sim, or small real busybox guests.
+const (
+	drainSimShape     = "  image = \"sim\"\n  vcpus = 1\n  memory_mib = 512\n  disk_mib = 1024\n"
+	drainBusyboxShape = "  image = \"busybox\"\n  vcpus = 1\n  memory_mib = 128\n  disk_mib = 64\n"
+)
+
+// drainConfigOf is drainConfig with VMs of the given shape.
+func drainConfigOf(f *fleet, address string, drain, pinned bool, shape string) string {
 	var b strings.Builder
 	b.WriteString(f.providerBlock())
 	fmt.Fprintf(&b, `
@@ -126,7 +138,7 @@ resource "kvm_host" "h1" {
 }
 `, address, drain)
 	vm := func(name, host, group string, dependsOnH1 bool) {
-		fmt.Fprintf(&b, "resource \"kvm_vm\" %q {\n  name = %q\n  image = \"sim\"\n  vcpus = 1\n  memory_mib = 512\n  disk_mib = 1024\n", name, name)
+		fmt.Fprintf(&b, "resource \"kvm_vm\" %q {\n  name = %q\n%s", name, name, shape)
 		if host != "" {
 			fmt.Fprintf(&b, "  host = %q\n", host)
 		}

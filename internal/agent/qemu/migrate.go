@@ -86,6 +86,9 @@ const (
 	// channel between agents is the limit.
 	migrationBandwidth = 8 << 30
 	migrationStreamFD  = "migstream"
+	// incomingMigration is the BootOptions.Incoming of a live
+	// migration's target (its state comes over the memory channel).
+	incomingMigration = "migration"
 )
 
 var _ agent.Migrator = (*Driver)(nil)
@@ -166,7 +169,7 @@ func (d *Driver) PrepareIncoming(ctx context.Context, m *agent.Machine) error {
 		}
 	}
 	_ = os.Remove(filepath.Join(m.Dir, nbdSocket))
-	q, err := d.boot(ctx, m, agent.BootOptions{Incoming: "migration"}, childFiles{})
+	q, err := d.boot(ctx, m, agent.BootOptions{Incoming: incomingMigration}, childFiles{})
 	if err != nil {
 		return err
 	}
@@ -388,6 +391,12 @@ type qmpMigrationStats struct {
 		Transferred int64 `json:"transferred"`
 		Remaining   int64 `json:"remaining"`
 		Total       int64 `json:"total"`
+		// Duplicate counts the zero pages sent (a flag each), Normal the
+		// pages sent whole; DirtySyncCount the passes over the bitmap.
+		Duplicate      int64   `json:"duplicate"`
+		Normal         int64   `json:"normal"`
+		DirtySyncCount int64   `json:"dirty-sync-count"`
+		MBps           float64 `json:"mbps"`
 	} `json:"ram"`
 }
 
@@ -450,6 +459,31 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 		}
 	}()
 	mirrors := incomingExports(m) // the source's mirrors of the target's exports
+	// The disk channel's connections end with the migration, whatever
+	// became of the mirror: left to QEMU (an NBD node that a failure after
+	// the switch left attached) and the target (whose NBD server waits for
+	// the commit), their bridges never ended and the migration hung in
+	// bridges.Wait with the guest paused on both sides.
+	var diskMu sync.Mutex
+	var diskConns []net.Conn
+	diskEnded := false
+	keepDiskConn := func(c net.Conn) bool {
+		diskMu.Lock()
+		defer diskMu.Unlock()
+		if diskEnded {
+			return false
+		}
+		diskConns = append(diskConns, c)
+		return true
+	}
+	defer func() {
+		diskMu.Lock()
+		defer diskMu.Unlock()
+		diskEnded = true
+		for _, c := range diskConns {
+			_ = c.Close()
+		}
+	}()
 	mirroring := false
 	endMirror := func() {
 		if !mirroring {
@@ -508,6 +542,11 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 				if err != nil {
 					d.log.Warn("open the disk channel", "vm", m.ID, "err", err)
 					_ = c.Close()
+					continue
+				}
+				if !keepDiskConn(c) || !keepDiskConn(ch) {
+					_ = c.Close()
+					_ = ch.Close()
 					continue
 				}
 				bridges.Add(1)
@@ -608,6 +647,9 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 	}
 	progress(agentapi.Migration{Phase: agentapi.PhaseMemory, Disk: stats.Disk})
 	var preSwitch, mirrorEnded time.Time
+	// lastActive is QEMU's last answer before the guest stopped: what
+	// the stop-and-copy had left to send.
+	var lastActive qmpMigrationStats
 	cancelled := false
 	cancel := func() {
 		if cancelled {
@@ -636,6 +678,9 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 			cancel()
 			continue
 		}
+		if s.Status == "active" && s.RAM != nil {
+			lastActive = s
+		}
 		phase := agentapi.PhaseMemory
 		switch s.Status {
 		case "pre-switchover", "device":
@@ -653,9 +698,15 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 			if !preSwitch.IsZero() {
 				mirrorMS, continueMS = mirrorEnded.Sub(preSwitch).Milliseconds(), time.Since(mirrorEnded).Milliseconds()
 			}
-			d.log.Info("migration stream completed", "vm", m.ID, "downtime_ms", s.Downtime, "total_ms", s.TotalTime,
+			attrs := []any{"vm", m.ID, "downtime_ms", s.Downtime, "total_ms", s.TotalTime,
 				"setup_ms", s.SetupTime, "ram_bytes", p.Memory.Transferred, "throttle_pct", s.Throttle,
-				"mirror_end_ms", mirrorMS, "continue_to_completed_ms", continueMS)
+				"mirror_end_ms", mirrorMS, "continue_to_completed_ms", continueMS}
+			if r, l := s.RAM, lastActive.RAM; r != nil && l != nil {
+				attrs = append(attrs, "remaining_at_stop", l.Remaining, "expected_downtime_ms", lastActive.ExpectedDowntime,
+					"zero_pages_after_stop", r.Duplicate-l.Duplicate, "normal_pages_after_stop", r.Normal-l.Normal,
+					"zero_pages", r.Duplicate, "normal_pages", r.Normal, "dirty_syncs", r.DirtySyncCount, "mbps_at_stop", l.MBps)
+			}
+			d.log.Info("migration stream completed", attrs...)
 			p.Phase = agentapi.PhaseStopAndCopy
 			progress(p)
 			mirroring = false // ended at the switch
