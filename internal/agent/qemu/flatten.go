@@ -110,6 +110,16 @@ func (d *Driver) streamDisk(ctx context.Context, m *agent.Machine, oldest string
 			return err
 		}
 		if job == nil {
+			// After a migration (a snapshot that kept the VM paused is one)
+			// QEMU has let go of its images until the VM runs again: no job
+			// may write them then.
+			st, err := q.queryStatus(ctx)
+			if err != nil {
+				return err
+			}
+			if st.Status != "running" && st.Status != "paused" {
+				return fmt.Errorf("qemu is %s, its disk not writable until the vm runs again: the flatten is left to the next snapshot", st.Status)
+			}
 			base, err := formatNode(ctx, q, filepath.Join(m.Dir, oldest))
 			if err != nil {
 				return err
