@@ -63,7 +63,8 @@ func (a *Agent) flattenLocked(ctx context.Context, r vmRecord) error {
 }
 
 // flattenLater bounds the disk chain of VM id in the background, once its
-// other work lets go of it. Close stops the wait and the flatten's watch
+// other work lets go of it: called after a snapshot that left the chain
+// longer than the depth. Close stops the wait and the flatten's watch
 // (a block job QEMU runs goes on; the next flatten waits for it).
 func (a *Agent) flattenLater(id string) {
 	if _, ok := a.cfg.Driver.(DiskFlattener); !ok {
@@ -86,7 +87,9 @@ func (a *Agent) flattenLater(id string) {
 			return
 		}
 		defer e.unlock()
-		r := a.refreshLocked(ctx, e)
+		// The state as recorded: the driver looks at the files, and asks
+		// QEMU only when there is something to flatten.
+		r, _, _ := e.state()
 		if err := a.flattenLocked(ctx, r); err != nil {
 			// The next snapshot of the VM flattens first, or tries again.
 			a.log.Warn("flatten the disk chain of a vm", "vm", id, "err", err)

@@ -163,7 +163,10 @@ func (a *Agent) takeSnapshot(ctx context.Context, sn Snapshotter, id string, spe
 		return nil, fmt.Errorf("snapshot %s of vm %s: %w", id, r.ID, err)
 	}
 	done = true
-	a.flattenLater(r.ID)
+	// The VM writes to a new file on the chain the snapshot froze.
+	if countDiskFiles(rec.Files)+1 > a.cfg.DiskChainDepth {
+		a.flattenLater(r.ID)
+	}
 	w := rec.wire()
 	a.log.Info("snapshot taken", "snapshot", id, "vm", r.ID, "vm_state", after.State, "disk", after.Disk,
 		"paused_ms", window.Milliseconds(), "total_ms", time.Since(start).Milliseconds(), "bytes", w.SizeBytes)
