@@ -75,7 +75,7 @@ if [[ "$driver" == qemu ]]; then
 	if [[ -f "$image_dir/debian-12/image.json" ]]; then
 		guest_image="debian-12"
 	else
-		echo "demo: no Debian guest image (make image-debian builds it, as root): the guest is busybox, which has no SSH server; the demo checks what it reports instead of logging in"
+		echo "demo: no Debian guest image (make image-debian builds it, as root: minutes of mmdebstrap once, then cached; make test builds it too): the guest is busybox, which has no SSH server; the demo checks what it reports instead of logging in"
 	fi
 fi
 ssh_public_key=""

@@ -45,6 +45,10 @@ type Config struct {
 	StopTimeout time.Duration
 	// NoSync skips fsync of metadata writes (benchmarks on slow disks only).
 	NoSync bool
+	// DiskChainDepth bounds the files of a VM's own disk chain, and so the
+	// disk files of each of its snapshots and of a pull (disk_chain.go);
+	// default DefaultDiskChainDepth, at least 2.
+	DiskChainDepth int
 	// Logger receives the agent's logs (default slog.Default()).
 	Logger *slog.Logger
 	// Pool configures the warm pool (pool.go).
@@ -135,6 +139,12 @@ func New(ctx context.Context, cfg Config) (*Agent, error) {
 	}
 	if cfg.StateDir == "" {
 		return nil, errors.New("agent: empty state directory: give --state-dir")
+	}
+	if cfg.DiskChainDepth == 0 {
+		cfg.DiskChainDepth = DefaultDiskChainDepth
+	}
+	if cfg.DiskChainDepth < 2 {
+		return nil, fmt.Errorf("disk chain depth %d: it must be at least 2 (a vm's disk on the one its snapshots froze)", cfg.DiskChainDepth)
 	}
 	if cfg.StopTimeout <= 0 {
 		cfg.StopTimeout = 10 * time.Second

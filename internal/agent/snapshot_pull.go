@@ -290,6 +290,14 @@ func (a *Agent) pullSnapshot(ctx context.Context, id string, from *peer, chain [
 	if err := rec.validate(id); err != nil {
 		return nil, errPull(id, address, fmt.Errorf("its metadata is not usable: %w", err))
 	}
+	// A chain deeper than this agent's bound is refused before a byte
+	// moves (disk_chain.go): its source flattens its chains.
+	if n := countDiskFiles(rec.Files); n > a.cfg.DiskChainDepth {
+		e := errConflict("snapshot %s on agent %s has a disk chain of %d files, more than this agent's depth of %d; its source flattens chains past its own depth (kvmd agent --disk-chain-depth): take a new snapshot there, or raise the depth here",
+			id, address, n, a.cfg.DiskChainDepth)
+		e.Details = map[string]any{"snapshot": id, "disk_files": n, "depth": a.cfg.DiskChainDepth}
+		return nil, e
+	}
 	if _, err := a.cfg.Driver.Image(rec.Image); err != nil {
 		return nil, errConflict("snapshot %s is of image %s, which this agent does not have: %v", id, rec.Image, err)
 	}
@@ -459,6 +467,17 @@ func (a *Agent) pullFile(ctx context.Context, c *agentapi.Client, id, dir string
 // isDiskFile says whether f is a file of a snapshot's disk chain.
 func isDiskFile(f agentapi.SnapshotFile) bool {
 	return f.Kind == agentapi.SnapshotFileDisk || f.Kind == agentapi.SnapshotFileBacking
+}
+
+// countDiskFiles is how many files of a snapshot's disk chain files lists.
+func countDiskFiles(files []agentapi.SnapshotFile) int {
+	n := 0
+	for _, f := range files {
+		if isDiskFile(f) {
+			n++
+		}
+	}
+	return n
 }
 
 // createSized creates the file path with size bytes, all a hole.

@@ -99,6 +99,14 @@ func (a *Agent) takeSnapshot(ctx context.Context, sn Snapshotter, id string, spe
 			}
 		}
 	}()
+	// The chain this snapshot freezes is at most the depth long: flattened
+	// now if the flatten after the last snapshot has not run yet. One that
+	// fails leaves a longer chain, which children here can use; a peer
+	// refuses to pull it (snapshot_pull.go), and says why.
+	if err := a.flattenLocked(ctx, r); err != nil {
+		a.log.Warn("snapshot of a vm whose disk chain could not be flattened", "snapshot", id, "vm", r.ID,
+			"depth", a.cfg.DiskChainDepth, "err", err)
+	}
 	m := machineOf(a, r)
 	// The frozen points of its volumes (volume_fork.go): step 1 now, the
 	// switch by the driver in the paused window, the rest after.
@@ -155,6 +163,10 @@ func (a *Agent) takeSnapshot(ctx context.Context, sn Snapshotter, id string, spe
 		return nil, fmt.Errorf("snapshot %s of vm %s: %w", id, r.ID, err)
 	}
 	done = true
+	// The VM writes to a new file on the chain the snapshot froze.
+	if countDiskFiles(rec.Files)+1 > a.cfg.DiskChainDepth {
+		a.flattenLater(r.ID)
+	}
 	w := rec.wire()
 	a.log.Info("snapshot taken", "snapshot", id, "vm", r.ID, "vm_state", after.State, "disk", after.Disk,
 		"paused_ms", window.Milliseconds(), "total_ms", time.Since(start).Milliseconds(), "bytes", w.SizeBytes)

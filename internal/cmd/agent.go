@@ -32,6 +32,7 @@ type agentConfig struct {
 	MetricsToken    string
 	Capacity        agentapi.Resources // zero fields: the host's own
 	StopTimeout     time.Duration
+	DiskChainDepth  int
 	TLSCert, TLSKey string
 	Pool            agent.PoolOptions
 	// PeerCAFile holds PEM certificates to trust for other agents served
@@ -81,6 +82,8 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 	fs.StringVar(&cfg.OVMFDir, "ovmf-dir", qemu.DefaultOVMFDir, "qemu: folder of the UEFI firmware of uefi VMs (Debian's ovmf package): "+
 		"OVMF_CODE_4M.fd and OVMF_VARS_4M.fd, and OVMF_CODE_4M.secboot.fd and OVMF_VARS_4M.ms.fd for Secure Boot")
 	fs.DurationVar(&cfg.StopTimeout, "stop-timeout", 10*time.Second, "how long a stop waits for the guest's ACPI power-off before ending QEMU")
+	fs.IntVar(&cfg.DiskChainDepth, "disk-chain-depth", agent.DefaultDiskChainDepth,
+		"the most files of a vm's own disk chain (at least 2): snapshots past it flatten the chain in the background, and a pulled snapshot may list no more")
 	fs.IntVar(&cfg.Pool.Concurrency, "pool-concurrency", 1, "warm pool: how many warm VMs boot at once")
 	fs.IntVar(&cfg.Pool.Nice, "pool-nice", 10, "warm pool: nice value warm VMs boot at, below user VMs (0: the default 10; negative: the agent's own priority)")
 	fs.IntVar(&cfg.Pool.MaxSize, "pool-max-size", 32, "warm pool: the most warm VMs all targets together may ask for")
@@ -201,7 +204,7 @@ func serveAgent(ctx context.Context, cfg agentConfig, log *slog.Logger, ready fu
 	a, err := agent.New(ctx, agent.Config{
 		StateDir: cfg.StateDir, Driver: driver, Token: cfg.Token, MetricsToken: cfg.MetricsToken, StopTimeout: cfg.StopTimeout, Logger: log,
 		Capacity: cfg.Capacity, Pool: cfg.Pool, PeerHTTPClient: peerHTTP, Addresses: cfg.AdvertiseURLs,
-		ImageCacheDir: cfg.ImageDir, ImageFetch: image.Config{MaxBytes: cfg.ImageMaxBytes},
+		ImageCacheDir: cfg.ImageDir, ImageFetch: image.Config{MaxBytes: cfg.ImageMaxBytes}, DiskChainDepth: cfg.DiskChainDepth,
 	})
 	if err != nil {
 		return err

@@ -2,6 +2,7 @@ package provider_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -156,19 +157,72 @@ func TestAccVM_guestCloudInitBusybox(t *testing.T) {
 // TestAccVM_guestCloudInitModuleFailsDebian and, line by line from both
 // cloud-init versions, in the agent's guest status tests; a Debian guest that
 // never finishes added minutes of CI and nothing this test does not show.)
+//
+// The create timeout that must end with cloud-init running and the script
+// started is measured, not fixed (guestStageTimeout): a TCG guest on a
+// loaded machine takes minutes to get there.
 func TestAccVM_guestNeverFinishes(t *testing.T) {
 	f, _ := qemuFleet(t, testenv.AgentOptions{})
+	const script = "#!/bin/sh\necho kvm-test-user-script-started\nsleep 100000\n"
+	timeout := guestStageTimeout(t, f, script, "kvm-test-user-script-started")
 	// The busybox guest prints a "tick N" line every second: they are the
 	// console's end, so the tail in the error is made of them; the script's
 	// own line is checked on the whole console.
 	testNeverFinishes(t, f, func(waitFor string) string {
-		return busyboxGuestConfig(f, "#!/bin/sh\necho kvm-test-user-script-started\nsleep 100000\n", waitFor, "60s")
+		return busyboxGuestConfig(f, script, waitFor, timeout)
 	}, `tick [0-9]+\s+tick [0-9]+`, func(console string) error {
 		if !strings.Contains(console, "kvm-test-user-script-started") || strings.Contains(console, "finished at") {
 			return fmt.Errorf("the console does not show the script running and cloud-init unfinished:\n%s", tail(console, 3000))
 		}
 		return nil
 	})
+}
+
+// guestStageTimeout measures how long a busybox guest with userData takes
+// here, now, to reach the stage a test's create timeout must find it in:
+// cloud-init running and line on its console. It boots one through the
+// control API, deletes it, and returns three times that plus a minute, as a
+// Terraform duration: a loaded machine (other tests, a CPU hog) makes the
+// timeout longer instead of the test fail, an idle one keeps it short.
+func guestStageTimeout(t *testing.T, f *fleet, userData, line string) string {
+	t.Helper()
+	ctx := context.Background()
+	start := time.Now()
+	vm, err := f.Control.Client.CreateVM(ctx, api.VMCreate{Name: "bb-stage-measure", Image: "busybox", VCPUs: 1, MemoryMiB: 128, DiskMiB: 64,
+		UserData: userData}, "")
+	if err != nil {
+		t.Fatalf("create the guest that measures the boot: %v", err)
+	}
+	deadline := start.Add(15 * time.Minute)
+	for {
+		g, gerr := f.Control.Client.VMGuest(ctx, vm.ID)
+		con, cerr := f.Control.Client.VMConsole(ctx, vm.ID, 0)
+		if gerr == nil && cerr == nil && g.CloudInit == api.CloudInitRunning && strings.Contains(con, line) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("measuring the boot: vm %s did not reach cloud-init running with %q on its console within 15m (%+v, %v, %v); console:\n%s",
+				vm.ID, line, g, gerr, cerr, tail(con, 3000))
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+	took := time.Since(start)
+	if err := f.Control.Client.DeleteVM(ctx, vm.ID); err != nil {
+		t.Fatalf("delete the guest that measured the boot: %v", err)
+	}
+	for {
+		_, err := f.Control.Client.GetVM(ctx, vm.ID)
+		if errors.Is(err, client.ErrNotFound) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the guest that measured the boot, %s, is not gone (%v)", vm.ID, err)
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+	timeout := 3*took + time.Minute
+	t.Logf("a busybox guest reached cloud-init running with %q in %s: create timeout %s", line, took.Round(100*time.Millisecond), timeout.Round(time.Second))
+	return fmt.Sprintf("%ds", int(timeout.Seconds()))
 }
 
 // testNeverFinishes applies cfg("cloud_init"), which must time out with the

@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -16,7 +17,10 @@ import (
 // whose cpu.max is its vCPUs. Where the agent cannot use cgroups (not root,
 // no cgroup2 memory and cpu controllers, as on a hybrid cgroup v1 host) its
 // info must say why, and the test skips with that reason unless
-// KVM_REQUIRE_CGROUPS=1.
+// KVM_REQUIRE_CGROUPS=1 (.ci/run sets it wherever /proc/cgroups shows
+// both controllers free of cgroup v1), with what it measured: which v1
+// hierarchy holds each controller, and what a cgroup2 mounted afresh in a
+// mount namespace of its own offers.
 func TestGuestRunsInItsOwnCgroup(t *testing.T) {
 	a := startQEMUAgent(t)
 	ctx := context.Background()
@@ -28,7 +32,7 @@ func TestGuestRunsInItsOwnCgroup(t *testing.T) {
 		if os.Getenv("KVM_REQUIRE_CGROUPS") == "1" {
 			t.Fatalf("KVM_REQUIRE_CGROUPS=1 but the agent cannot use cgroups: %s", info.Isolation)
 		}
-		t.Skipf("the agent reports no cgroups here: %s", info.Isolation)
+		t.Skipf("the agent reports no cgroups here: %s. Measured: %s", info.Isolation, cgroupV2Unavailable(t))
 	}
 	if !strings.HasPrefix(info.Isolation, "cgroup v2") {
 		t.Fatalf("isolation = %q, want cgroup v2 or none: <why>", info.Isolation)
@@ -59,6 +63,38 @@ func TestGuestRunsInItsOwnCgroup(t *testing.T) {
 	if _, err := os.Stat(dir); !os.IsNotExist(err) {
 		t.Errorf("cgroup %s is left after the delete: %v", dir, err)
 	}
+}
+
+// cgroupV2Unavailable says, measured, why no cgroup2 mount here can have
+// the memory and cpu controllers: /proc/cgroups names the cgroup v1
+// hierarchy each is bound to (0: none, free for cgroup v2) and how many
+// cgroups it holds, and a cgroup2 mounted afresh in a private mount
+// namespace (unshare -m, as root) lists the controllers it offers. A
+// controller bound to a v1 hierarchy joins cgroup v2 only once that
+// hierarchy is unmounted in every mount namespace and holds no cgroup but
+// its root: a mount namespace or a cgroup namespace of the test's own does
+// not release it, and the test does not take it from its host.
+func cgroupV2Unavailable(t *testing.T) string {
+	t.Helper()
+	var facts []string
+	for _, l := range strings.Split(readFile(t, "/proc/cgroups"), "\n") {
+		f := strings.Fields(l)
+		if len(f) == 4 && (f[0] == "memory" || f[0] == "cpu") {
+			facts = append(facts, fmt.Sprintf("/proc/cgroups binds %s to cgroup v1 hierarchy %s (%s cgroups, enabled %s)", f[0], f[1], f[2], f[3]))
+		}
+	}
+	if os.Geteuid() == 0 {
+		dir := t.TempDir()
+		out, err := exec.Command("unshare", "-m", "--propagation", "private", "sh", "-c",
+			`mount -t cgroup2 none "$1" && cat "$1/cgroup.controllers"`, "sh", dir).CombinedOutput()
+		if err != nil {
+			facts = append(facts, fmt.Sprintf("a cgroup2 mount in a private mount namespace failed: %v: %s", err, strings.TrimSpace(string(out))))
+		} else {
+			facts = append(facts, fmt.Sprintf("a cgroup2 mounted afresh in a private mount namespace (unshare -m) offers %q", strings.Fields(string(out))))
+		}
+	}
+	return strings.Join(facts, "; ") + ": a controller bound to a v1 hierarchy joins cgroup v2 only once that hierarchy is unmounted in every mount namespace " +
+		"and holds no child cgroups, which a test cannot do to its host (KVM_REQUIRE_CGROUPS=1 on a host with cgroup v2 memory and cpu runs it)"
 }
 
 // cgroupOf is the cgroup v2 path of a process ("0::<path>" in /proc/<pid>/cgroup).

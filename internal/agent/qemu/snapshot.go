@@ -192,12 +192,18 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 	}
 
 	gen, next := -1, ""
+	var frozenChain []string
 	if m.DiskMiB > 0 {
 		g, size, err := d.activeDisk(ctx, q, m)
 		if err != nil {
 			return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
 		}
 		gen, next = g, diskFile(g+1)
+		// The files the snapshot freezes: the one the guest writes and
+		// those below it, fewer than its generations once flattened.
+		if frozenChain, err = ownChain(m.Dir, diskFile(gen)); err != nil {
+			return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
+		}
 		// Made before the pause, which it does not need.
 		if err := qcow2.WriteOverlay(filepath.Join(m.Dir, next), diskFile(gen), size); err != nil {
 			return files, fmt.Errorf("snapshot vm %s: %w", m.ID, err)
@@ -266,8 +272,7 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 			return unswitch(err)
 		}
 		m.Disk = next
-		for g := gen; g >= 0; g-- {
-			name := diskFile(g)
+		for i, name := range frozenChain {
 			if err := os.Link(filepath.Join(m.Dir, name), filepath.Join(dir, name)); err != nil {
 				return fail(fmt.Errorf("link frozen disk %s into the snapshot: %w", name, err))
 			}
@@ -275,7 +280,7 @@ func (d *Driver) Snapshot(ctx context.Context, m *agent.Machine, dir string, opt
 			if err := freezeDisk(filepath.Join(dir, name), d.runAs); err != nil {
 				return fail(err)
 			}
-			if g == gen {
+			if i == 0 {
 				files.Disk = name
 			} else {
 				files.Backing = append(files.Backing, name)
