@@ -3,7 +3,10 @@ package control_test
 import (
 	"bytes"
 	"context"
+	"crypto/ed25519"
+	"crypto/x509"
 	"encoding/json"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
@@ -11,6 +14,8 @@ import (
 	"net/http"
 	"net/http/httputil"
 	"net/url"
+	"os"
+	"path/filepath"
 	"reflect"
 	"slices"
 	"strings"
@@ -26,10 +31,13 @@ import (
 
 // overlayRecorder stands in front of a sim agent for the overlay half of
 // the agent API: it answers PUT, DELETE and GET /v1/overlays from memory
-// and records every PUT and DELETE; it refuses to prove an underlay
-// address other than its own, as an agent started with --underlay-address
-// does, and passes the other challenges to the sim agent (which signs for
-// the recorder's address). Everything else goes to the sim agent too,
+// and records every PUT and DELETE. It answers identity challenges that
+// name an underlay address as an agent started with --underlay-address
+// does (its own address only, signed with the sim agent's key, read from
+// its state directory: the sim agent runs in this namespace, where the
+// fleet's underlay addresses are on no interface), and passes the other
+// challenges to the sim agent, which signs for the recorder's address.
+// Everything else goes to the sim agent too,
 // with overlay NICs turned into nat ones (the sim agent of this branch
 // knows no overlay mode; the VM specs are recorded as the control sent
 // them).
@@ -62,6 +70,7 @@ func startOverlayRecorder(t *testing.T, underlay string, agentOpts testenv.Agent
 	self := "http://" + ln.Addr().String()
 	agentOpts.Addresses = append(agentOpts.Addresses, self)
 	ag := testenv.StartAgent(t, agentOpts)
+	key := overlayAgentKey(t, ag.StateDir)
 	target, err := url.Parse(ag.URL)
 	if err != nil {
 		t.Fatal(err)
@@ -77,8 +86,15 @@ func startOverlayRecorder(t *testing.T, underlay string, agentOpts testenv.Agent
 			overlayAgentError(w, http.StatusBadRequest, "invalid", "bad challenge")
 			return
 		}
-		if ch.Underlay != "" && ch.Underlay != r.underlay {
-			overlayAgentError(w, http.StatusForbidden, "forbidden", "not my underlay address")
+		if ch.Underlay != "" {
+			switch {
+			case ch.Validate() != nil:
+				overlayAgentError(w, http.StatusBadRequest, "invalid", "bad challenge")
+			case ch.Address != self || ch.Underlay != r.underlay:
+				overlayAgentError(w, http.StatusForbidden, "forbidden", "not my address or underlay address")
+			default:
+				overlayAgentJSON(w, http.StatusOK, agentapi.ProveIdentity(key, ag.Token, ch))
+			}
 			return
 		}
 		req.Body = io.NopCloser(bytes.NewReader(body))
@@ -208,6 +224,25 @@ func (r *overlayRecorder) nicsSent(id string) []agentapi.NIC {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.specs[id]
+}
+
+// overlayAgentKey reads a sim agent's identity key from its state directory.
+func overlayAgentKey(t *testing.T, stateDir string) ed25519.PrivateKey {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(stateDir, "identity.key"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	blk, _ := pem.Decode(b)
+	if blk == nil {
+		t.Fatal("identity.key is not PEM")
+	}
+	k, err := x509.ParsePKCS8PrivateKey(blk.Bytes)
+	key, ok := k.(ed25519.PrivateKey)
+	if err != nil || !ok {
+		t.Fatalf("identity.key is not an ed25519 key: %v", err)
+	}
+	return key
 }
 
 func overlayAgentJSON(w http.ResponseWriter, status int, v any) {
