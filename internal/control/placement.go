@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"slices"
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
@@ -33,7 +34,7 @@ const (
 func (s *Service) placeAndReserve(ctx context.Context, vm *store.VM, p vmNICs, req scheduler.Request) error {
 	start := time.Now()
 	vm.NICs = p.nics // the same array: address changes below show in the row
-	req.NetworkHosts = networkHosts(p)
+	req.NetworkHosts = networkHosts(p.nets)
 	// A VM with guest configuration needs its seed at first boot, which a
 	// warm VM booted without.
 	req.ColdOnly = !warmCapable(p) || vm.Guest != nil
@@ -46,6 +47,10 @@ func (s *Service) placeAndReserve(ctx context.Context, vm *store.VM, p vmNICs, r
 	switch {
 	case err == nil:
 		s.metrics.placements.WithLabelValues(resultPlaced).Inc()
+		if slices.ContainsFunc(p.nets, func(n store.Network) bool { return n.Mode == api.NetworkOverlay }) {
+			// The other hosts learn where the new NIC is before it boots.
+			s.kickOverlays()
+		}
 	case errors.As(err, &e) && e.Code == api.CodeNoCapacity:
 		s.metrics.placements.WithLabelValues(resultNoCapacity).Inc()
 		if rs, ok := e.Details["rejected"].([]api.Rejection); ok {

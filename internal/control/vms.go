@@ -192,6 +192,7 @@ func (s *Service) forgetVM(ctx context.Context, id, host string) error {
 		return err
 	}
 	s.refreshHost(ctx, host)
+	s.kickOverlays()
 	return nil
 }
 
