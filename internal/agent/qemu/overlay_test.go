@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"regexp"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -20,6 +21,7 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/network"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/qemu"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/testenv/netnstest"
 )
@@ -302,35 +304,8 @@ func TestOverlayGuestsOnThreeHostAgentsReachEachOther(t *testing.T) {
 			t.Fatalf("vm %s printed address %s; its nic says %s", v.id, got, v.nic.IPv4Address)
 		}
 	}
-	reachAll := func(phase string, blue []ovLabVM) {
-		t.Helper()
-		for _, v := range blue {
-			base := "http://" + v.nic.IPv4Address
-			if body := v.on.get(t, base+"/", time.Minute); !strings.Contains(body, "kvm-guest "+v.id+" "+v.nic.IPv4Address) {
-				t.Fatalf("%s: %s on %s answered %q", phase, v.id, v.on.name, body)
-			}
-			for _, o := range blue {
-				if o.id == v.id {
-					continue
-				}
-				want := "kvm-guest " + o.id + " " + o.nic.IPv4Address
-				if body := v.on.get(t, base+"/cgi-bin/get?"+o.nic.IPv4Address, time.Minute); !strings.Contains(body, want) {
-					t.Fatalf("%s: %s (host %s) fetching from %s (host %s) got %q", phase, v.id, v.on.name, o.id, o.on.name, body)
-				}
-			}
-			if body := v.on.get(t, base+"/cgi-bin/get?"+ovLabOutside, time.Minute); !strings.Contains(body, "kvm-test-outside") {
-				t.Fatalf("%s: %s fetching from the outside through its gateway got %q", phase, v.id, body)
-			}
-		}
-	}
-	reachAll("three hosts", vms[:3])
-	red := vms[3]
-	for _, o := range vms[:3] {
-		body := red.on.get(t, "http://"+red.nic.IPv4Address+"/cgi-bin/get?"+o.nic.IPv4Address, time.Minute)
-		if strings.Contains(body, "kvm-guest ") || !strings.Contains(body, "kvm-guest-fetch failed") {
-			t.Fatalf("red's r1 fetching from blue's %s (host %s) got %q; want a failed fetch", o.id, o.on.name, body)
-		}
-	}
+	ovLabReach(t, "three hosts", vms[:3])
+	ovLabUnreached(t, vms[3], vms[:3])
 
 	// The last VM of blue on host 3 goes: its bridge, vxlan device and
 	// entries go with it, and the other hosts drop its entries.
@@ -357,5 +332,195 @@ func TestOverlayGuestsOnThreeHostAgentsReachEachOther(t *testing.T) {
 			}
 		}
 	}
-	reachAll("after host 3 left blue", vms[:2])
+	ovLabReach(t, "after host 3 left blue", vms[:2])
+}
+
+// ovLabReach checks that each VM of blue answers at its address on its
+// host, fetches the page of every other one (across the overlay) and the
+// outside (through its host's gateway).
+func ovLabReach(t *testing.T, phase string, blue []ovLabVM) {
+	t.Helper()
+	for _, v := range blue {
+		base := "http://" + v.nic.IPv4Address
+		if body := v.on.get(t, base+"/", time.Minute); !strings.Contains(body, "kvm-guest "+v.id+" "+v.nic.IPv4Address) {
+			t.Fatalf("%s: %s on %s answered %q", phase, v.id, v.on.name, body)
+		}
+		for _, o := range blue {
+			if o.id == v.id {
+				continue
+			}
+			want := "kvm-guest " + o.id + " " + o.nic.IPv4Address
+			if body := v.on.get(t, base+"/cgi-bin/get?"+o.nic.IPv4Address, time.Minute); !strings.Contains(body, want) {
+				t.Fatalf("%s: %s (host %s) fetching from %s (host %s) got %q", phase, v.id, v.on.name, o.id, o.on.name, body)
+			}
+		}
+		if body := v.on.get(t, base+"/cgi-bin/get?"+ovLabOutside, time.Minute); !strings.Contains(body, "kvm-test-outside") {
+			t.Fatalf("%s: %s fetching from the outside through its gateway got %q", phase, v.id, body)
+		}
+	}
+}
+
+// ovLabUnreached checks that v fetches from none of others.
+func ovLabUnreached(t *testing.T, v ovLabVM, others []ovLabVM) {
+	t.Helper()
+	for _, o := range others {
+		body := v.on.get(t, "http://"+v.nic.IPv4Address+"/cgi-bin/get?"+o.nic.IPv4Address, time.Minute)
+		if strings.Contains(body, "kvm-guest ") || !strings.Contains(body, "kvm-guest-fetch failed") {
+			t.Fatalf("%s (network %s) fetching from %s (network %s, host %s) got %q; want a failed fetch",
+				v.id, v.nic.Network, o.id, o.nic.Network, o.on.name, body)
+		}
+	}
+}
+
+// ovLabWait polls cond (bounded) until it returns nil.
+func ovLabWait(t *testing.T, what string, wait time.Duration, cond func() error) {
+	t.Helper()
+	deadline := time.Now().Add(wait)
+	for i := 0; ; i++ {
+		err := cond()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) || i > 8000 {
+			t.Fatalf("%s: not within %s: %v", what, wait, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// Issue 28's must-show with real guests: three hosts (namespaces on a
+// veth underlay, a kvmd agent process each) registered with their
+// underlay addresses in a control plane, which places the VMs and pushes
+// the tunnels' entries. The VMs of overlay network blue on the three
+// hosts get distinct addresses from its IPAM and each reaches the two
+// others and the outside through its gateway; the VM of overlay network
+// red reaches none of them; deleting blue's last VM on a host removes its
+// bridge, vxlan device and entries there, and the other hosts' entries
+// for it.
+func TestOverlayControlPlaneGuestsOnThreeHostsReachEachOther(t *testing.T) {
+	if !netnstest.InOwnNetNS(t) {
+		return
+	}
+	ctx := context.Background()
+	hosts := ovLabStart(t, 3)
+	c := testenv.StartControl(t, testenv.ControlOptions{AllowInsecureAgents: true})
+	byName := map[string]*ovLabHost{}
+	for _, h := range hosts {
+		got, err := c.Client.PutHost(ctx, h.name, api.HostPut{Address: h.address(), UnderlayAddress: h.underlay})
+		if err != nil {
+			t.Fatalf("register %s: %v", h.name, err)
+		}
+		if got.UnderlayAddress != h.underlay {
+			t.Fatalf("host %s answers underlay %q; want %s", h.name, got.UnderlayAddress, h.underlay)
+		}
+		byName[h.name] = h
+	}
+	for _, n := range []api.NetworkCreate{
+		{Name: "blue", Mode: "overlay", CIDR: "10.220.0.0/24"},
+		{Name: "red", Mode: "overlay", CIDR: "10.221.0.0/24"},
+	} {
+		if _, err := c.Client.CreateNetwork(ctx, n); err != nil {
+			t.Fatalf("create network %s: %v", n.Name, err)
+		}
+	}
+	var created []ovLabVM
+	create := func(name, netName, host string) ovLabVM {
+		t.Helper()
+		start := time.Now()
+		vm, err := c.Client.CreateVM(ctx, api.VMCreate{Name: name, Image: guest.Image, VCPUs: guest.VCPUs, MemoryMiB: guest.MemoryMiB,
+			DiskMiB: guest.DiskMiB, Host: host, NetworkInterfaces: []api.NetworkInterface{{Network: netName}}}, "")
+		if err != nil {
+			t.Fatalf("create %s on %s: %v", name, host, err)
+		}
+		answered := time.Since(start)
+		// How long the new NIC's entries take to reach every other host
+		// that has the network (the control plane pushes on the create).
+		mac := vm.NetworkInterfaces[0].MACAddress
+		for _, o := range created {
+			if o.nic.Network != netName || o.on == byName[vm.Host] {
+				continue
+			}
+			ovLabWait(t, "the entry of "+name+" on host "+o.on.name, time.Minute, func() error {
+				list, err := o.on.client.ListOverlays(ctx)
+				if err != nil {
+					return err
+				}
+				for _, st := range list {
+					if slices.ContainsFunc(st.FDB, func(f agentapi.OverlayFDB) bool { return f.MAC == mac }) {
+						return nil
+					}
+				}
+				return fmt.Errorf("not in %+v", list)
+			})
+			t.Logf("measure: the entry of %s (host %s) reached host %s %v after the create was sent (the create answered after %v)",
+				name, vm.Host, o.on.name, time.Since(start).Round(time.Millisecond), answered.Round(time.Millisecond))
+		}
+		ovLabWait(t, "vm "+name+" running", bootWait, func() error {
+			if vm, err = c.Client.GetVM(ctx, vm.ID); err == nil && vm.ObservedState != api.StateRunning {
+				err = fmt.Errorf("observed %s (%s)", vm.ObservedState, vm.Reason)
+			}
+			return err
+		})
+		n := vm.NetworkInterfaces[0]
+		v := ovLabVM{id: vm.ID, on: byName[vm.Host], nic: agentapi.NIC{Network: netName, MACAddress: n.MACAddress, IPv4Address: n.IPv4Address}}
+		created = append(created, v)
+		return v
+	}
+	blue := []ovLabVM{create("b1", "blue", "h1"), create("b2", "blue", "h2"), create("b3", "blue", "h3")}
+	red := create("r1", "red", "h2")
+	seen := map[string]bool{}
+	for _, v := range append(slices.Clone(blue), red) {
+		if v.on == nil || seen[v.nic.IPv4Address] {
+			t.Fatalf("vm %s: host %v, address %s (seen before: %v)", v.id, v.on, v.nic.IPv4Address, seen[v.nic.IPv4Address])
+		}
+		seen[v.nic.IPv4Address] = true
+		if got := v.on.waitGuestIP(t, v.id); got != v.nic.IPv4Address {
+			t.Fatalf("vm %s printed address %s; the control plane gave it %s", v.id, got, v.nic.IPv4Address)
+		}
+	}
+	// Each host has the other hosts' blue NICs (the control plane's push).
+	ovLabWait(t, "blue's entries on every host", time.Minute, func() error {
+		for _, v := range blue {
+			list, err := v.on.client.ListOverlays(ctx)
+			if err != nil {
+				return err
+			}
+			if !slices.ContainsFunc(list, func(st agentapi.OverlayState) bool {
+				return st.Network == "blue" && len(st.FDB) == 2 && len(st.Neigh) == 2
+			}) {
+				return fmt.Errorf("host %s lists %+v", v.on.name, list)
+			}
+		}
+		return nil
+	})
+	ovLabReach(t, "three hosts", blue)
+	ovLabUnreached(t, red, blue)
+
+	if err := c.Client.DeleteVM(ctx, blue[2].id); err != nil {
+		t.Fatal(err)
+	}
+	h3 := blue[2].on
+	ovLabWait(t, "host 3 without blue", time.Minute, func() error {
+		if l := h3.links(t, "blue"); len(l) != 0 {
+			return fmt.Errorf("links %v", l)
+		}
+		if list, err := h3.client.ListOverlays(ctx); err != nil || len(list) != 0 {
+			return fmt.Errorf("lists %+v (%v)", list, err)
+		}
+		for _, v := range blue[:2] {
+			list, err := v.on.client.ListOverlays(ctx)
+			if err != nil {
+				return err
+			}
+			for _, st := range list {
+				for _, f := range st.FDB {
+					if f.Dst == h3.underlay {
+						return fmt.Errorf("host %s still sends %s to host 3", v.on.name, f.MAC)
+					}
+				}
+			}
+		}
+		return nil
+	})
+	ovLabReach(t, "after host 3 left blue", blue[:2])
 }
