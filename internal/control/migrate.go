@@ -436,8 +436,10 @@ func (s *Service) switchMigration(ctx context.Context, m store.Migration, st age
 	if switched {
 		s.refreshHost(ctx, m.SourceHost)
 		s.refreshHost(ctx, m.TargetHost)
-		// Its NICs' entries point at the target from now on.
-		s.kickOverlays()
+		if s.onOverlay(ctx, vm.NICs) {
+			// Its NICs' entries point at the target from now on.
+			s.kickOverlays()
+		}
 		s.log.Info("vm switched to its migration target", "vm", m.VMID, "source", m.SourceHost, "target", m.TargetHost,
 			"downtime_ms", st.DowntimeMS, "state", onTarget.State)
 	}

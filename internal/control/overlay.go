@@ -73,6 +73,19 @@ func (s *Service) kickOverlays() {
 	}
 }
 
+// onOverlay says whether any of the NICs is on an overlay network (a
+// change of such a VM is worth a kick); a network it cannot read counts,
+// so that no change is missed.
+func (s *Service) onOverlay(ctx context.Context, nics []store.NIC) bool {
+	for _, nic := range nics {
+		n, err := s.networks.get(ctx, s.store, nic.Network)
+		if err != nil || n.Mode == api.NetworkOverlay {
+			return true
+		}
+	}
+	return false
+}
+
 // serveOverlayKicks pushes after each kick until ctx ends (Run owns it).
 func (s *Service) serveOverlayKicks(ctx context.Context) {
 	for {

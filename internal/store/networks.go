@@ -136,7 +136,7 @@ func (s *Store) InsertNetworkChecked(ctx context.Context, n Network, check func(
 		}
 		return tx.Create(&n).Error
 	})
-	if isDuplicate(err) && (pgConstraint(err) == "networks_vni" || strings.Contains(err.Error(), "networks.vni")) {
+	if isDuplicate(err) && n.VNI != nil && s.vniHeldByOther(ctx, n) {
 		return Network{}, fmt.Errorf("network %q: vni %d: %w", n.Name, *n.VNI, ErrVNITaken)
 	}
 	if isDuplicate(err) {
@@ -146,6 +146,15 @@ func (s *Store) InsertNetworkChecked(ctx context.Context, n Network, check func(
 		return Network{}, fmt.Errorf("insert network %q: %w", n.Name, err)
 	}
 	return n, nil
+}
+
+// vniHeldByOther says whether the refusal of n's insert was the VNI's
+// index: another network holds the VNI (SQLite's translated error no
+// longer names the index; PostgreSQL's does).
+func (s *Store) vniHeldByOther(ctx context.Context, n Network) bool {
+	var count int64
+	err := s.db.WithContext(ctx).Model(&Network{}).Where("vni = ? AND name <> ?", *n.VNI, n.Name).Count(&count).Error
+	return err == nil && count > 0
 }
 
 // GetNetwork returns one network; ErrNotFound when there is none.
