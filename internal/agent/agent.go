@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/image"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/network"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/limits"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
@@ -68,6 +69,10 @@ type Config struct {
 	// identity challenges for beside the IP and port a challenge arrives
 	// on: its DNS names, or a proxy in front of it (identity.go).
 	Addresses []string
+	// UnderlayAddress is the IPv4 address (of one of the host's
+	// interfaces) that the VXLAN tunnels of overlay networks start from;
+	// empty: the agent takes no overlay network (overlay.go).
+	UnderlayAddress string
 
 	// volumeHook runs once a new volume's files are complete, before they
 	// are renamed into place (tests: a crash there).
@@ -120,6 +125,10 @@ type Agent struct {
 	migMu      sync.Mutex
 	outgoing   map[string]*outMigration
 	committing map[string]bool
+
+	// overlays programs the overlay networks (overlay.go): the driver's
+	// network.Host when it has one.
+	overlays *network.Host
 }
 
 // vmEntry is one VM in the registry. A VM whose metadata is corrupt is
@@ -170,6 +179,10 @@ func New(ctx context.Context, cfg Config) (*Agent, error) {
 		if err := a.AllowAddress(addr); err != nil {
 			return nil, fmt.Errorf("agent: advertised %w", err)
 		}
+	}
+	// Before the VMs are re-adopted: their overlay NICs need the underlay.
+	if err := a.setupOverlays(); err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
 	}
 	loaded, err := a.loadRecords()
 	if err != nil {
@@ -791,7 +804,13 @@ func (a *Agent) Info(ctx context.Context) (agentapi.Info, error) {
 	warm := a.pool.held()
 	accel, note := d.Accel()
 	host, _ := os.Hostname()
+	u := a.overlays.Underlay()
+	underlay := ""
+	if u.Addr.IsValid() {
+		underlay = u.Addr.String()
+	}
 	return agentapi.Info{
+		UnderlayAddress: underlay, UnderlayMTU: u.MTU,
 		Hostname: host, Capacity: capacity, Allocated: alloc, Warm: warm,
 		Free: agentapi.Resources{
 			VCPUs:     max(0, capacity.VCPUs-alloc.VCPUs-warm.VCPUs),

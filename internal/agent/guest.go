@@ -41,7 +41,10 @@ func seedConfig(r vmRecord) (seed.Config, error) {
 		c.InstanceID = r.ID
 	}
 	for _, n := range guestView(r) {
-		sn := seed.NIC{MAC: n.MACAddress}
+		sn := seed.NIC{MAC: n.MACAddress, MTU: n.MTU}
+		if n.MTU == 0 && n.Mode == agentapi.NetworkOverlay {
+			sn.MTU = agentapi.OverlayMTUDefault
+		}
 		if n.Mode != agentapi.NetworkUser && !n.DHCP && n.IPv4Address != "" && n.CIDR != "" {
 			p, err := netip.ParsePrefix(n.CIDR)
 			if err != nil {

@@ -74,6 +74,7 @@ func (a *Agent) routes() http.Handler {
 	a.snapshotRoutes(v1)
 	a.volumeRoutes(v1)
 	a.imageRoutes(v1)
+	a.overlayRoutes(v1)
 	v1.GET("/pool", a.getPool)
 	v1.PUT("/pool/:image", a.putPool)
 	return e

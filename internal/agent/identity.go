@@ -126,5 +126,16 @@ func (a *Agent) postIdentity(c echo.Context) error {
 		return &Error{Status: http.StatusForbidden, Code: CodeForbidden,
 			Message: fmt.Sprintf("this agent is not reachable at %s as far as it knows: start it with --advertise-url %s if that is its address", ch.Address, ch.Address)}
 	}
+	if ch.Underlay != "" {
+		if u := a.overlays.Underlay(); !u.Addr.IsValid() || u.Addr.String() != ch.Underlay {
+			have := "none (it was started without --underlay-address)"
+			if u.Addr.IsValid() {
+				have = u.Addr.String()
+			}
+			return &Error{Status: http.StatusForbidden, Code: CodeForbidden,
+				Message: fmt.Sprintf("this agent's underlay address is not %s: it is %s; register the host with its own, or start the agent with --underlay-address %s if that is it",
+					ch.Underlay, have, ch.Underlay)}
+		}
+	}
 	return c.JSON(http.StatusOK, agentapi.ProveIdentity(a.identity, a.cfg.Token, ch))
 }

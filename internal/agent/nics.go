@@ -73,6 +73,16 @@ func checkNICs(nics []agentapi.NIC) error {
 			if len(n.PortForwards) > 0 {
 				return errInvalid("%s: port_forwards are for mode user only; a nat guest is reached at its address", at)
 			}
+		case agentapi.NetworkOverlay:
+			if n.CIDR == "" || n.Gateway == "" || n.IPv4Address == "" {
+				return errInvalid("%s: mode overlay needs cidr, gateway and ipv4_address", at)
+			}
+			if n.VNI < agentapi.OverlayVNIMin || n.VNI > agentapi.OverlayVNIMax {
+				return errInvalid("%s: mode overlay needs a vni from %d to %d, got %d", at, agentapi.OverlayVNIMin, agentapi.OverlayVNIMax, n.VNI)
+			}
+			if len(n.PortForwards) > 0 {
+				return errInvalid("%s: port_forwards are for mode user only; an overlay guest is reached at its address", at)
+			}
 		case agentapi.NetworkBridge:
 			if !ValidInterfaceName(n.Bridge) {
 				return errInvalid("%s: bridge %q is not a valid interface name (1 to 15 bytes, no '/', ':' or spaces)", at, n.Bridge)
@@ -84,7 +94,10 @@ func checkNICs(nics []agentapi.NIC) error {
 				return errInvalid("%s: dhcp on a bridge needs cidr and ipv4_address", at)
 			}
 		default:
-			return errInvalid("%s: mode %q is not one of user, nat, bridge", at, n.Mode)
+			return errInvalid("%s: mode %q is not one of user, nat, bridge, overlay", at, n.Mode)
+		}
+		if n.MTU != 0 && (n.MTU < agentapi.OverlayMTUMin || n.MTU > agentapi.OverlayMTUMax) {
+			return errInvalid("%s: mtu %d is not between %d and %d", at, n.MTU, agentapi.OverlayMTUMin, agentapi.OverlayMTUMax)
 		}
 		if err := checkAddresses(at, n); err != nil {
 			return err
@@ -184,7 +197,7 @@ func sameNICs(have, want []agentapi.NIC) bool {
 	return slices.EqualFunc(requestedNICs(have), requestedNICs(want), func(a, b agentapi.NIC) bool {
 		return a.Network == b.Network && a.Mode == b.Mode && a.MACAddress == b.MACAddress && a.CIDR == b.CIDR &&
 			a.Gateway == b.Gateway && a.DHCP == b.DHCP && a.Bridge == b.Bridge && a.IPv4Address == b.IPv4Address &&
-			slices.Equal(a.PortForwards, b.PortForwards)
+			a.VNI == b.VNI && a.MTU == b.MTU && slices.Equal(a.PortForwards, b.PortForwards)
 	})
 }
 

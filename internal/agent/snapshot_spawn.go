@@ -241,7 +241,7 @@ func checkChildNICs(id string, guest, child []agentapi.NIC) error {
 			return errInvalid("snapshot %s: nics[%d] of its vm is on network %s (mode %s): the child's nics[%d] must be too, got %s (mode %s)",
 				id, i, guest[i].Network, guest[i].Mode, i, child[i].Network, child[i].Mode)
 		}
-		if guest[i].Mode == agentapi.NetworkNAT && guest[i].CIDR != child[i].CIDR {
+		if (guest[i].Mode == agentapi.NetworkNAT || guest[i].Mode == agentapi.NetworkOverlay) && guest[i].CIDR != child[i].CIDR {
 			return errInvalid("snapshot %s: nics[%d] of its vm is on %s, the child's on %s: a child keeps its guest's network",
 				id, i, guest[i].CIDR, child[i].CIDR)
 		}

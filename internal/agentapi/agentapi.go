@@ -59,6 +59,11 @@ type Info struct {
 	// ImageCache is the agent's content-addressed image cache: every image
 	// it holds, fetches or failed to fetch (image.go).
 	ImageCache []ImageStatus `json:"image_cache,omitempty"`
+	// UnderlayAddress is the IPv4 address this agent's VXLAN tunnels of
+	// overlay networks start from (--underlay-address; "" without one),
+	// UnderlayMTU the MTU of the interface that holds it.
+	UnderlayAddress string `json:"underlay_address,omitempty"`
+	UnderlayMTU     int    `json:"underlay_mtu,omitempty"`
 }
 
 // SnapshotSource tells an agent where to find the snapshot a VM starts from.
@@ -172,6 +177,9 @@ const (
 	NetworkUser   = "user"
 	NetworkNAT    = "nat"
 	NetworkBridge = "bridge"
+	// NetworkOverlay is one L2 segment across hosts: a per-host bridge
+	// with a VXLAN port (overlay.go), IPAM and egress NAT as nat.
+	NetworkOverlay = "overlay"
 )
 
 // NIC is one network interface of a VM: what the control plane decided
@@ -201,6 +209,12 @@ type NIC struct {
 	// CIDRs (private ranges included). Everything else of the host's
 	// networks is fenced off.
 	Allow []string `json:"allow,omitempty"`
+	// VNI is the overlay network's VXLAN network identifier (overlay).
+	VNI int `json:"vni,omitempty"`
+	// MTU is the network's MTU on the bridge, the taps and in the guest
+	// (DHCP option 26, network-config); 0: the mode's default (1450 for
+	// overlay, the link's for the others).
+	MTU int `json:"mtu,omitempty"`
 }
 
 // PortForward maps 127.0.0.1:HostPort (chosen by the agent) to GuestPort.

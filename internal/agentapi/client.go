@@ -286,6 +286,29 @@ func (c *Client) ResizeDisk(ctx context.Context, id string, disk VMDisk) (VM, er
 	return out, err
 }
 
+// PutOverlay makes the overlay network's bridge, vxlan device, entries and
+// underlay allow set on the agent exactly as o says, and returns them as
+// the kernel has them. ErrConflict when the agent has no underlay address.
+func (c *Client) PutOverlay(ctx context.Context, network string, o Overlay) (OverlayState, error) {
+	var out OverlayState
+	err := c.do(ctx, http.MethodPut, "/v1/overlays/"+url.PathEscape(network), o, &out, c.timeout)
+	return out, err
+}
+
+// DeleteOverlay removes the overlay network's vxlan device and entries
+// from the agent (and its bridge when no VM is on it); removing one the
+// agent does not have succeeds.
+func (c *Client) DeleteOverlay(ctx context.Context, network string) error {
+	return c.do(ctx, http.MethodDelete, "/v1/overlays/"+url.PathEscape(network), nil, nil, c.timeout)
+}
+
+// ListOverlays returns every overlay network the agent's kernel has.
+func (c *Client) ListOverlays(ctx context.Context) ([]OverlayState, error) {
+	var out []OverlayState
+	err := c.do(ctx, http.MethodGet, "/v1/overlays", nil, &out, c.timeout)
+	return out, err
+}
+
 func (c *Client) newRequest(ctx context.Context, method, path string, body []byte) (*http.Request, error) {
 	return c.core.NewRequest(ctx, &httpclient.Call{Method: method, Path: path, Op: "agent " + method + " " + path}, body)
 }

@@ -28,6 +28,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"net/url"
 	"regexp"
 	"strconv"
@@ -44,6 +45,11 @@ type IdentityChallenge struct {
 	// Address is the address the caller reaches the agent at
 	// (scheme://host:port, see CheckAddress).
 	Address string `json:"address"`
+	// Underlay, when set, is the underlay address the caller registers
+	// the host with (overlay networks): the agent proves it only when it
+	// is its own --underlay-address. It is signed only when set, so a
+	// challenge without it signs as before.
+	Underlay string `json:"underlay_address,omitempty"`
 }
 
 // IdentityProof is the answer of POST /v1/identity.
@@ -132,15 +138,26 @@ func (ch IdentityChallenge) Validate() error {
 	if canonical != ch.Address {
 		return fmt.Errorf("address %q is not in its canonical form %q", ch.Address, canonical)
 	}
+	if ch.Underlay != "" {
+		ip, err := netip.ParseAddr(ch.Underlay)
+		if err != nil || !ip.Is4() || ip.String() != ch.Underlay {
+			return fmt.Errorf("underlay address %q is not an IPv4 address in dotted form", ch.Underlay)
+		}
+	}
 	return nil
 }
 
 // IdentityMessage is what the signature and the join proof cover: the
 // challenge and the public key, each on its own line (none may contain a
-// newline: Validate).
+// newline: Validate). The underlay address is a last line only when the
+// challenge has one, so proofs of challenges without it are unchanged.
 func IdentityMessage(ch IdentityChallenge, publicKey ed25519.PublicKey) []byte {
-	return fmt.Appendf(nil, "%s\n%s\n%s\n%s\n%s\n", identityDomain, ch.Nonce, ch.Host, ch.Address,
+	msg := fmt.Appendf(nil, "%s\n%s\n%s\n%s\n%s\n", identityDomain, ch.Nonce, ch.Host, ch.Address,
 		base64.StdEncoding.EncodeToString(publicKey))
+	if ch.Underlay != "" {
+		msg = fmt.Appendf(msg, "underlay %s\n", ch.Underlay)
+	}
+	return msg
 }
 
 // ProveIdentity answers a challenge with key and the agent token. The

@@ -86,6 +86,10 @@ type HostPut struct {
 	CPUAllocationRatio *float64          `json:"cpu_allocation_ratio,omitempty"`
 	MemoryReservedMiB  *int64            `json:"memory_reserved_mib,omitempty"`
 	WarmPool           []WarmPoolTarget  `json:"warm_pool,omitempty"`
+	// UnderlayAddress is the host's IPv4 address that overlay networks'
+	// VXLAN tunnels run between; its agent must prove it (it is started
+	// with --underlay-address). Empty: the host takes no overlay NIC.
+	UnderlayAddress string `json:"underlay_address,omitempty"`
 }
 
 // Host is a registered host agent with its capacity.
@@ -116,6 +120,8 @@ type Host struct {
 	RetiredAt *time.Time `json:"retired_at,omitempty"`
 	// Drain is the host's drain (state "" while it is in service).
 	Drain HostDrain `json:"drain"`
+	// UnderlayAddress is the address its overlay tunnels run from ("" for none).
+	UnderlayAddress string `json:"underlay_address"`
 }
 
 // VMCreate is the body of POST /v1/vms.
@@ -440,6 +446,26 @@ const (
 	NetworkNAT = "nat"
 	// NetworkBridge is a tap on a bridge the operator made on the hosts.
 	NetworkBridge = "bridge"
+	// NetworkOverlay is one L2 segment across the hosts: a bridge like
+	// nat's on each host (same gateway address, egress NAT on each) joined
+	// to the other hosts' by a VXLAN device whose forwarding entries the
+	// control plane programs; the hosts need an underlay_address.
+	NetworkOverlay = "overlay"
+)
+
+// Overlay network limits and defaults.
+const (
+	// OverlayDefaultMTU is 1500 less the 50 bytes of VXLAN over IPv4.
+	OverlayDefaultMTU = 1450
+	// OverlayMinMTU is the smallest MTU IPv4 guarantees to work; OverlayMaxMTU
+	// is a 9000-byte jumbo underlay less the VXLAN overhead.
+	OverlayMinMTU = 576
+	OverlayMaxMTU = 9000 - 50
+	// OverlayFirstAutoVNI is where VNIs chosen by the control plane start
+	// (the low ones are left to the operator's own VXLAN use); OverlayMaxVNI
+	// is the 24-bit limit.
+	OverlayFirstAutoVNI = 4096
+	OverlayMaxVNI       = 1<<24 - 1
 )
 
 // DefaultNetwork is the user-mode network that exists out of the box.
@@ -465,6 +491,13 @@ type NetworkCreate struct {
 	// ranges, e.g. the operator's LAN, are fenced off unless listed here).
 	// The host itself is never reachable.
 	Allow []string `json:"allow,omitempty"`
+	// VNI (overlay networks) is the VXLAN network identifier, 1 to
+	// 16777215; omitted, the lowest free one from 4096 up.
+	VNI *int64 `json:"vni,omitempty"`
+	// MTU (overlay networks) of the network's guests, bridges and tunnels:
+	// 576 to 8950, default 1450 (an underlay MTU of 1500 less the VXLAN
+	// overhead of 50).
+	MTU *int64 `json:"mtu,omitempty"`
 }
 
 // NetworkPatch is the body of PATCH /v1/networks/{name}: what changes in
@@ -485,6 +518,9 @@ type Network struct {
 	Bridge  string   `json:"bridge"`
 	Hosts   []string `json:"hosts"`
 	Allow   []string `json:"allow"`
+	// VNI and MTU are an overlay network's (0 for the other modes).
+	VNI int64 `json:"vni,omitempty"`
+	MTU int64 `json:"mtu,omitempty"`
 	// AddressesTotal and AddressesUsed count the IPAM range (0 without a CIDR).
 	AddressesTotal int       `json:"addresses_total"`
 	AddressesUsed  int       `json:"addresses_used"`

@@ -53,6 +53,9 @@ type agentConfig struct {
 	QEMUUIDBase, QEMUUIDCount uint
 	// OVMFDir holds the UEFI firmware of uefi VMs (qemu.Options).
 	OVMFDir string
+	// UnderlayAddress is the host's IPv4 address the VXLAN tunnels of
+	// overlay networks start from (one of its interfaces').
+	UnderlayAddress string
 }
 
 // runAgent runs the host agent (kvmd agent) until ctx ends. Its VMs keep
@@ -100,6 +103,8 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 		"(its new connections to the host and to private ranges are refused by the agent's nftables chain); nobody, with a warning, when it does not exist")
 	fs.StringVar(&userNetAllow, "user-net-allow", "", "user-mode networks: comma-separated CIDRs of private, shared or link-local ranges that guests may reach "+
 		"through NAT (by default they reach only public addresses; never the host's own addresses)")
+	fs.StringVar(&cfg.UnderlayAddress, "underlay-address", "", "overlay networks: this host's IPv4 address on the network between the hosts, "+
+		"which the VXLAN tunnels (UDP 4789) start from; it must be on one of the host's interfaces. Without it the agent takes no overlay network")
 	if err := parseFlags(fs, args, getenv); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil
@@ -205,6 +210,7 @@ func serveAgent(ctx context.Context, cfg agentConfig, log *slog.Logger, ready fu
 		StateDir: cfg.StateDir, Driver: driver, Token: cfg.Token, MetricsToken: cfg.MetricsToken, StopTimeout: cfg.StopTimeout, Logger: log,
 		Capacity: cfg.Capacity, Pool: cfg.Pool, PeerHTTPClient: peerHTTP, Addresses: cfg.AdvertiseURLs,
 		ImageCacheDir: cfg.ImageDir, ImageFetch: image.Config{MaxBytes: cfg.ImageMaxBytes}, DiskChainDepth: cfg.DiskChainDepth,
+		UnderlayAddress: cfg.UnderlayAddress,
 	})
 	if err != nil {
 		return err

@@ -74,7 +74,10 @@ func (p *agentPool) syncClient(address string) *agentapi.Client {
 // otherwise with a join proof made with the agent token. It returns the
 // key the agent proved. Nothing is sent with the agent token before this
 // succeeded for the address.
-func (p *agentPool) verify(ctx context.Context, host, address string, pinned ed25519.PublicKey, timeout time.Duration) (ed25519.PublicKey, error) {
+//
+// underlay, when set, is the host's underlay address: the agent proves
+// it only when it is its own (--underlay-address).
+func (p *agentPool) verify(ctx context.Context, host, address, underlay string, pinned ed25519.PublicKey, timeout time.Duration) (ed25519.PublicKey, error) {
 	canonical, err := agentapi.CheckAddress(agentURL(address))
 	if err != nil {
 		return nil, err
@@ -83,7 +86,7 @@ func (p *agentPool) verify(ctx context.Context, host, address string, pinned ed2
 	if _, err := rand.Read(nonce); err != nil {
 		return nil, err
 	}
-	ch := agentapi.IdentityChallenge{Nonce: agentapi.NewNonce(nonce), Host: host, Address: canonical}
+	ch := agentapi.IdentityChallenge{Nonce: agentapi.NewNonce(nonce), Host: host, Address: canonical, Underlay: underlay}
 	c := agentapi.NewClient(canonical, "", agentapi.WithHTTPClient(p.httpClient), agentapi.WithTimeout(timeout), agentapi.WithRetries(0))
 	var proof agentapi.IdentityProof
 	if err := p.call("identity", func() (err error) { proof, err = c.Identity(ctx, ch); return err }); err != nil {

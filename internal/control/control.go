@@ -133,6 +133,8 @@ type Service struct {
 	// prefetchCache holds the images with prefetch set for the host
 	// monitor (images.go).
 	prefetchCache prefetchList
+	// overlays are the pushes of overlay networks' entries (overlay.go).
+	overlays *overlayPushes
 }
 
 const (
@@ -209,6 +211,7 @@ func New(ctx context.Context, st *store.Store, opts Options) (*Service, error) {
 		// what its previous process left; it settles it like any other.
 		replicaID: "r-" + newID(),
 		startedAt: time.Now().UTC(),
+		overlays:  newOverlayPushes(),
 	}
 	if opts.WarmMargin != nil {
 		s.view.warmMargin = *opts.WarmMargin

@@ -29,7 +29,7 @@ func (s *Service) PutHost(ctx context.Context, name string, in api.HostPut) (api
 			Message: fmt.Sprintf("host %s was retired at %s and never comes back; delete it (DELETE /v1/hosts/%s, which also removes its lost VMs) and register it again",
 				name, h.RetiredAt.Format(time.RFC3339), name)}
 	}
-	key, err := s.proveHost(ctx, name, in.Address)
+	key, err := s.proveHost(ctx, name, in.Address, in.UnderlayAddress)
 	if err != nil {
 		return api.Host{}, err
 	}
@@ -41,7 +41,7 @@ func (s *Service) PutHost(ctx context.Context, name string, in api.HostPut) (api
 		Name: name, Address: in.Address, Labels: in.Labels, Schedulable: true,
 		CPUAllocationRatio: 1, Accel: info.Accel, Driver: info.Driver, Images: info.Images,
 		Total: agentResources(info.Capacity), AgentKey: agentapi.EncodeKey(key),
-		Warm: agentResources(info.Warm), Isolation: info.Isolation,
+		Warm: agentResources(info.Warm), Isolation: info.Isolation, UnderlayAddress: in.UnderlayAddress,
 	}
 	if in.Schedulable != nil {
 		h.Schedulable = *in.Schedulable
@@ -72,7 +72,8 @@ func (s *Service) PutHost(ctx context.Context, name string, in api.HostPut) (api
 		return api.Host{}, fromStore(err, "save host "+name)
 	}
 	s.view.upsert(saved)
-	s.log.Info("host registered", "host", name, "address", in.Address, "capacity", saved.Capacity, "images", saved.Images)
+	s.log.Info("host registered", "host", name, "address", in.Address, "underlay_address", in.UnderlayAddress, "capacity", saved.Capacity, "images", saved.Images)
+	s.kickOverlays()
 	return s.withWarmReady(apiHost(saved)), nil
 }
 
@@ -82,7 +83,10 @@ func (s *Service) PutHost(ctx context.Context, name string, in api.HostPut) (api
 // host's agent must sign with the key pinned when it joined, at whatever
 // address the PUT gives: that is how the agent confirms a move, and why a
 // PUT cannot hand a host, and its running VMs, to another agent.
-func (s *Service) proveHost(ctx context.Context, name, address string) (ed25519.PublicKey, error) {
+//
+// A host registered with an underlay address has its agent prove that
+// address in the same challenge: an agent signs only its own.
+func (s *Service) proveHost(ctx context.Context, name, address, underlay string) (ed25519.PublicKey, error) {
 	var pinned ed25519.PublicKey
 	existing, err := s.store.GetHost(ctx, name)
 	switch {
@@ -94,7 +98,18 @@ func (s *Service) proveHost(ctx context.Context, name, address string) (ed25519.
 			return nil, internal(err, "read the pinned agent key of host "+name)
 		}
 	}
-	key, err := s.agents.verify(ctx, name, address, pinned, s.opts.AgentTimeout)
+	key, err := s.agents.verify(ctx, name, address, underlay, pinned, s.opts.AgentTimeout)
+	var ae *agentapi.Error
+	if underlay != "" && errors.As(err, &ae) && ae.Status == http.StatusForbidden {
+		// Was it the underlay address the agent refused? It is when the
+		// same challenge without it proves.
+		if _, plain := s.agents.verify(ctx, name, address, "", pinned, s.opts.AgentTimeout); plain == nil {
+			return nil, &Error{Code: api.CodeInvalid, Err: err, Details: map[string]any{"host": name, "field": "underlay_address", "underlay_address": underlay},
+				Message: fmt.Sprintf("register host %s: the agent at %s refused to prove underlay_address %s: it is not the agent's own underlay address; "+
+					"start the agent with --underlay-address %s (an address on one of its interfaces), or register the host with the underlay address the agent has",
+					name, address, underlay, underlay)}
+		}
+	}
 	if err != nil {
 		return nil, identityError(err, name, address, pinned != nil, existing.Address)
 	}
@@ -233,6 +248,8 @@ func apiHost(h store.Host) api.Host {
 		Isolation: h.Isolation,
 		RetiredAt: h.RetiredAt,
 		Drain:     apiDrain(h.Drain, 0),
+		// The address its overlay tunnels run from ("" for none).
+		UnderlayAddress: h.UnderlayAddress,
 	}
 	if out.Labels == nil {
 		out.Labels = map[string]string{}
@@ -269,6 +286,7 @@ func (s *Service) RetireHost(ctx context.Context, name string) (api.Host, error)
 	}
 	s.view.setWarm(name, nil)
 	s.refreshHost(ctx, name)
+	s.kickOverlays()
 	if len(lost) > 0 || h.RetiredAt == nil {
 		s.log.Warn("host retired: its vms are lost and their capacity released", "host", name, "lost_vms", len(lost), "vms", lost)
 	}

@@ -47,7 +47,7 @@ func schedHost(h store.Host) scheduler.Host {
 		Name: h.Name, Alive: h.Alive, Schedulable: h.Schedulable && h.Drain.State == store.DrainNone, Images: h.Images,
 		Total:              schedResources(h.Total),
 		CPUAllocationRatio: h.CPUAllocationRatio, MemoryReservedMiB: h.MemoryReservedMiB,
-		Allocated: schedResources(h.Allocated), Labels: h.Labels,
+		Allocated: schedResources(h.Allocated), Labels: h.Labels, Underlay: h.UnderlayAddress != "",
 	}
 }
 

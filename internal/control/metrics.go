@@ -28,7 +28,18 @@ type metrics struct {
 	volumesWithoutRow    *prometheus.GaugeVec
 	orphanVolumesDeleted *prometheus.CounterVec
 	volumesLost          *prometheus.CounterVec
+	// overlayPushes and overlayFailures count the overlay networks' pushes
+	// to agents (overlay.go), by operation (put, delete, list).
+	overlayPushes   *prometheus.CounterVec
+	overlayFailures *prometheus.CounterVec
 }
+
+// Operations of overlay pushes (the label of kvmd_overlay_pushes_total).
+const (
+	overlayOpPut    = "put"
+	overlayOpDelete = "delete"
+	overlayOpList   = "list"
+)
 
 // Placement results (the label of kvmd_placements_total).
 const (
@@ -78,6 +89,14 @@ func newMetrics(reg *prometheus.Registry) *metrics {
 			Name: "kvmd_volumes_lost_total",
 			Help: "Ready volumes whose agent no longer had them (marked state error), by host.",
 		}, []string{"host"}),
+		overlayPushes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvmd_overlay_pushes_total",
+			Help: "Overlay network states the agents accepted (put: a network's entries and peers on a host; delete: a network removed from a host).",
+		}, []string{"op"}),
+		overlayFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvmd_overlay_push_failures_total",
+			Help: "Overlay network pushes to agents that failed (put, delete, list), retried by the next host monitor round.",
+		}, []string{"op"}),
 	}
 	for _, r := range scheduler.Reasons() {
 		m.rejections.WithLabelValues(r)
@@ -90,8 +109,12 @@ func newMetrics(reg *prometheus.Registry) *metrics {
 	for _, op := range []string{"info", "list_vms", "create_vm", "delete_vm", "start", "stop"} {
 		m.agentErrors.WithLabelValues(op)
 	}
+	for _, op := range []string{overlayOpPut, overlayOpDelete, overlayOpList} {
+		m.overlayPushes.WithLabelValues(op)
+		m.overlayFailures.WithLabelValues(op)
+	}
 	reg.MustRegister(m.placements, m.placementSeconds, m.conflicts, m.agentSeconds, m.agentErrors, m.rejections, m.vmStates, m.projects, m.unaccounted,
-		m.volumesWithoutRow, m.orphanVolumesDeleted, m.volumesLost)
+		m.volumesWithoutRow, m.orphanVolumesDeleted, m.volumesLost, m.overlayPushes, m.overlayFailures)
 	return m
 }
 

@@ -213,15 +213,15 @@ func (s *Service) migrationRequest(ctx context.Context, vm store.VM, host string
 		counts[vm.Group.Domain]--
 		req.Constraints.Counts = counts
 	}
+	nets := make([]store.Network, 0, len(vm.NICs))
 	for _, nic := range vm.NICs {
 		n, err := s.store.GetNetwork(ctx, nic.Network)
 		if err != nil {
 			return req, fromStore(err, "read network "+nic.Network)
 		}
-		if len(n.Hosts) > 0 {
-			req.NetworkHosts = append(req.NetworkHosts, scheduler.NetworkHosts{Network: n.Name, Hosts: n.Hosts})
-		}
+		nets = append(nets, n)
 	}
+	req.NetworkHosts = networkHosts(nets)
 	atts, err := s.store.AttachmentsOfVMs(ctx, []string{vm.ID})
 	if err != nil {
 		return req, fromStore(err, "read volumes of vm "+vm.ID)
@@ -452,6 +452,10 @@ func (s *Service) switchMigration(ctx context.Context, m store.Migration, st age
 	if switched {
 		s.refreshHost(ctx, m.SourceHost)
 		s.refreshHost(ctx, m.TargetHost)
+		if s.onOverlay(ctx, vm.NICs) {
+			// Its NICs' entries point at the target from now on.
+			s.kickOverlays()
+		}
 		s.log.Info("vm switched to its migration target", "vm", m.VMID, "source", m.SourceHost, "target", m.TargetHost,
 			"downtime_ms", st.DowntimeMS, "state", onTarget.State)
 	}

@@ -35,6 +35,7 @@ func (s *Service) Run(ctx context.Context) error {
 	defer resume.Wait()
 	started := time.Now()
 	resume.Go(func() { s.heartbeat(ctx) })
+	resume.Go(func() { s.serveOverlayKicks(ctx) })
 	for first := true; ; first = false {
 		l := s.syncHosts(ctx, first)
 		if first {
@@ -106,6 +107,7 @@ func (s *Service) syncHosts(ctx context.Context, first bool) leases {
 	}
 	wg.Wait()
 	s.settleMigrations(ctx, l)
+	s.pushOverlays(ctx, true)
 	s.metrics.vmStates.keepHosts(hosts)
 	s.refreshProjectMetrics(ctx)
 	if err := s.reloadView(ctx); err != nil && ctx.Err() == nil {
@@ -187,7 +189,7 @@ func (s *Service) joinUnpinned(ctx context.Context, h store.Host) error {
 	if h.AgentKey != "" {
 		return nil
 	}
-	key, err := s.agents.verify(ctx, h.Name, h.Address, nil, s.agents.syncTimeout)
+	key, err := s.agents.verify(ctx, h.Name, h.Address, h.UnderlayAddress, nil, s.agents.syncTimeout)
 	if err != nil {
 		s.log.Warn("host monitor: the host's address did not prove it is an agent; no calls with the agent token go there",
 			"host", h.Name, "address", h.Address, "err", err)

@@ -44,14 +44,28 @@ func (s *Service) CreateNetwork(ctx context.Context, in api.NetworkCreate) (api.
 		return api.Network{}, err
 	}
 	n.Project = project.Name
-	var check func([]store.Network) error
+	var check func([]store.Network, *store.Network) error
 	if n.HasIPAM() {
-		check = func(all []store.Network) error { return checkOverlap(n, all) }
+		check = func(all []store.Network, n *store.Network) error {
+			if err := checkOverlap(*n, all); err != nil {
+				return err
+			}
+			if n.Mode == api.NetworkOverlay {
+				return chooseVNI(n, all)
+			}
+			return nil
+		}
 	}
 	created, err := s.store.InsertNetworkChecked(ctx, n, check)
 	var e *Error
 	if errors.As(err, &e) {
 		return api.Network{}, e
+	}
+	if errors.Is(err, store.ErrVNITaken) {
+		// The lock makes chooseVNI see every committed network; the index
+		// still has the last word (a network inserted around the lock).
+		return api.Network{}, &Error{Code: api.CodeConflict, Err: err, Details: map[string]any{"field": "vni"},
+			Message: fmt.Sprintf("vni of network %q is used by another overlay network (%v); choose another vni or leave it unset", in.Name, err)}
 	}
 	if errors.Is(err, store.ErrDuplicateName) {
 		return api.Network{}, conflictf("a network named %q already exists; choose another name or import it", in.Name)
@@ -60,7 +74,7 @@ func (s *Service) CreateNetwork(ctx context.Context, in api.NetworkCreate) (api.
 		return api.Network{}, fromStore(err, "create network "+in.Name)
 	}
 	s.networks.put(created)
-	s.log.Info("network created", "network", n.Name, "project", n.Project, "mode", n.Mode, "cidr", n.CIDR)
+	s.log.Info("network created", "network", n.Name, "project", n.Project, "mode", n.Mode, "cidr", n.CIDR, "vni", created.VNI, "mtu", created.MTU)
 	return apiNetwork(created, 0), nil
 }
 
@@ -80,6 +94,9 @@ func networkFromCreate(in api.NetworkCreate) (store.Network, error) {
 	if n.Allow, err = validateAllow(in); err != nil {
 		return store.Network{}, err
 	}
+	if in.Mode != api.NetworkOverlay && (in.VNI != nil || in.MTU != nil) {
+		return store.Network{}, invalidf("vni and mtu: only an overlay network has them (its VXLAN tunnel); leave them unset for mode %q", in.Mode)
+	}
 	switch in.Mode {
 	case api.NetworkUser:
 		for field, v := range map[string]string{"cidr": in.CIDR, "gateway": in.Gateway, "bridge": in.Bridge} {
@@ -98,6 +115,16 @@ func networkFromCreate(in api.NetworkCreate) (store.Network, error) {
 		if in.CIDR == "" {
 			return store.Network{}, invalidf("cidr is required for a nat network (an IPv4 network such as 10.20.0.0/24, prefix /%d to /%d)", minPrefix, maxPrefix)
 		}
+	case api.NetworkOverlay:
+		if in.Bridge != "" {
+			return store.Network{}, invalidf("bridge: an overlay network makes its own bridge and VXLAN device on each host; leave bridge empty")
+		}
+		if in.CIDR == "" {
+			return store.Network{}, invalidf("cidr is required for an overlay network (an IPv4 network such as 10.40.0.0/24, prefix /%d to /%d): its addresses are unique across every host", minPrefix, maxPrefix)
+		}
+		if err := overlayShape(&n, in); err != nil {
+			return store.Network{}, err
+		}
 	case api.NetworkBridge:
 		if in.Bridge == "" {
 			return store.Network{}, invalidf("bridge is required for a bridge network: the name of an existing Linux bridge on the hosts")
@@ -115,13 +142,63 @@ func networkFromCreate(in api.NetworkCreate) (store.Network, error) {
 			return n, nil
 		}
 	default:
-		return store.Network{}, invalidf("mode must be %q, %q or %q, got %q", api.NetworkUser, api.NetworkNAT, api.NetworkBridge, in.Mode)
+		return store.Network{}, invalidf("mode must be %q, %q, %q or %q, got %q", api.NetworkUser, api.NetworkNAT, api.NetworkBridge, api.NetworkOverlay, in.Mode)
 	}
 	if err := setRange(&n, in.CIDR, in.Gateway); err != nil {
 		return store.Network{}, err
 	}
 	n.DHCP = in.DHCP == nil || *in.DHCP
 	return n, nil
+}
+
+// overlayShape checks an overlay's VNI and MTU and fills the MTU's
+// default; a VNI left unset is chosen at insert (chooseVNI).
+func overlayShape(n *store.Network, in api.NetworkCreate) error {
+	if in.VNI != nil {
+		if *in.VNI < 1 || *in.VNI > api.OverlayMaxVNI {
+			return &Error{Code: api.CodeInvalid, Details: map[string]any{"field": "vni"},
+				Message: fmt.Sprintf("vni must be between 1 and %d (24 bits), got %d; or leave it unset for the lowest free one from %d", api.OverlayMaxVNI, *in.VNI, api.OverlayFirstAutoVNI)}
+		}
+		vni := *in.VNI
+		n.VNI = &vni
+	}
+	n.MTU = api.OverlayDefaultMTU
+	if in.MTU != nil {
+		if *in.MTU < api.OverlayMinMTU || *in.MTU > api.OverlayMaxMTU {
+			return &Error{Code: api.CodeInvalid, Details: map[string]any{"field": "mtu"},
+				Message: fmt.Sprintf("mtu must be between %d and %d (a 9000-byte underlay less the 50 bytes of VXLAN), got %d; the default %d fits a 1500-byte underlay",
+					api.OverlayMinMTU, api.OverlayMaxMTU, *in.MTU, api.OverlayDefaultMTU)}
+		}
+		n.MTU = *in.MTU
+	}
+	return nil
+}
+
+// chooseVNI refuses a VNI another overlay has (409 naming it) and gives a
+// network without one the lowest free VNI from OverlayFirstAutoVNI up.
+// The caller holds the network creates' lock, so all is every committed
+// network.
+func chooseVNI(n *store.Network, all []store.Network) error {
+	used := map[int64]string{}
+	for _, o := range all {
+		if o.VNI != nil && o.Name != n.Name {
+			used[*o.VNI] = o.Name
+		}
+	}
+	if n.VNI != nil {
+		if other, ok := used[*n.VNI]; ok {
+			return &Error{Code: api.CodeConflict, Details: map[string]any{"field": "vni", "network": other},
+				Message: fmt.Sprintf("vni %d is used by overlay network %q; choose another vni or leave it unset for a free one", *n.VNI, other)}
+		}
+		return nil
+	}
+	for v := int64(api.OverlayFirstAutoVNI); v <= api.OverlayMaxVNI; v++ {
+		if _, taken := used[v]; !taken {
+			n.VNI = &v
+			return nil
+		}
+	}
+	return conflictf("every vni from %d to %d is used; give the network an unused one below %d", api.OverlayFirstAutoVNI, api.OverlayMaxVNI, api.OverlayFirstAutoVNI)
 }
 
 // setRange parses the CIDR and gateway into the IPAM range.
@@ -171,8 +248,8 @@ func validateAllow(in api.NetworkCreate) ([]string, error) {
 	if len(in.Allow) == 0 {
 		return []string{}, nil
 	}
-	if in.Mode != api.NetworkNAT {
-		return nil, invalidf("allow: only a nat network has a fence to open (the agent routes nat networks only); leave allow empty for mode %q", in.Mode)
+	if in.Mode != api.NetworkNAT && in.Mode != api.NetworkOverlay {
+		return nil, invalidf("allow: only a nat network or an overlay network has a fence to open (the agent routes those only); leave allow empty for mode %q", in.Mode)
 	}
 	if len(in.Allow) > maxAllow {
 		return nil, invalidf("allow: at most %d entries, got %d", maxAllow, len(in.Allow))
@@ -336,8 +413,12 @@ func apiNetwork(n store.Network, used int64) api.Network {
 	if allow == nil {
 		allow = []string{}
 	}
-	return api.Network{Name: n.Name, Project: n.Project, Mode: n.Mode, CIDR: n.CIDR, Gateway: n.Gateway, DHCP: n.DHCP, Bridge: n.Bridge,
-		Hosts: hosts, Allow: allow, AddressesTotal: int(n.Size()), AddressesUsed: int(used), CreatedAt: n.CreatedAt}
+	out := api.Network{Name: n.Name, Project: n.Project, Mode: n.Mode, CIDR: n.CIDR, Gateway: n.Gateway, DHCP: n.DHCP, Bridge: n.Bridge,
+		Hosts: hosts, Allow: allow, MTU: n.MTU, AddressesTotal: int(n.Size()), AddressesUsed: int(used), CreatedAt: n.CreatedAt}
+	if n.VNI != nil {
+		out.VNI = *n.VNI
+	}
+	return out
 }
 
 func addrNum(a netip.Addr) int64 {

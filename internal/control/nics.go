@@ -150,12 +150,13 @@ func deriveMAC(vmID string, index, salt int) string {
 }
 
 // networkHosts is the placement filter of a VM's networks: those limited
-// to some hosts.
-func networkHosts(p vmNICs) []scheduler.NetworkHosts {
+// to some hosts, and overlays (hosts with an underlay address only).
+func networkHosts(nets []store.Network) []scheduler.NetworkHosts {
 	var out []scheduler.NetworkHosts
-	for _, n := range p.nets {
-		if len(n.Hosts) > 0 && !slices.ContainsFunc(out, func(o scheduler.NetworkHosts) bool { return o.Network == n.Name }) {
-			out = append(out, scheduler.NetworkHosts{Network: n.Name, Hosts: n.Hosts})
+	for _, n := range nets {
+		overlay := n.Mode == api.NetworkOverlay
+		if (len(n.Hosts) > 0 || overlay) && !slices.ContainsFunc(out, func(o scheduler.NetworkHosts) bool { return o.Network == n.Name }) {
+			out = append(out, scheduler.NetworkHosts{Network: n.Name, Hosts: n.Hosts, Overlay: overlay})
 		}
 	}
 	return out
@@ -328,6 +329,9 @@ func agentNICs(p vmNICs) []agentapi.NIC {
 			DHCP: n.DHCP, Bridge: n.Bridge, Allow: n.Allow}
 		if n.HasIPAM() {
 			a.IPv4Address = nic.IPv4Address
+		}
+		if n.Mode == api.NetworkOverlay && n.VNI != nil {
+			a.VNI, a.MTU = int(*n.VNI), int(n.MTU)
 		}
 		for _, f := range nic.PortForwards {
 			a.PortForwards = append(a.PortForwards, agentapi.PortForward{GuestPort: f.GuestPort})

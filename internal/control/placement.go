@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"slices"
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
@@ -43,6 +44,10 @@ func (s *Service) placeAndReserve(ctx context.Context, vm *store.VM, p vmNICs, r
 	switch {
 	case err == nil:
 		s.metrics.placements.WithLabelValues(resultPlaced).Inc()
+		if slices.ContainsFunc(p.nets, func(n store.Network) bool { return n.Mode == api.NetworkOverlay }) {
+			// The other hosts learn where the new NIC is before it boots.
+			s.kickOverlays()
+		}
 	case errors.As(err, &e) && e.Code == api.CodeNoCapacity:
 		s.metrics.placements.WithLabelValues(resultNoCapacity).Inc()
 		if rs, ok := e.Details["rejected"].([]api.Rejection); ok {
@@ -211,7 +216,7 @@ func placementJSONNote(req scheduler.Request, best scheduler.Ranked, rejected []
 // it has no guest configuration, whose seed a warm VM booted without), a
 // cold boot. A create and the dry run both use it.
 func withNICs(req *scheduler.Request, p vmNICs, guest bool) {
-	req.NetworkHosts = networkHosts(p)
+	req.NetworkHosts = networkHosts(p.nets)
 	req.ColdOnly = !warmCapable(p) || guest
 }
 

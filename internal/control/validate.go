@@ -145,6 +145,17 @@ func validateHostPut(name string, in api.HostPut) error {
 	if err := validateAddress(in.Address); err != nil {
 		return err
 	}
+	if u := in.UnderlayAddress; u != "" {
+		ip, err := netip.ParseAddr(u)
+		if err != nil || !ip.Is4() || ip.String() != u {
+			return &Error{Code: api.CodeInvalid, Details: map[string]any{"field": "underlay_address"},
+				Message: fmt.Sprintf("underlay_address %q is not an IPv4 address such as 192.168.10.11 (the host's address that overlay tunnels run between)", u)}
+		}
+		if ip.IsLoopback() || ip.IsUnspecified() || ip.IsMulticast() {
+			return &Error{Code: api.CodeInvalid, Details: map[string]any{"field": "underlay_address"},
+				Message: fmt.Sprintf("underlay_address %s is not a unicast address other hosts can reach; give the address of the host's interface on the network between hosts", u)}
+		}
+	}
 	if r := in.CPUAllocationRatio; r != nil && (*r <= 0 || *r > 64) {
 		return invalidf("cpu_allocation_ratio must be above 0 and at most 64, got %v", *r)
 	}

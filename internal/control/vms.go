@@ -187,11 +187,14 @@ func (s *Service) failCreate(ctx context.Context, chain *cleanup, vm store.VM, c
 // forgetVM releases a VM's capacity and removes its row (the last undo of
 // a failed create, and the end of a delete).
 func (s *Service) forgetVM(ctx context.Context, id, host string) error {
-	_, _, err := s.store.DeleteVM(ctx, id)
+	vm, _, err := s.store.DeleteVM(ctx, id)
 	if err != nil && !errors.Is(err, store.ErrNotFound) {
 		return err
 	}
 	s.refreshHost(ctx, host)
+	if s.onOverlay(ctx, vm.NICs) {
+		s.kickOverlays()
+	}
 	return nil
 }
 

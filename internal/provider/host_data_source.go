@@ -38,8 +38,9 @@ func hostDataAttributes() map[string]schema.Attribute {
 		}
 	}
 	return map[string]schema.Attribute{
-		"name":    schema.StringAttribute{MarkdownDescription: "Name of the host.", Computed: true},
-		"address": schema.StringAttribute{MarkdownDescription: "Address of the host agent's API, `scheme://host:port` (hosts registered before addresses needed a scheme may show `host:port`).", Computed: true},
+		"name":             schema.StringAttribute{MarkdownDescription: "Name of the host.", Computed: true},
+		"address":          schema.StringAttribute{MarkdownDescription: "Address of the host agent's API, `scheme://host:port` (hosts registered before addresses needed a scheme may show `host:port`).", Computed: true},
+		"underlay_address": schema.StringAttribute{MarkdownDescription: "IPv4 address the host's overlay tunnels run from; null without one.", Computed: true},
 		"labels": schema.MapAttribute{
 			MarkdownDescription: "Labels of the host.",
 			ElementType:         types.StringType,

@@ -88,6 +88,15 @@ func (r *hostResource) Schema(_ context.Context, _ resource.SchemaRequest, resp 
 				Required:   true,
 				Validators: []validator.String{stringvalidator.LengthAtLeast(1)},
 			},
+			"underlay_address": schema.StringAttribute{
+				MarkdownDescription: "IPv4 address of the host on the network between the hosts, where the VXLAN tunnels " +
+					"of `overlay` networks (UDP 4789) start and end. The agent must have it on one of its interfaces and be " +
+					"started with `--underlay-address` naming it: it proves the address in the same identity challenge as " +
+					"`address`, and registration fails when it does not. Left out, the host takes no VM with an `overlay` " +
+					"NIC. Changed in place.",
+				Optional:   true,
+				Validators: []validator.String{stringvalidator.LengthAtLeast(7)},
+			},
 			"labels": schema.MapAttribute{
 				MarkdownDescription: "Labels of the host (string keys and values). VM `constraints` select hosts by them " +
 					"(`host_labels`) and spread groups by them (`spread_by = \"label:<key>\"`). Changed in place; VMs " +
@@ -192,6 +201,7 @@ func hostPut(ctx context.Context, m hostModel) (api.HostPut, error) {
 	}
 	return api.HostPut{
 		Address:            m.Address.ValueString(),
+		UnderlayAddress:    m.UnderlayAddress.ValueString(),
 		Labels:             labels,
 		Schedulable:        &schedulable,
 		CPUAllocationRatio: &ratio,
@@ -283,7 +293,7 @@ func (r *hostResource) Update(ctx context.Context, req resource.UpdateRequest, r
 	name := plan.Name.ValueString()
 	if plan.Retired.ValueBool() && !state.Retired.ValueBool() {
 		// The agent is gone: nothing else of the host can change, only the retire.
-		if !plan.Address.Equal(state.Address) || !plan.Labels.Equal(state.Labels) || !plan.Schedulable.Equal(state.Schedulable) ||
+		if !plan.Address.Equal(state.Address) || !plan.UnderlayAddress.Equal(state.UnderlayAddress) || !plan.Labels.Equal(state.Labels) || !plan.Schedulable.Equal(state.Schedulable) ||
 			!plan.CPUAllocationRatio.Equal(state.CPUAllocationRatio) || !plan.MemoryReservedMiB.Equal(state.MemoryReservedMiB) ||
 			!plan.WarmPool.Equal(state.WarmPool) {
 			resp.Diagnostics.AddAttributeError(path.Root("retired"), summaryUpdateHost, fmt.Sprintf(

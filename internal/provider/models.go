@@ -14,6 +14,7 @@ import (
 type hostModel struct {
 	Name               types.String  `tfsdk:"name"`
 	Address            types.String  `tfsdk:"address"`
+	UnderlayAddress    types.String  `tfsdk:"underlay_address"`
 	Labels             types.Map     `tfsdk:"labels"`
 	Schedulable        types.Bool    `tfsdk:"schedulable"`
 	CPUAllocationRatio types.Float64 `tfsdk:"cpu_allocation_ratio"`
@@ -37,6 +38,7 @@ type hostModel struct {
 func (m *hostModel) fromAPI(h api.Host) {
 	m.Name = types.StringValue(h.Name)
 	m.Address = types.StringValue(h.Address)
+	m.UnderlayAddress = optionalString(h.UnderlayAddress)
 	m.Labels = labelsValue(h.Labels)
 	m.Schedulable = types.BoolValue(h.Schedulable)
 	m.CPUAllocationRatio = types.Float64Value(h.CPUAllocationRatio)

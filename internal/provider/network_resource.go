@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/hashicorp/terraform-plugin-framework-validators/int64validator"
 	"github.com/hashicorp/terraform-plugin-framework-validators/stringvalidator"
 	"github.com/hashicorp/terraform-plugin-framework/path"
 	"github.com/hashicorp/terraform-plugin-framework/resource"
@@ -47,6 +48,8 @@ type networkModel struct {
 	Bridge         types.String `tfsdk:"bridge"`
 	Hosts          types.Set    `tfsdk:"hosts"`
 	Allow          types.Set    `tfsdk:"allow"`
+	VNI            types.Int64  `tfsdk:"vni"`
+	MTU            types.Int64  `tfsdk:"mtu"`
 	AddressesTotal types.Int64  `tfsdk:"addresses_total"`
 	AddressesUsed  types.Int64  `tfsdk:"addresses_used"`
 }
@@ -61,6 +64,11 @@ func (m *networkModel) fromAPI(n api.Network) {
 	m.Bridge = optionalString(n.Bridge)
 	m.Hosts = stringSet(n.Hosts)
 	m.Allow = stringSet(n.Allow)
+	// vni and mtu are an overlay's; null for the other modes.
+	m.VNI, m.MTU = types.Int64Null(), types.Int64Null()
+	if n.Mode == api.NetworkOverlay {
+		m.VNI, m.MTU = types.Int64Value(n.VNI), types.Int64Value(n.MTU)
+	}
 	m.AddressesTotal = types.Int64Value(int64(n.AddressesTotal))
 	m.AddressesUsed = types.Int64Value(int64(n.AddressesUsed))
 }
@@ -82,7 +90,13 @@ func (r *networkResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 			"other networks and the private ranges unless `allow` lists them, and stop a guest from using another " +
 			"guest's MAC or address or answering DHCP.\n" +
 			"- `bridge`: taps on an existing Linux `bridge` of the hosts. With a `cidr` the control plane assigns " +
-			"addresses and the agent serves them by DHCP; without one, addresses are the bridge network's business.\n\n" +
+			"addresses and the agent serves them by DHCP; without one, addresses are the bridge network's business.\n" +
+			"- `overlay`: one private network across the hosts. Each host has a bridge like `nat`'s (the same " +
+			"gateway address and egress NAT on each), joined to the other hosts' by a VXLAN tunnel (`vni`, UDP 4789 " +
+			"between the hosts' `underlay_address`es) whose forwarding entries the control plane programs; no " +
+			"multicast, no flooding. Its VMs are placed only on hosts with a `kvm_host.underlay_address`, reach each " +
+			"other at their addresses whatever host they are on, and keep their address when they migrate. Guests get " +
+			"`mtu` by DHCP and in the generated network-config.\n\n" +
 			"Only `hosts` changes in place; every other argument replaces the network, which the control API refuses " +
 			"while VMs have NICs on it.",
 		Attributes: map[string]schema.Attribute{
@@ -100,14 +114,14 @@ func (r *networkResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 				PlanModifiers: []planmodifier.String{stringplanmodifier.UseStateForUnknown()},
 			},
 			"mode": schema.StringAttribute{
-				MarkdownDescription: "`user`, `nat` or `bridge` (see above).",
+				MarkdownDescription: "`user`, `nat`, `bridge` or `overlay` (see above).",
 				Required:            true,
-				Validators:          []validator.String{stringvalidator.OneOf(api.NetworkUser, api.NetworkNAT, api.NetworkBridge)},
+				Validators:          []validator.String{stringvalidator.OneOf(api.NetworkUser, api.NetworkNAT, api.NetworkBridge, api.NetworkOverlay)},
 				PlanModifiers:       replaceString,
 			},
 			"cidr": schema.StringAttribute{
 				MarkdownDescription: "IPv4 range the control plane assigns addresses from, prefix `/16` to `/30` (for " +
-					"example `10.20.0.0/24`). Required for `nat`, optional for `bridge`, not allowed for `user`. It may " +
+					"example `10.20.0.0/24`). Required for `nat` and `overlay`, optional for `bridge`, not allowed for `user`. It may " +
 					"not overlap another network's.",
 				Optional:      true,
 				PlanModifiers: replaceString,
@@ -142,7 +156,7 @@ func (r *networkResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 				Default:     setdefault.StaticValue(stringSet(nil)),
 			},
 			"allow": schema.SetAttribute{
-				MarkdownDescription: "`nat` networks only: what the network's guests may reach besides their own " +
+				MarkdownDescription: "`nat` and `overlay` networks only: what the network's guests may reach besides their own " +
 					"network and the outside through NAT. Each entry is the name of another `nat` network (its guests " +
 					"on the same host) or an IPv4 CIDR, e.g. the operator's LAN (`192.168.10.0/24`): the private, " +
 					"loopback, link-local (metadata), shared, multicast and reserved ranges are fenced off unless " +
@@ -154,6 +168,24 @@ func (r *networkResource) Schema(_ context.Context, _ resource.SchemaRequest, re
 				Computed:      true,
 				Default:       setdefault.StaticValue(stringSet(nil)),
 				PlanModifiers: []planmodifier.Set{setplanmodifier.RequiresReplace()},
+			},
+			"vni": schema.Int64Attribute{
+				MarkdownDescription: "`overlay` networks only: the VXLAN network identifier, 1 to 16777215, unique in the " +
+					"fleet. Left out, the control plane chooses the lowest free one from 4096 up.",
+				Optional:      true,
+				Computed:      true,
+				Validators:    []validator.Int64{int64validator.Between(1, api.OverlayMaxVNI)},
+				PlanModifiers: []planmodifier.Int64{int64planmodifier.UseStateForUnknown(), int64planmodifier.RequiresReplace()},
+			},
+			"mtu": schema.Int64Attribute{
+				MarkdownDescription: fmt.Sprintf("`overlay` networks only: the MTU of the network's guests, bridges and "+
+					"tunnels, %d to %d. Defaults to %d: a 1500-byte underlay less the 50 bytes VXLAN over IPv4 adds. "+
+					"It must fit the hosts' underlay: an agent whose underlay interface's MTU less 50 is smaller refuses "+
+					"the network.", api.OverlayMinMTU, api.OverlayMaxMTU, api.OverlayDefaultMTU),
+				Optional:      true,
+				Computed:      true,
+				Validators:    []validator.Int64{int64validator.Between(api.OverlayMinMTU, api.OverlayMaxMTU)},
+				PlanModifiers: []planmodifier.Int64{int64planmodifier.UseStateForUnknown(), int64planmodifier.RequiresReplace()},
 			},
 			"addresses_total": schema.Int64Attribute{
 				MarkdownDescription: "How many addresses the control plane can assign on the network (0 without a `cidr`).",
@@ -194,14 +226,22 @@ func (r *networkResource) Create(ctx context.Context, req resource.CreateRequest
 		dhcp := plan.DHCP.ValueBool()
 		in.DHCP = &dhcp
 	}
+	if !plan.VNI.IsNull() && !plan.VNI.IsUnknown() {
+		vni := plan.VNI.ValueInt64()
+		in.VNI = &vni
+	}
+	if !plan.MTU.IsNull() && !plan.MTU.IsUnknown() {
+		mtu := plan.MTU.ValueInt64()
+		in.MTU = &mtu
+	}
 	n, err := r.data.client.CreateNetwork(ctx, in)
 	r.data.wrote()
 	if err != nil {
 		subject := fmt.Sprintf("creating network %q", in.Name)
 		if errors.Is(err, client.ErrConflict) {
-			resp.Diagnostics.AddError(summaryCreateNetwork, fmt.Sprintf("The control API refused network %q: its name or "+
-				"cidr is taken. To manage an existing network, import it: terraform import kvm_network.<name> %s; "+
-				"otherwise choose another name or a cidr that does not overlap.\n\nError: %s", in.Name, in.Name, err))
+			resp.Diagnostics.AddError(summaryCreateNetwork, fmt.Sprintf("The control API refused network %q: its name, "+
+				"cidr or vni is taken. To manage an existing network, import it: terraform import kvm_network.<name> %s; "+
+				"otherwise choose another name, a cidr that does not overlap, or another vni.\n\nError: %s", in.Name, in.Name, err))
 			return
 		}
 		addCreateInProjectError(&resp.Diagnostics, summaryCreateNetwork, subject, in.Project, err)

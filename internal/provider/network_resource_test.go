@@ -445,3 +445,108 @@ resource "kvm_vm" "second" {
 		}},
 	})
 }
+
+// An overlay network: vni and mtu come from the control plane when left
+// out, and either one changed replaces the network.
+func TestAccNetwork_overlay(t *testing.T) {
+	f := newFleet(t, "node-a")
+	resource.Test(t, resource.TestCase{
+		ProtoV6ProviderFactories: factories(),
+		CheckDestroy:             f.checkNetworksGone("ovl"),
+		Steps: []resource.TestStep{
+			{
+				Config: networkConfig(f, `
+  name = "ovl"
+  mode = "overlay"
+  cidr = "10.70.0.0/24"
+`),
+				ConfigPlanChecks: resource.ConfigPlanChecks{
+					PreApply:             []plancheck.PlanCheck{plancheck.ExpectResourceAction(netAddr, plancheck.ResourceActionCreate)},
+					PostApplyPostRefresh: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
+				},
+				ConfigStateChecks: []statecheck.StateCheck{
+					statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("vni"), knownvalue.Int64Exact(4096)),
+					statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("mtu"), knownvalue.Int64Exact(1450)),
+					statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("gateway"), knownvalue.StringExact("10.70.0.1")),
+					statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("dhcp"), knownvalue.Bool(true)),
+					statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("addresses_total"), knownvalue.Int64Exact(253)),
+				},
+			},
+			{
+				ResourceName:                         netAddr,
+				ImportState:                          true,
+				ImportStateId:                        "ovl",
+				ImportStateVerify:                    true,
+				ImportStateVerifyIdentifierAttribute: "name",
+			},
+			{
+				// The computed vni written down changes nothing.
+				Config: networkConfig(f, `
+  name = "ovl"
+  mode = "overlay"
+  cidr = "10.70.0.0/24"
+  vni  = 4096
+`),
+				ConfigPlanChecks: resource.ConfigPlanChecks{
+					PreApply: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
+				},
+			},
+			{
+				Config: networkConfig(f, `
+  name = "ovl"
+  mode = "overlay"
+  cidr = "10.70.0.0/24"
+  vni  = 70000
+  mtu  = 8950
+`),
+				ConfigPlanChecks: resource.ConfigPlanChecks{
+					PreApply:             []plancheck.PlanCheck{plancheck.ExpectResourceAction(netAddr, plancheck.ResourceActionDestroyBeforeCreate)},
+					PostApplyPostRefresh: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()},
+				},
+				ConfigStateChecks: []statecheck.StateCheck{
+					statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("vni"), knownvalue.Int64Exact(70000)),
+					statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("mtu"), knownvalue.Int64Exact(8950)),
+				},
+			},
+			{
+				Config: networkConfig(f, `
+  name = "ovl"
+  mode = "overlay"
+  cidr = "10.70.0.0/24"
+  mtu  = 9000
+`),
+				ExpectError: regexp.MustCompile(`(?s)mtu.*576 and 8950`),
+			},
+			{
+				Config: networkConfig(f, `
+  name = "lan"
+  mode = "nat"
+  cidr = "10.71.0.0/24"
+  vni  = 5000
+`),
+				ExpectError: regexp.MustCompile(`(?s)only an overlay network`),
+			},
+		},
+	})
+}
+
+// A network without vni and mtu (nat) keeps them null.
+func TestAccNetwork_natHasNoVNI(t *testing.T) {
+	f := newFleet(t, "node-a")
+	resource.Test(t, resource.TestCase{
+		ProtoV6ProviderFactories: factories(),
+		CheckDestroy:             f.checkNetworksGone("lan"),
+		Steps: []resource.TestStep{{
+			Config: networkConfig(f, `
+  name = "lan"
+  mode = "nat"
+  cidr = "10.72.0.0/24"
+`),
+			ConfigPlanChecks: resource.ConfigPlanChecks{PostApplyPostRefresh: []plancheck.PlanCheck{plancheck.ExpectEmptyPlan()}},
+			ConfigStateChecks: []statecheck.StateCheck{
+				statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("vni"), knownvalue.Null()),
+				statecheck.ExpectKnownValue(netAddr, tfjsonpath.New("mtu"), knownvalue.Null()),
+			},
+		}},
+	})
+}

@@ -43,6 +43,9 @@ type Host struct {
 	Allocated Resources
 	// Labels are the host's labels: constraints filter and spread by them.
 	Labels map[string]string
+	// Underlay says that the host has an underlay address, which overlay
+	// networks' tunnels need.
+	Underlay bool
 }
 
 // Capacity is what VMs may use: (total - reserved) x allocation ratio.
@@ -84,7 +87,8 @@ type Request struct {
 	ImageSHA256 string
 	// Constraints steer placement; the zero value places by score alone.
 	Constraints Constraints
-	// NetworkHosts are the VM's networks that exist on some hosts only.
+	// NetworkHosts are the VM's networks that exist on some hosts only,
+	// and its overlay networks (on hosts with an underlay address only).
 	NetworkHosts []NetworkHosts
 	// ColdOnly says that no warm pool VM can serve the request (its NICs
 	// differ from what pool VMs boot with), so warm VMs give no preference.
@@ -98,10 +102,12 @@ type Request struct {
 	Source string
 }
 
-// NetworkHosts limits a request to the hosts a network is on.
+// NetworkHosts limits a request to the hosts a network is on: Hosts when
+// not empty, and hosts with an underlay address when Overlay.
 type NetworkHosts struct {
 	Network string
 	Hosts   []string
+	Overlay bool
 }
 
 // Reasons a host is rejected: named, stable, and counted by the control
@@ -195,7 +201,11 @@ func Reject(h Host, req Request) Rejection {
 		return reject(ReasonNoImage, "image: does not offer %q", req.Image)
 	}
 	for _, n := range req.NetworkHosts {
-		if !slices.Contains(n.Hosts, h.Name) {
+		if n.Overlay && !h.Underlay {
+			return reject(ReasonNetwork, "network: %q is an overlay network and this host has no underlay address; register its underlay_address (PUT /v1/hosts/%s)",
+				n.Network, h.Name)
+		}
+		if len(n.Hosts) > 0 && !slices.Contains(n.Hosts, h.Name) {
 			return reject(ReasonNetwork, "network: %q is not on this host (its hosts: %s)", n.Network, strings.Join(n.Hosts, ", "))
 		}
 	}

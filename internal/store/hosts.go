@@ -54,6 +54,9 @@ type Host struct {
 	// AgentKey is the ed25519 public key (base64) the host's agent proved;
 	// "" until it has (hosts registered before agents joined).
 	AgentKey string `gorm:"column:agent_key"`
+	// UnderlayAddress is the IPv4 address the host's VXLAN tunnels run
+	// from ("" when it takes no overlay NIC); its agent proved it.
+	UnderlayAddress string `gorm:"column:underlay_address"`
 	// Drain is the host's drain (drain.go): its state ("" in service) and
 	// progress.
 	Drain     Drain     `gorm:"embedded;embeddedPrefix:drain_"`
@@ -120,7 +123,7 @@ func (s *Store) UpsertHosts(ctx context.Context, hosts []Host) error {
 				"address", "labels", "schedulable", "alive", "missed_syncs", "last_seen", "accel", "driver", "images",
 				"cpu_allocation_ratio", "memory_reserved_mib", "total_vcpus", "total_memory_mib", "total_disk_mib",
 				"cap_vcpus", "cap_memory_mib", "cap_disk_mib", "warm_pool", "agent_key", "updated_at",
-				"warm_vcpus", "warm_memory_mib", "warm_disk_mib", "isolation",
+				"warm_vcpus", "warm_memory_mib", "warm_disk_mib", "isolation", "underlay_address",
 			}),
 			// A retired host stays retired: it never comes back alive.
 			Where: clause.Where{Exprs: []clause.Expression{clause.Expr{SQL: "hosts.retired_at IS NULL"}}},

@@ -19,6 +19,9 @@ var (
 	ErrMACTaken = errors.New("MAC address already used by a live VM")
 	// ErrNetworkInUse: live NICs are attached to the network.
 	ErrNetworkInUse = errors.New("network still has NICs attached")
+	// ErrVNITaken: another overlay network has the VNI (the unique index
+	// networks_vni decided).
+	ErrVNITaken = errors.New("VNI already used by another overlay network")
 )
 
 // Network is a row of networks.
@@ -35,6 +38,11 @@ type Network struct {
 	// Allow is what a nat network's guests may reach beyond it (names of
 	// nat networks, IPv4 CIDRs); fixed at create.
 	Allow []string `gorm:"column:allow;serializer:json"`
+	// VNI is an overlay network's VXLAN network identifier (nil for the
+	// other modes); MTU the MTU of its bridges, tunnels and guests (0: the
+	// mode's default). Both fixed at create.
+	VNI *int64 `gorm:"column:vni"`
+	MTU int64  `gorm:"column:mtu"`
 	// RangeFirst..RangeLast are the assignable addresses as numbers (0 when
 	// the network has no IPAM); GatewayNum is skipped inside the range.
 	RangeFirst int64     `gorm:"column:range_first"`
@@ -83,6 +91,10 @@ type PortForward struct {
 	HostPort    int    `json:"host_port,omitempty"`
 }
 
+// NetworkModeOverlay is the mode of overlay networks (api.NetworkOverlay;
+// the store imports no API package).
+const NetworkModeOverlay = "overlay"
+
 // networksLock is the PostgreSQL advisory lock that serialises network
 // creates, so that two replicas never both pass the overlap check.
 const networksLock = 72540105
@@ -95,8 +107,9 @@ func (s *Store) InsertNetwork(ctx context.Context, n Network) (Network, error) {
 // InsertNetworkChecked inserts a network after check accepted the networks
 // that exist, with network creates serialised (an advisory lock on
 // PostgreSQL, SQLite's single writer): check sees every network committed
-// before and none can commit between its look and the insert.
-func (s *Store) InsertNetworkChecked(ctx context.Context, n Network, check func([]Network) error) (Network, error) {
+// before and none can commit between its look and the insert. check may
+// fill in what depends on the others (an overlay's lowest free VNI).
+func (s *Store) InsertNetworkChecked(ctx context.Context, n Network, check func(all []Network, n *Network) error) (Network, error) {
 	t := now()
 	n.CreatedAt, n.UpdatedAt = t, t
 	if n.Hosts == nil {
@@ -118,11 +131,14 @@ func (s *Store) InsertNetworkChecked(ctx context.Context, n Network, check func(
 		if err := tx.Order("name").Find(&all).Error; err != nil {
 			return fmt.Errorf("list networks: %w", err)
 		}
-		if err := check(all); err != nil {
+		if err := check(all, &n); err != nil {
 			return err
 		}
 		return tx.Create(&n).Error
 	})
+	if isDuplicate(err) && n.VNI != nil && s.vniHeldByOther(ctx, n) {
+		return Network{}, fmt.Errorf("network %q: vni %d: %w", n.Name, *n.VNI, ErrVNITaken)
+	}
 	if isDuplicate(err) {
 		return Network{}, fmt.Errorf("network %q: %w", n.Name, ErrDuplicateName)
 	}
@@ -130,6 +146,15 @@ func (s *Store) InsertNetworkChecked(ctx context.Context, n Network, check func(
 		return Network{}, fmt.Errorf("insert network %q: %w", n.Name, err)
 	}
 	return n, nil
+}
+
+// vniHeldByOther says whether the refusal of n's insert was the VNI's
+// index: another network holds the VNI (SQLite's translated error no
+// longer names the index; PostgreSQL's does).
+func (s *Store) vniHeldByOther(ctx context.Context, n Network) bool {
+	var count int64
+	err := s.db.WithContext(ctx).Model(&Network{}).Where("vni = ? AND name <> ?", *n.VNI, n.Name).Count(&count).Error
+	return err == nil && count > 0
 }
 
 // GetNetwork returns one network; ErrNotFound when there is none.
@@ -336,6 +361,29 @@ func (s *Store) LiveNICs(ctx context.Context) ([]LiveNIC, error) {
 		FROM vm_nics ORDER BY vm_id, nic_index`).Scan(&out).Error
 	if err != nil {
 		return nil, fmt.Errorf("list NICs: %w", err)
+	}
+	return out, nil
+}
+
+// OverlayNIC is a live NIC on an overlay network with the host its VM is
+// placed on (a migrating VM: the host its row names until the switch).
+type OverlayNIC struct {
+	VMID       string `gorm:"column:vm_id"`
+	Network    string `gorm:"column:network"`
+	MACAddress string `gorm:"column:mac_address"`
+	Address    int64  `gorm:"column:address"`
+	Host       string `gorm:"column:host_name"`
+}
+
+// OverlayNICs returns every live NIC on an overlay network, by network,
+// host and MAC: what the agents' VXLAN forwarding entries are made from.
+func (s *Store) OverlayNICs(ctx context.Context) ([]OverlayNIC, error) {
+	var out []OverlayNIC
+	err := s.db.WithContext(ctx).Raw(`SELECT n.vm_id, n.network, n.mac_address, COALESCE(n.address, 0) AS address, v.host_name
+		FROM vm_nics n JOIN vms v ON v.id = n.vm_id JOIN networks w ON w.name = n.network
+		WHERE w.mode = ? AND v.host_name <> '' ORDER BY n.network, v.host_name, n.mac_address`, NetworkModeOverlay).Scan(&out).Error
+	if err != nil {
+		return nil, fmt.Errorf("list NICs on overlay networks: %w", err)
 	}
 	return out, nil
 }

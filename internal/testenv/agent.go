@@ -40,6 +40,9 @@ type AgentOptions struct {
 	// Addresses are more addresses the agent proves its identity for
 	// (agent.Config.Addresses), beside its own IP and port.
 	Addresses []string
+	// UnderlayAddress is the agent's --underlay-address (overlay
+	// networks); it must be on an interface of the test's namespace.
+	UnderlayAddress string
 	// ConsoleLogBytes and ConsoleTrimInterval: qemu: each VM's console
 	// log cap and how often it is trimmed (qemu.Options); default the
 	// driver's.
@@ -139,7 +142,7 @@ func (a *Agent) start(t testing.TB, ln net.Listener) {
 	ag, err := agent.New(ctx, agent.Config{
 		StateDir: a.opts.StateDir, Driver: driver, Token: a.opts.Token, Logger: agentTestLogger(t), Addresses: a.opts.Addresses,
 		Capacity:      agentapi.Resources{VCPUs: a.opts.VCPUs, MemoryMiB: a.opts.MemoryMiB, DiskMiB: a.opts.DiskMiB},
-		ImageCacheDir: a.opts.CacheDir, ImageFetch: a.opts.ImageFetch,
+		ImageCacheDir: a.opts.CacheDir, ImageFetch: a.opts.ImageFetch, UnderlayAddress: a.opts.UnderlayAddress,
 	})
 	if err != nil {
 		_ = ln.Close()

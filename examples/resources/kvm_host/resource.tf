@@ -10,6 +10,11 @@ resource "kvm_host" "node1" {
   cpu_allocation_ratio = 2.0
   memory_reserved_mib  = 2048
 
+  # Where overlay networks' VXLAN tunnels run from (kvmd agent
+  # --underlay-address 10.0.0.11): allow UDP 4789 between the hosts'
+  # underlay addresses.
+  underlay_address = "10.0.0.11"
+
   # Keep two paused, pre-booted busybox VMs of this shape ready: a kvm_vm of
   # exactly this image, vcpus, memory_mib and disk_mib starts from one in
   # milliseconds (its started_from is "warm"); the agent boots a replacement.

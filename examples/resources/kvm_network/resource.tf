@@ -27,6 +27,17 @@ resource "kvm_network" "office" {
   hosts  = ["node1", "node2"]
 }
 
+# One private network across the hosts: a VXLAN tunnel (UDP 4789) between
+# the hosts' underlay addresses (kvm_host.underlay_address) joins each
+# host's bridge, so its VMs reach each other whatever host they run on.
+resource "kvm_network" "backend" {
+  name = "backend"
+  mode = "overlay"
+  cidr = "10.40.0.0/24"
+  # vni defaults to the lowest free from 4096 up, mtu to 1450 (a
+  # 1500-byte underlay less the VXLAN overhead).
+}
+
 # A VM with an address on lan, and a user-mode NIC whose guest port 80 is
 # reachable on 127.0.0.1 of its host.
 resource "kvm_vm" "web" {

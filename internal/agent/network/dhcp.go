@@ -27,6 +27,7 @@ type Lease struct {
 	Address  netip.Prefix // the address and the network's prefix length
 	Router   netip.Addr   // invalid: none
 	Hostname string
+	MTU      int // the interface MTU (option 26); 0: none sent
 }
 
 // responder serves one Lease on one tap. It listens with packet sockets on
@@ -131,6 +132,10 @@ func (r *responder) handle(log *slog.Logger, server net.IP) server4.Handler {
 			}
 			if l.Hostname != "" {
 				mods = append(mods, dhcpv4.WithOption(dhcpv4.OptHostName(l.Hostname)))
+			}
+			if l.MTU > 0 {
+				mods = append(mods, dhcpv4.WithOption(dhcpv4.OptGeneric(dhcpv4.OptionInterfaceMTU,
+					[]byte{byte(l.MTU >> 8), byte(l.MTU)})))
 			}
 		}
 		resp, err := dhcpv4.NewReplyFromRequest(m, mods...)

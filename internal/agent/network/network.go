@@ -6,7 +6,8 @@
 // Names are derived, so that a new agent finds what an earlier one made and
 // re-adopts it (never tears it down):
 //
-//	kvb-<hash of network>    the bridge of a nat network, with the gateway address
+//	kvb-<hash of network>    the bridge of a nat or overlay network, with the gateway address
+//	kvx-<hash of network>    the vxlan device of an overlay network, on its bridge (overlay.go)
 //	kvt-<hash of vm, nic>    a VM's tap (vm: its directory, unique on the host)
 //	kvv-<hash of vm, nic>    a forked child's veth on the bridge (its peer, kvp-..., is in the child's namespace)
 //	kvmd-<hash of vm>        a forked child's named network namespace (/run/netns)
@@ -93,6 +94,8 @@ type Host struct {
 
 	mu         sync.Mutex
 	responders map[string]*responder // by namespace + "/" + tap
+	// underlay is where overlay networks' VXLAN tunnels start (overlay.go).
+	underlay Underlay
 }
 
 // New returns a Host.
@@ -120,7 +123,7 @@ type Attachment struct {
 // Forked says whether the NIC needs a namespace of its own: a child whose
 // guest holds another MAC or address than the NIC's own.
 func (a Attachment) Forked() bool {
-	return a.NIC.Mode == agentapi.NetworkNAT &&
+	return (a.NIC.Mode == agentapi.NetworkNAT || a.NIC.Mode == agentapi.NetworkOverlay) &&
 		(a.Guest.MACAddress != a.NIC.MACAddress || a.Guest.IPv4Address != a.NIC.IPv4Address)
 }
 
@@ -154,35 +157,35 @@ func (h *Host) Attach(at Attachment) (Attached, error) {
 	tap := TapName(at.Key, at.Index)
 	var master string
 	switch n.Mode {
-	case agentapi.NetworkNAT:
+	case agentapi.NetworkNAT, agentapi.NetworkOverlay:
 		cidr, gw, err := natShape(n)
 		if err != nil {
 			return Attached{}, err
 		}
 		master = BridgeName(n.Network)
-		// A new bridge only: the VMs of a bridge already up keep their
-		// network when the host's routes change under them (a new VM
-		// is checked in the driver's CheckSpec).
-		if exists, err := BridgeExists(master); err != nil || !exists {
-			if err := CheckHostRoutes(n.Network, cidr); err != nil {
-				return Attached{}, err
-			}
-		}
-		if err := ensureBridge(master, bridgeMAC(n.Network), netip.PrefixFrom(gw, cidr.Bits())); err != nil {
-			return Attached{}, err
-		}
-		if err := writeSysctl("net/ipv4/ip_forward", "1"); err != nil {
-			return Attached{}, err
-		}
-		if err := ensureRule(-1, postrouting, masqTag(n.Network), masquerade(cidr)); err != nil {
-			return Attached{}, err
-		}
 		fence, err := ParseAllow(n.Allow)
 		if err != nil {
 			return Attached{}, fmt.Errorf("network %s: %w", n.Network, err)
 		}
-		if err := ensureNetworkFence(-1, n.Network, fence); err != nil {
-			return Attached{}, fmt.Errorf("network %s: %w", n.Network, err)
+		mtu := n.MTU
+		if n.Mode == agentapi.NetworkOverlay {
+			if !h.underlay.Addr.IsValid() {
+				return Attached{}, fmt.Errorf("nic %d of vm %s: overlay network %s: %w: start the agent with --underlay-address",
+					at.Index, at.VMID, n.Network, ErrNoUnderlay)
+			}
+			if mtu, err = overlayMTU(n.Network, n.MTU, h.underlay); err != nil {
+				return Attached{}, err
+			}
+		}
+		if err := ensureGatewayBridge(n.Network, cidr, gw, fence, mtu); err != nil {
+			return Attached{}, err
+		}
+		if n.Mode == agentapi.NetworkOverlay {
+			// The entries come with PutOverlay; the device is here from
+			// the first NIC on.
+			if _, err := ensureVXLAN(n.Network, n.VNI, mtu, h.underlay, master); err != nil {
+				return Attached{}, err
+			}
 		}
 		if at.Forked() {
 			return h.attachChild(at, master, cidr, gw)
@@ -211,7 +214,12 @@ func (h *Host) Attach(at Attachment) (Attached, error) {
 	if err := ensureTap(tap, master, nil); err != nil {
 		return Attached{}, err
 	}
-	if n.IPv4Address != "" && (n.Mode == agentapi.NetworkNAT || n.DHCP) {
+	if mtu := nicMTU(n); mtu > 0 {
+		if err := ensureMTU(tap, mtu); err != nil {
+			return Attached{}, fmt.Errorf("nic %d of vm %s: %w", at.Index, at.VMID, err)
+		}
+	}
+	if n.IPv4Address != "" && (n.Mode == agentapi.NetworkNAT || n.Mode == agentapi.NetworkOverlay || n.DHCP) {
 		l, err := leaseOf(at, "", tap)
 		if err != nil {
 			return Attached{}, err
@@ -239,6 +247,15 @@ func portOf(at Attachment, name string, n agentapi.NIC) (Port, error) {
 	return p, nil
 }
 
+// nicMTU is the MTU of n's network on the host and in the guest: its own,
+// the overlay default for an overlay, else 0 (the link's default).
+func nicMTU(n agentapi.NIC) int {
+	if n.MTU == 0 && n.Mode == agentapi.NetworkOverlay {
+		return agentapi.OverlayMTUDefault
+	}
+	return n.MTU
+}
+
 func natShape(n agentapi.NIC) (netip.Prefix, netip.Addr, error) {
 	cidr, err := netip.ParsePrefix(n.CIDR)
 	if err != nil {
@@ -262,7 +279,7 @@ func leaseOf(at Attachment, ns, tap string) (Lease, error) {
 		return Lease{}, fmt.Errorf("nic %d of vm %s: address %q: %w", at.Index, at.VMID, g.IPv4Address, err)
 	}
 	l := Lease{NetNS: ns, Tap: tap, MAC: strings.ToLower(g.MACAddress), Address: netip.PrefixFrom(addr, cidr.Bits()),
-		Hostname: at.Hostname}
+		Hostname: at.Hostname, MTU: nicMTU(at.NIC)}
 	if g.Gateway != "" {
 		if l.Router, err = netip.ParseAddr(g.Gateway); err != nil {
 			return Lease{}, fmt.Errorf("nic %d of vm %s: gateway %q: %w", at.Index, at.VMID, g.Gateway, err)
@@ -339,20 +356,25 @@ func (h *Host) Detach(key string, index int, n agentapi.NIC) error {
 			errs = append(errs, fmt.Errorf("delete network namespace %s: %w", ns, err))
 		}
 	}
-	if n.Mode == agentapi.NetworkNAT {
+	if n.Mode == agentapi.NetworkNAT || n.Mode == agentapi.NetworkOverlay {
 		errs = append(errs, h.dropUnusedBridge(n.Network))
 	}
 	return errors.Join(errs...)
 }
 
-// dropUnusedBridge deletes a nat network's bridge and masquerade rule once
-// no port is left on the bridge.
+// dropUnusedBridge deletes a nat or overlay network's bridge, masquerade
+// rule and fence once no guest's port is left on the bridge, and with them
+// an overlay's vxlan device (entries and all) and its allow list.
 func (h *Host) dropUnusedBridge(network string) error {
 	br := BridgeName(network)
 	l, err := netlink.LinkByName(br)
 	var nf netlink.LinkNotFoundError
+	dropRest := func() error {
+		return errors.Join(deleteLink(VXLANName(network)), deleteOverlayFence(-1, network),
+			deleteRule(-1, postrouting, masqTag(network)), deleteNetworkFence(-1, network))
+	}
 	if errors.As(err, &nf) {
-		return errors.Join(deleteRule(-1, postrouting, masqTag(network)), deleteNetworkFence(-1, network))
+		return dropRest()
 	}
 	if err != nil {
 		return fmt.Errorf("look up bridge %s: %w", br, err)
@@ -362,14 +384,14 @@ func (h *Host) dropUnusedBridge(network string) error {
 		return fmt.Errorf("list links: %w", err)
 	}
 	for _, p := range links {
-		if p.Attrs().MasterIndex == l.Attrs().Index {
+		if p.Attrs().MasterIndex == l.Attrs().Index && !strings.HasPrefix(p.Attrs().Name, VXLANPrefix) {
 			return nil // still in use
 		}
 	}
 	if err := netlink.LinkDel(l); err != nil {
 		return fmt.Errorf("delete bridge %s of network %s: %w", br, network, err)
 	}
-	return errors.Join(deleteRule(-1, postrouting, masqTag(network)), deleteNetworkFence(-1, network))
+	return dropRest()
 }
 
 func deleteLink(name string) error {

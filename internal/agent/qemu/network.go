@@ -82,11 +82,16 @@ func (p *hostPorts) release(vm string) {
 	}
 }
 
-// checkNICs refuses a bridge-mode NIC whose bridge this host lacks, and a
-// nat NIC whose network overlaps a route of the host the agent did not make.
+// checkNICs refuses a bridge-mode NIC whose bridge this host lacks, a nat
+// or overlay NIC whose network overlaps a route of the host the agent did
+// not make, and an overlay NIC on an agent without an underlay address.
 func (d *Driver) checkNICs(nics []agentapi.NIC) error {
 	for _, n := range nics {
-		if n.Mode == agentapi.NetworkNAT {
+		if n.Mode == agentapi.NetworkOverlay && !d.net.Underlay().Addr.IsValid() {
+			return agent.ErrInvalidSpec("network %s is an overlay network, and this agent has no underlay address: "+
+				"start it with --underlay-address, or place the vm on a host that has one", n.Network)
+		}
+		if n.Mode == agentapi.NetworkNAT || n.Mode == agentapi.NetworkOverlay {
 			cidr, err := netip.ParsePrefix(n.CIDR)
 			if err != nil {
 				return agent.ErrInvalidSpec("network %s: cidr %q: %v", n.Network, n.CIDR, err)
@@ -157,7 +162,7 @@ func (d *Driver) attachNICs(m *agent.Machine, img *image) ([]string, string, []*
 			// QEMU's descriptor 3+k is files[k] (exec.Cmd.ExtraFiles).
 			args = append(args, "-netdev", "stream,id="+id+",server=off,addr.type=fd,addr.str="+strconv.Itoa(3+len(files)))
 			files = append(files, f)
-		case agentapi.NetworkNAT, agentapi.NetworkBridge:
+		case agentapi.NetworkNAT, agentapi.NetworkBridge, agentapi.NetworkOverlay:
 			at, err := d.net.Attach(network.Attachment{VMID: m.ID, Key: m.Dir, Index: i, NIC: *n, Guest: guestNIC(m, i), Hostname: m.ID})
 			if err != nil {
 				closeAll(files)
@@ -206,7 +211,7 @@ func (d *Driver) AdoptNetwork(_ context.Context, m *agent.Machine) error {
 				d.log.Warn("the passt process of a user-mode nic is gone: the guest has no network until the vm is stopped and started",
 					"vm", m.ID, "nic", i, "record", record)
 			}
-		case agentapi.NetworkNAT, agentapi.NetworkBridge:
+		case agentapi.NetworkNAT, agentapi.NetworkBridge, agentapi.NetworkOverlay:
 			if _, err := d.net.Attach(network.Attachment{VMID: m.ID, Key: m.Dir, Index: i, NIC: n, Guest: guestNIC(m, i), Hostname: m.ID}); err != nil {
 				errs = append(errs, fmt.Errorf("nic %d on network %s: %w", i, n.Network, err))
 			}

@@ -44,6 +44,9 @@ type NIC struct {
 	Address string
 	// Gateway is the default route of a static address (first NIC only).
 	Gateway string
+	// MTU is the interface's MTU (an overlay network's, smaller than the
+	// link's usual 1500); 0: none set.
+	MTU int
 }
 
 // Config is what goes into one VM's seed.
@@ -115,6 +118,7 @@ func NetworkConfig(nics []NIC) ([]byte, error) {
 		DHCP4     bool              `json:"dhcp4"`
 		Addresses []string          `json:"addresses,omitempty"`
 		Routes    []route           `json:"routes,omitempty"`
+		MTU       int               `json:"mtu,omitempty"`
 	}
 	eths := map[string]ethernet{}
 	for i, n := range nics {
@@ -122,7 +126,10 @@ func NetworkConfig(nics []NIC) ([]byte, error) {
 		if _, err := parseMAC(mac); err != nil {
 			return nil, fmt.Errorf("seed: NIC %d: %w", i, err)
 		}
-		e := ethernet{Match: map[string]string{"macaddress": mac}, SetName: fmt.Sprintf("eth%d", i)}
+		if n.MTU != 0 && (n.MTU < 576 || n.MTU > 9000) {
+			return nil, fmt.Errorf("seed: NIC %d: mtu %d is not between 576 and 9000", i, n.MTU)
+		}
+		e := ethernet{Match: map[string]string{"macaddress": mac}, SetName: fmt.Sprintf("eth%d", i), MTU: n.MTU}
 		if n.Address == "" {
 			e.DHCP4 = true
 		} else {

@@ -198,3 +198,26 @@ func TestLinuxMountsSeed(t *testing.T) {
 		t.Errorf("user-data through the kernel = %q", b)
 	}
 }
+
+// An overlay network's MTU reaches the guest in the generated config.
+func TestNetworkConfigCarriesTheMTU(t *testing.T) {
+	b, err := NetworkConfig([]NIC{{MAC: "52:54:00:aa:bb:01", MTU: 1450}, {MAC: "52:54:00:aa:bb:02"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got struct {
+		Ethernets map[string]map[string]any `json:"ethernets"`
+	}
+	if err := json.Unmarshal(b, &got); err != nil {
+		t.Fatal(err)
+	}
+	if mtu, ok := got.Ethernets["nic0"]["mtu"].(float64); !ok || mtu != 1450 {
+		t.Errorf("nic0 = %v; want mtu 1450", got.Ethernets["nic0"])
+	}
+	if _, ok := got.Ethernets["nic1"]["mtu"]; ok {
+		t.Errorf("nic1 = %v; want no mtu (the link's)", got.Ethernets["nic1"])
+	}
+	if _, err := NetworkConfig([]NIC{{MAC: "52:54:00:aa:bb:01", MTU: 100}}); err == nil {
+		t.Error("mtu 100 accepted")
+	}
+}
