@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"sync/atomic"
 	"testing"
 
@@ -53,6 +54,9 @@ func drained(ctx context.Context, t *testing.T, f migrationFleet, vms []api.VM) 
 	}
 	if h.Drain.State != api.DrainDrained || h.Drain.Remaining != 0 || h.Drain.Total != 6 || h.Drain.Moved != 6 || len(h.Drain.Failed) != 0 {
 		t.Fatalf("h1 drain = %+v; want drained, 6 of 6 moved, none failed", h.Drain)
+	}
+	if listed := drainListed(ctx, t, f, "h1"); !reflect.DeepEqual(listed, h.Drain) {
+		t.Fatalf("GET /v1/hosts shows h1's drain as %+v, GET /v1/hosts/h1 as %+v", listed, h.Drain)
 	}
 	hosts := map[string]string{}
 	for _, vm := range vms {
@@ -145,5 +149,61 @@ func TestDrainResumesAfterRestart(t *testing.T) {
 			return err == nil && h.Drain.State != api.DrainDraining
 		})
 		drained(ctx, t, f, vms)
+	})
+}
+
+// drainListed is host name's drain as the host list (GET /v1/hosts) shows it.
+func drainListed(ctx context.Context, t *testing.T, f migrationFleet, name string) api.HostDrain {
+	t.Helper()
+	hosts, err := f.c.Client.AllHosts(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, h := range hosts {
+		if h.Name == name {
+			return h.Drain
+		}
+	}
+	t.Fatalf("GET /v1/hosts does not list host %s", name)
+	return api.HostDrain{}
+}
+
+// A drain that cannot move every VM ends incomplete, and the host list
+// shows the same progress as the host's own answer: what moved, what
+// remains and why.
+func TestDrainProgressInHostList(t *testing.T) {
+	eachDatabase(t, func(t *testing.T, dbURL string) {
+		ctx := ctxT(t)
+		f := startMigrationFleet(t, dbURL, 2, 16384, testenv.ControlOptions{})
+		c := f.c.Client
+		for _, in := range []api.VMCreate{
+			{Name: "db-0", Host: "h1", Constraints: &api.Constraints{Group: "db", MaxPerDomain: 1}},
+			{Name: "db-1", Host: "h2", Constraints: &api.Constraints{Group: "db", MaxPerDomain: 1}},
+			{Name: "app", Host: "h1"},
+		} {
+			in.Image, in.VCPUs, in.MemoryMiB, in.DiskMiB = "sim", 1, 512, 1024
+			if _, err := c.CreateVM(ctx, in, ""); err != nil {
+				t.Fatalf("create %s: %v", in.Name, err)
+			}
+		}
+		if listed := drainListed(ctx, t, f, "h1"); listed.State != api.DrainNone || listed.Remaining != 0 || listed.Failed == nil {
+			t.Fatalf("h1 in service listed with drain %+v; want none (and an empty failure list)", listed)
+		}
+		if _, err := c.DrainHost(ctx, "h1"); err != nil {
+			t.Fatal(err)
+		}
+		var h api.Host
+		eventually(t, "the drain pass ends", func() bool {
+			var err error
+			h, err = c.GetHost(ctx, "h1")
+			return err == nil && h.Drain.State != api.DrainDraining
+		})
+		// db-0 has nowhere to go: h2 holds its group's one VM.
+		if h.Drain.State != api.DrainIncomplete || h.Drain.Total != 2 || h.Drain.Moved != 1 || h.Drain.Remaining != 1 || len(h.Drain.Failed) != 1 {
+			t.Fatalf("h1 drain = %+v; want incomplete, 1 of 2 moved, 1 remaining that failed", h.Drain)
+		}
+		if listed := drainListed(ctx, t, f, "h1"); !reflect.DeepEqual(listed, h.Drain) {
+			t.Fatalf("GET /v1/hosts shows h1's drain as %+v, GET /v1/hosts/h1 as %+v", listed, h.Drain)
+		}
 	})
 }

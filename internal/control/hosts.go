@@ -161,23 +161,40 @@ func (s *Service) GetHost(ctx context.Context, name string) (api.Host, error) {
 	if err != nil {
 		return api.Host{}, fromStore(err, "read host "+name)
 	}
+	return s.hostWithDrain(ctx, h)
+}
+
+// hostWithDrain is host h's answer; a host that drains (or drained) shows
+// how many VMs it still holds.
+func (s *Service) hostWithDrain(ctx context.Context, h store.Host) (api.Host, error) {
 	out := s.withWarmReady(apiHost(h))
 	if h.Drain.State != store.DrainNone {
-		n, err := s.store.CountVMsOnHost(ctx, name)
+		n, err := s.store.CountVMsOnHost(ctx, h.Name)
 		if err != nil {
-			return api.Host{}, fromStore(err, "count vms of host "+name)
+			return api.Host{}, fromStore(err, "count vms of host "+h.Name)
 		}
 		out.Drain.Remaining = n
 	}
 	return out, nil
 }
 
-// ListHosts returns one page of hosts, by name.
+// ListHosts returns one page of hosts, by name, each as GetHost answers it
+// (drain progress included).
 func (s *Service) ListHosts(ctx context.Context, p Page) (api.List[api.Host], error) {
 	return listPage(p, func(after string, limit int) ([]store.Host, error) {
 		hs, err := s.store.ListHosts(ctx, after, limit)
 		return hs, fromStore(err, "list hosts")
-	}, func(h store.Host) string { return h.Name }, each(func(h store.Host) api.Host { return s.withWarmReady(apiHost(h)) }))
+	}, func(h store.Host) string { return h.Name }, func(hs []store.Host) ([]api.Host, error) {
+		out := make([]api.Host, 0, len(hs))
+		for _, h := range hs {
+			a, err := s.hostWithDrain(ctx, h)
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, a)
+		}
+		return out, nil
+	})
 }
 
 // DeleteHost deregisters a host; a conflict while VMs are placed there.

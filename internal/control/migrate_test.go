@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
@@ -266,4 +267,42 @@ func TestMigrationShowsInTheVMWhileItRuns(t *testing.T) {
 	if err := f.oneCopy(ctx, vm.ID); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// A copy that a migration left on a host the VM does not run on, with no
+// migration of the VM under way (an incoming VM the target made after the
+// undo's delete had found nothing), is deleted by the host monitor; the
+// VM keeps running where its row says.
+func TestMigrationLeftoverCopyIsDeleted(t *testing.T) {
+	eachDatabase(t, func(t *testing.T, dbURL string) {
+		ctx := ctxT(t)
+		f := startMigrationFleet(t, dbURL, 2, 8192, testenv.ControlOptions{OrphanGrace: time.Millisecond})
+		vm, err := f.c.Client.CreateVM(ctx, api.VMCreate{Name: "web", Image: "sim", VCPUs: 2, MemoryMiB: 2048, DiskMiB: 1024, Host: "h1"}, "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		src, dst := f.agents["h1"], f.agents["h2"]
+		onSrc, err := src.Client.GetVM(ctx, vm.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		left, err := dst.Client.PutIncoming(ctx, vm.ID, agentapi.IncomingSpec{Live: true,
+			Spec:   agentapi.VMSpec{Image: "sim", VCPUs: 2, MemoryMiB: 2048, DiskMiB: 1024, NICs: onSrc.NICs},
+			Source: agentapi.PeerRef{Address: src.Address, PublicKey: agentapi.EncodeKey(src.PublicKey)}})
+		if err != nil || left.State != agentapi.StateIncoming {
+			t.Fatalf("leave an incoming copy on h2: %+v, %v", left, err)
+		}
+		eventually(t, "the host monitor deletes the leftover copy", func() bool {
+			_, err := dst.Client.GetVM(ctx, vm.ID)
+			return errors.Is(err, agentapi.ErrNotFound)
+		})
+		if err := f.oneCopy(ctx, vm.ID); err != nil {
+			t.Fatal(err)
+		}
+		got, err := src.Client.GetVM(ctx, vm.ID)
+		if err != nil || got.State != agentapi.StateRunning {
+			t.Fatalf("vm %s on h1: %+v, %v; want running", vm.ID, got.State, err)
+		}
+		checkLedger(t, f.c.Store)
+	})
 }

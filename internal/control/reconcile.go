@@ -63,10 +63,13 @@ func (s *Service) deleteOrphans(ctx context.Context, h store.Host, c *agentapi.C
 		if known[v.ID] || v.CreatedAt.IsZero() || time.Since(v.CreatedAt) < s.opts.OrphanGrace {
 			continue
 		}
-		if _, err := s.store.GetVM(ctx, v.ID); !errors.Is(err, store.ErrNotFound) {
-			if err != nil {
-				s.log.Error("host monitor: look up orphan candidate", "vm", v.ID, "host", h.Name, "err", err)
-			}
+		row, err := s.store.GetVM(ctx, v.ID)
+		if err == nil {
+			s.deleteMigrationLeftover(ctx, h, c, row, v)
+			continue
+		}
+		if !errors.Is(err, store.ErrNotFound) {
+			s.log.Error("host monitor: look up orphan candidate", "vm", v.ID, "host", h.Name, "err", err)
 			continue
 		}
 		if !s.deletedOnPurpose(ctx, h.Name, v) {
@@ -80,6 +83,36 @@ func (s *Service) deleteOrphans(ctx context.Context, h store.Host, c *agentapi.C
 		s.log.Warn("deleted a VM that its agent ran without a row in the database", "vm", v.ID, "host", h.Name,
 			"created_at", v.CreatedAt)
 	}
+}
+
+// deleteMigrationLeftover deletes the copy v that agent c of host h has of
+// VM row, whose row names another host: a migration's incoming copy that
+// its undo could not see (the target made it after the undo's delete), or
+// a source's stopped copy that outlived its migration. Only a copy in a
+// migration state goes (incoming, migrated, failed: none of them runs the
+// guest, and the row's host holds the VM), and only while no migration of
+// the VM involves h: an unfinished one settles its own copies. A copy that
+// runs is never deleted here.
+func (s *Service) deleteMigrationLeftover(ctx context.Context, h store.Host, c *agentapi.Client, row store.VM, v agentapi.VM) {
+	switch v.State {
+	case agentapi.StateIncoming, agentapi.StateMigrated, agentapi.StateFailed:
+	default:
+		return
+	}
+	m, err := s.store.GetMigration(ctx, v.ID)
+	switch {
+	case err == nil && (m.SourceHost == h.Name || m.TargetHost == h.Name):
+		return
+	case err != nil && !errors.Is(err, store.ErrNotFound):
+		s.log.Error("host monitor: look up the migration of a copy on another host", "vm", v.ID, "host", h.Name, "err", err)
+		return
+	}
+	if err := s.agents.deleteVM(ctx, c, v.ID); err != nil && !errors.Is(err, agentapi.ErrNotFound) {
+		s.log.Error("host monitor: delete a migration's leftover copy; the next round retries", "vm", v.ID, "host", h.Name, "err", err)
+		return
+	}
+	s.log.Warn("deleted a copy a migration left on a host the VM does not run on", "vm", v.ID, "host", h.Name,
+		"state", v.State, "vm_host", row.HostName)
 }
 
 // reclaimReappeared handles a VM marked missing that its agent runs after

@@ -2,9 +2,13 @@ package sim
 
 // A simulated migration: the memory channel carries a few lines that stand
 // for the VM's memory ("sim-page" lines, each named a simulation), sent in
-// steps over MigrationTime while the simulated VM runs, then an end line
-// while it is paused; the target answers "ok" once it has all of it, as
-// QEMU's return path does. No guest state moves: a sim VM has none.
+// steps over MigrationTime while the simulated VM runs (pre-copy, phase
+// memory), then an end line while it is paused (stop-and-copy); the target
+// answers "ok" once it has all of it, as QEMU's return path does. The
+// target acknowledges each page ("sim-ack"): a link that stalls holds the
+// source in its phase, as a real stream's backpressure holds QEMU (a line
+// would otherwise sit in socket buffers and the source run ahead). No guest
+// state moves: a sim VM has none.
 //
 // Its read-write volumes do move, before the memory: one disk channel per
 // volume carries the data blocks of the source's volume file into the
@@ -81,7 +85,11 @@ func (d *Driver) Receive(_ context.Context, m *agent.Machine, channel string, co
 		}
 		line = strings.TrimSpace(line)
 		switch {
-		case strings.HasPrefix(line, "sim-page "), strings.HasPrefix(line, "sim-migration "):
+		case strings.HasPrefix(line, "sim-migration "):
+		case strings.HasPrefix(line, "sim-page "):
+			if _, err := fmt.Fprintf(conn, "sim-ack %s\n", strings.TrimPrefix(line, "sim-page ")); err != nil {
+				return fail(fmt.Errorf("simulated stream of vm %s: acknowledge %q: %w", m.ID, line, err))
+			}
 		case line == "sim-end":
 			d.mu.Lock()
 			d.incoming[m.ID] = agent.IncomingCompleted
@@ -151,6 +159,7 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 	defer func() { _ = conn.Close() }()
 	stop := context.AfterFunc(ctx, func() { _ = conn.Close() })
 	defer stop()
+	acks := bufio.NewReader(conn)
 	stats.SetupMS = time.Since(start).Milliseconds()
 	steps := max(d.opts.MigrationSteps, 1)
 	if d.opts.MigrationSteps == 0 {
@@ -172,6 +181,9 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 		if _, err := fmt.Fprintf(conn, "sim-page %d/%d\n", i, steps); err != nil {
 			return fail(err)
 		}
+		if ack, err := acks.ReadString('\n'); err != nil || ack != fmt.Sprintf("sim-ack %d/%d\n", i, steps) {
+			return fail(fmt.Errorf("migration of sim vm %s: the target did not acknowledge page %d/%d (%q, %v)", m.ID, i, steps, ack, err))
+		}
 		done := total * int64(i) / int64(steps)
 		stats.Memory = agentapi.MigrationBytes{Total: total, Transferred: done, Remaining: total - done}
 		stats.TotalMS = time.Since(start).Milliseconds()
@@ -192,7 +204,7 @@ func (d *Driver) MigrateOut(ctx context.Context, m *agent.Machine, out agent.Mig
 	if _, err := conn.Write([]byte("sim-end\n")); err != nil {
 		return fail(err)
 	}
-	answer, err := bufio.NewReader(conn).ReadString('\n')
+	answer, err := acks.ReadString('\n')
 	if err != nil || answer != "ok\n" {
 		return fail(fmt.Errorf("migration of sim vm %s: the target did not confirm the stream (%q, %v)", m.ID, answer, err))
 	}
