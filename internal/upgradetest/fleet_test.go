@@ -11,6 +11,7 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/version"
 )
 
 func agentVMs(ctx context.Context, url string) ([]string, error) {
@@ -27,14 +28,14 @@ func agentVMs(ctx context.Context, url string) ([]string, error) {
 // forks the first of them with two children spread over the fleet (so
 // children pull the snapshot from an agent of another version), deletes
 // the fork and one of the VMs. It returns the VMs it kept, as created.
-func skewChurn(t *testing.T, ctx context.Context, clients []*client.Client, hosts []string, rounds int) map[string]api.VMCreate {
+func skewChurn(t *testing.T, ctx context.Context, prefix string, clients []*client.Client, hosts []string, rounds int) map[string]api.VMCreate {
 	t.Helper()
 	keep := map[string]api.VMCreate{}
 	for r := range rounds {
 		c := clients[r%len(clients)]
 		var made []api.VM
 		for i, h := range hosts {
-			in := upgradeVM(fmt.Sprintf("skew-%d-%d", r, i))
+			in := upgradeVM(fmt.Sprintf("%s-%d-%d", prefix, r, i))
 			in.Host = h
 			vm, err := c.CreateVM(ctx, in, "")
 			if err != nil {
@@ -95,7 +96,7 @@ func TestUpgradeOldAgentsNewControl(t *testing.T) {
 	ctl := startUpgradeControl(t, b.current, postgres(t))
 	agents := registerAndSync(t, ctx, ctl.client(), []*kvmdProc{startUpgradeAgent(t, b.old), startUpgradeAgent(t, b.old), startUpgradeAgent(t, b.current)})
 	clients := []*client.Client{ctl.client()}
-	keep := skewChurn(t, ctx, clients, hostNames(agents), 4)
+	keep := skewChurn(t, ctx, "skew", clients, hostNames(agents), 4)
 	checkFleet(t, ctx, clients, agents, keep)
 	h, err := ctl.client().GetHost(ctx, "host-0")
 	if err != nil || h.AgentAPILevel != 0 || h.AgentRefused != "" {
@@ -111,7 +112,7 @@ func TestUpgradeNewAgentsOldControl(t *testing.T) {
 	ctl := startUpgradeControl(t, b.old, postgres(t))
 	agents := registerAndSync(t, ctx, ctl.client(), []*kvmdProc{startUpgradeAgent(t, b.current), startUpgradeAgent(t, b.current), startUpgradeAgent(t, b.old)})
 	clients := []*client.Client{ctl.client()}
-	keep := skewChurn(t, ctx, clients, hostNames(agents), 4)
+	keep := skewChurn(t, ctx, "skew", clients, hostNames(agents), 4)
 	checkFleet(t, ctx, clients, agents, keep)
 }
 
@@ -127,17 +128,17 @@ func TestUpgradeMixedReplicasOneDatabase(t *testing.T) {
 	db := postgres(t)
 	old := startUpgradeControl(t, b.old, db)
 	agents := registerAndSync(t, ctx, old.client(), []*kvmdProc{startUpgradeAgent(t, b.old), startUpgradeAgent(t, b.current)})
-	before := skewChurn(t, ctx, []*client.Client{old.client()}, hostNames(agents), 1)
+	before := skewChurn(t, ctx, "before", []*client.Client{old.client()}, hostNames(agents), 1)
 	cur := startUpgradeControl(t, b.current, db)
 	clients := []*client.Client{old.client(), cur.client()}
-	keep := skewChurn(t, ctx, clients, hostNames(agents), 4)
+	keep := skewChurn(t, ctx, "skew", clients, hostNames(agents), 4)
 	for id, in := range before {
 		keep[id] = in
 	}
 	checkFleet(t, ctx, clients, agents, keep)
 	// The old replica restarts on the database the new one migrated.
 	old.restartAs(t, b.old)
-	more := skewChurn(t, ctx, clients, hostNames(agents), 2)
+	more := skewChurn(t, ctx, "after", clients, hostNames(agents), 2)
 	for id, in := range more {
 		keep[id] = in
 	}
@@ -163,7 +164,7 @@ func TestUpgradeIncompatibleVersionRefused(t *testing.T) {
 	wantSkew(t, "register an incompatible agent", err, "0.2.0-dev (API level 2)", "9.0.0-incompatible (API level 9)")
 
 	agents := registerAndSync(t, ctx, c, []*kvmdProc{startUpgradeAgent(t, b.current), startUpgradeAgent(t, b.current)})
-	keep := skewChurn(t, ctx, []*client.Client{c}, hostNames(agents), 2)
+	keep := skewChurn(t, ctx, "skew", []*client.Client{c}, hostNames(agents), 2)
 	checkFleet(t, ctx, []*client.Client{c}, agents, keep)
 
 	a0 := agents["host-0"]
@@ -233,7 +234,8 @@ func wantAgentSkew(t *testing.T, err error) {
 	if !errors.As(err, &e) || e.Code != agentapi.CodeVersionSkew {
 		t.Fatalf("a call of this tree to the incompatible agent: %v; want %s", err, agentapi.CodeVersionSkew)
 	}
-	for _, n := range []string{"9.0.0-incompatible (API level 9)", "0.2.0-dev (API level 2)"} {
+	// The caller is this test binary's agent client (its release unstamped).
+	for _, n := range []string{"9.0.0-incompatible (API level 9)", version.Self().String()} {
 		if !strings.Contains(e.Message, n) {
 			t.Errorf("the agent's refusal %q does not name %q", e.Message, n)
 		}

@@ -117,7 +117,7 @@ func SetHeaders(h http.Header) {
 // SkewError says why self does not serve peer, naming both.
 func SkewError(selfRole string, peer Peer, peerRole string) string {
 	dir := "newer"
-	hint := "upgrade this " + selfRole + " first, or run a " + peerRole + " of a level it serves"
+	hint := "upgrade this " + selfRole + " first"
 	if peer.Level < MinServed() {
 		dir = "older"
 		hint = "upgrade the " + peerRole + " (one release at a time)"
