@@ -32,7 +32,7 @@ dist="$(cd "$dist" && pwd)"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 provider=terraform-provider-kvm
-ldflags="-s -w -X main.version=$version"
+ldflags="-s -w -X main.version=$version -X github.com/kvmfleet/terraform-provider-kvm/internal/version.release=$version"
 # Reproducible archives: fixed times and owners.
 stamp=$(git -C "$root" log -1 --format=%ct 2>/dev/null || echo 0)
 

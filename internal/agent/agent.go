@@ -24,6 +24,7 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/limits"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/version"
 )
 
 // Config configures an Agent.
@@ -811,6 +812,7 @@ func (a *Agent) Info(ctx context.Context) (agentapi.Info, error) {
 	}
 	return agentapi.Info{
 		UnderlayAddress: underlay, UnderlayMTU: u.MTU,
+		Release: version.Release(), APILevel: version.Current(),
 		Hostname: host, Capacity: capacity, Allocated: alloc, Warm: warm,
 		Free: agentapi.Resources{
 			VCPUs:     max(0, capacity.VCPUs-alloc.VCPUs-warm.VCPUs),

@@ -17,6 +17,7 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/httpserver"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/version"
 )
 
 const (
@@ -60,6 +61,7 @@ func (a *Agent) routes() http.Handler {
 		return &Error{Status: http.StatusUnauthorized, Code: CodeUnauthorized,
 			Message: "missing or wrong bearer token: send Authorization: Bearer <agent token>"}
 	}))
+	v1.Use(refuseSkewedCallers)
 	v1.GET("/info", a.getInfo)
 	v1.GET("/vms", a.listVMs)
 	v1.PUT("/vms/:id", a.putVM)
@@ -78,6 +80,28 @@ func (a *Agent) routes() http.Handler {
 	v1.GET("/pool", a.getPool)
 	v1.PUT("/pool/:image", a.putPool)
 	return e
+}
+
+// refuseSkewedCallers answers a caller (the control plane, or a peer
+// agent pulling a snapshot or an image) whose kvmd is outside this agent's
+// skew contract with an error naming both versions, before the call does
+// anything: a spec of a level this agent cannot read is never half read.
+// GET /v1/info is served to every caller, so that a control plane learns
+// this agent's version and says why it does not use it.
+func refuseSkewedCallers(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		peer, err := version.FromHeader(c.Request().Header)
+		if err != nil {
+			return errInvalid("%v", err)
+		}
+		if version.Serves(peer.Level) || c.Path() == "/v1/info" {
+			return next(c)
+		}
+		return &Error{Status: http.StatusBadRequest, Code: agentapi.CodeVersionSkew,
+			Message: version.SkewError("agent", peer, "caller"),
+			Details: map[string]any{"agent_release": version.Release(), "agent_api_level": version.Current(),
+				"caller_release": peer.Release, "caller_api_level": peer.Level}}
+	}
 }
 
 // errorAnswer maps an error to its status and envelope. Domain errors

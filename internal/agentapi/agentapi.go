@@ -28,6 +28,11 @@ const (
 	ActionResume = "resume"
 )
 
+// CodeVersionSkew is the error code of a call that an agent refuses because
+// the caller's kvmd is outside its skew contract (internal/version): the
+// message names both versions.
+const CodeVersionSkew = "version_skew"
+
 // Resources is an amount of capacity (MiB, whole vCPUs).
 type Resources struct {
 	VCPUs     int64 `json:"vcpus"`
@@ -37,6 +42,10 @@ type Resources struct {
 
 // Info is the answer of GET /v1/info.
 type Info struct {
+	// Release and APILevel are the agent's kvmd (internal/version); an
+	// agent of a release before them sends neither (level 1).
+	Release   string    `json:"release,omitempty"`
+	APILevel  int       `json:"api_level,omitempty"`
 	Hostname  string    `json:"hostname"`
 	Capacity  Resources `json:"capacity"`
 	Allocated Resources `json:"allocated"`

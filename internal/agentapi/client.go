@@ -16,6 +16,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/httpclient"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/version"
 )
 
 // Errors a caller can test with errors.Is.
@@ -87,6 +88,10 @@ func NewClient(address, token string, opts ...Option) *Client {
 		MaxAnswer:    maxAnswer,
 	})
 	c.core.TimingPrefix = "agent."
+	// Every call says which kvmd makes it: an agent refuses a caller
+	// outside its skew contract (internal/version) with both versions.
+	c.core.Header = http.Header{}
+	version.SetHeaders(c.core.Header)
 	for _, o := range opts {
 		o(c)
 	}

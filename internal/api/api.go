@@ -122,6 +122,23 @@ type Host struct {
 	Drain HostDrain `json:"drain"`
 	// UnderlayAddress is the address its overlay tunnels run from ("" for none).
 	UnderlayAddress string `json:"underlay_address"`
+	// AgentRelease and AgentAPILevel are the host agent's kvmd as it last
+	// reported (level 0: an agent of a release before levels, or not yet
+	// seen). AgentRefused, when set, is why the control plane does not use
+	// the agent: its level is outside the skew contract (the host is not
+	// alive until the agent is upgraded).
+	AgentRelease  string `json:"agent_release,omitempty"`
+	AgentAPILevel int    `json:"agent_api_level,omitempty"`
+	AgentRefused  string `json:"agent_refused,omitempty"`
+}
+
+// Info is the answer of GET /v1/info: the control API's kvmd and the
+// agent API levels it serves (internal/version's skew contract).
+type Info struct {
+	Release     string `json:"release"`
+	APILevel    int    `json:"api_level"`
+	MinAPILevel int    `json:"min_api_level"`
+	MaxAPILevel int    `json:"max_api_level"`
 }
 
 // VMCreate is the body of POST /v1/vms.

@@ -23,6 +23,9 @@ const (
 	CodeTooLarge            = "too_large"
 	CodeUnavailable         = "unavailable"
 	CodeInternal            = "internal"
+	// CodeVersionSkew: the two kvmd processes of a call are outside the
+	// version skew contract; the message names both versions.
+	CodeVersionSkew = "version_skew"
 )
 
 // ErrorBody is the one error envelope of both APIs:

@@ -11,6 +11,8 @@ import (
 	"log/slog"
 	"os"
 	"strings"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/version"
 )
 
 // Env reads an environment variable; tests pass a map-backed one.
@@ -33,6 +35,10 @@ func Run(ctx context.Context, args []string, getenv Env, stdout, stderr io.Write
 		return runDev(ctx, rest, getenv, stderr)
 	case "token":
 		return runToken(ctx, rest, getenv, stdout, stderr)
+	case "version", "--version":
+		fmt.Fprintf(stdout, "kvmd %s (API level %d; serves API levels %d to %d)\n",
+			version.Release(), version.Current(), version.MinServed(), version.MaxServed())
+		return nil
 	case "-h", "--help", "help":
 		fmt.Fprint(stderr, usage)
 		return nil
@@ -49,6 +55,7 @@ commands:
   agent     the host agent that runs VMs with QEMU (or the sim driver)
   dev       a control API on SQLite plus one local agent, in one process
   token     create, list or revoke API tokens (on the control API's database)
+  version   print kvmd's release and the API levels it serves
 
 Every flag can also come from the environment as KVMD_<FLAG>, e.g. KVMD_TOKEN.
 Run "kvmd <command> -h" for its flags.

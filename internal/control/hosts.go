@@ -12,6 +12,7 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/scheduler"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/version"
 )
 
 // PutHost registers a host or updates it (idempotent). The capacity, accel,
@@ -37,11 +38,18 @@ func (s *Service) PutHost(ctx context.Context, name string, in api.HostPut) (api
 	if err != nil {
 		return api.Host{}, fromAgent(err, name, fmt.Sprintf("register host: GET /v1/info at %s", in.Address))
 	}
+	if peer := version.FromInfo(info.Release, info.APILevel); !version.Serves(peer.Level) {
+		return api.Host{}, &Error{Code: api.CodeVersionSkew,
+			Details: map[string]any{"host": name, "agent_release": peer.Release, "agent_api_level": peer.Level,
+				"control_release": version.Release(), "control_api_level": version.Current()},
+			Message: "register host: " + version.SkewError("control", peer, "agent of host "+name)}
+	}
 	h := store.Host{
 		Name: name, Address: in.Address, Labels: in.Labels, Schedulable: true,
 		CPUAllocationRatio: 1, Accel: info.Accel, Driver: info.Driver, Images: info.Images,
 		Total: agentResources(info.Capacity), AgentKey: agentapi.EncodeKey(key),
 		Warm: agentResources(info.Warm), Isolation: info.Isolation, UnderlayAddress: in.UnderlayAddress,
+		AgentRelease: info.Release, AgentAPILevel: info.APILevel,
 	}
 	if in.Schedulable != nil {
 		h.Schedulable = *in.Schedulable
@@ -267,6 +275,7 @@ func apiHost(h store.Host) api.Host {
 		Drain:     apiDrain(h.Drain, 0),
 		// The address its overlay tunnels run from ("" for none).
 		UnderlayAddress: h.UnderlayAddress,
+		AgentRelease:    h.AgentRelease, AgentAPILevel: h.AgentAPILevel, AgentRefused: h.AgentRefused,
 	}
 	if out.Labels == nil {
 		out.Labels = map[string]string{}

@@ -10,6 +10,7 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/store"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/version"
 )
 
 const (
@@ -135,6 +136,12 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool, l leas
 	if err == nil {
 		info, err = s.agents.info(ctx, c)
 	}
+	if err == nil {
+		if peer := version.FromInfo(info.Release, info.APILevel); !version.Serves(peer.Level) {
+			s.refuseAgent(ctx, h, peer)
+			return
+		}
+	}
 	var vms []agentapi.VM
 	if err == nil {
 		vms, err = s.agents.listVMs(ctx, c)
@@ -161,7 +168,7 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool, l leas
 		return
 	}
 	facts := store.HostFacts{Total: agentResources(info.Capacity), Accel: info.Accel, Driver: info.Driver, Images: info.Images,
-		Warm: agentResources(info.Warm), Isolation: info.Isolation}
+		Warm: agentResources(info.Warm), Isolation: info.Isolation, Release: info.Release, APILevel: info.APILevel}
 	if err := s.store.RecordHostSeen(ctx, h.Name, facts, capacityOf); err != nil {
 		if !errors.Is(err, store.ErrNotFound) {
 			log.Error("host monitor: record sync", "err", err)
@@ -180,6 +187,26 @@ func (s *Service) syncHost(ctx context.Context, h store.Host, first bool, l leas
 	s.settleVolumes(ctx, h, c, l)
 	s.settleAttachments(ctx, h, c, l, vms)
 	s.settleVolumeMoves(ctx, h, l)
+}
+
+// refuseAgent marks a host whose agent is outside the skew contract dead,
+// with why on the host (agent_refused), instead of sending it specs it
+// cannot read. Its VMs stay as they are; the next sync after the agent is
+// upgraded (or rolled back) brings the host back.
+func (s *Service) refuseAgent(ctx context.Context, h store.Host, peer version.Peer) {
+	why := version.SkewError("control", peer, "agent of host "+h.Name)
+	wasAlive, err := s.store.RecordHostRefused(ctx, h.Name, peer.Release, peer.Level, why)
+	if err != nil {
+		if ctx.Err() == nil {
+			s.log.Error("host monitor: record refused agent", "host", h.Name, "err", err)
+		}
+		return
+	}
+	if wasAlive || h.AgentRefused != why {
+		s.log.Warn("host refused: its agent is outside the version skew contract", "host", h.Name,
+			"agent_release", peer.Release, "agent_api_level", peer.Level, "err", why)
+		s.refreshHost(ctx, h.Name)
+	}
 }
 
 // joinUnpinned challenges the agent of a host that has no pinned key

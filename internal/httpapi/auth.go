@@ -69,7 +69,7 @@ func RouteScopes(method, route string) (scopes []string, ok bool) {
 			return adminOrUser, true
 		}
 		return adminOnly, true
-	case "whoami":
+	case "whoami", "info":
 		return adminOrUser, true
 	case "projects":
 		// A project token reads its own project (its usage and quotas).

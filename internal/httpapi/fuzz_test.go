@@ -189,6 +189,7 @@ var statusOfCode = map[string][]int{
 	api.CodeInFlight:            {409},
 	api.CodeTooLarge:            {413},
 	api.CodeUnavailable:         {503},
+	api.CodeVersionSkew:         {409},
 }
 
 func checkEnvelope(t *testing.T, what string, status int, rec *httptest.ResponseRecorder) {

@@ -16,12 +16,20 @@ import (
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/control"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/timing"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/version"
 )
 
 type handlers struct{ svc *control.Service }
 
 func (h *handlers) healthz(c echo.Context) error {
 	return c.JSON(http.StatusOK, map[string]string{"status": "ok"})
+}
+
+// info answers GET /v1/info: this control API's kvmd and the agent API
+// levels it serves.
+func (h *handlers) info(c echo.Context) error {
+	return c.JSON(http.StatusOK, api.Info{Release: version.Release(), APILevel: version.Current(),
+		MinAPILevel: version.MinServed(), MaxAPILevel: version.MaxServed()})
 }
 
 func (h *handlers) readyz(c echo.Context) error {

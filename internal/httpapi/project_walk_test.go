@@ -64,6 +64,7 @@ type projectDecision struct {
 // missing here fails TestProjectIsolationWalk, so every new route needs a
 // project decision (and, like scopeMatrix, a scope decision).
 var projectDecisions = map[string]projectDecision{
+	"GET /v1/info":                 {how: fleetWide, why: "the control API's version is the fleet's: readable by every token"},
 	"PUT /v1/hosts/:name":          {how: fleetWide, why: "hosts are the fleet's: readable by every token, written by admins"},
 	"GET /v1/hosts":                {how: fleetWide, why: "hosts are the fleet's: readable by every token, written by admins"},
 	"GET /v1/hosts/:name":          {how: fleetWide, why: "hosts are the fleet's: readable by every token, written by admins"},

@@ -188,6 +188,7 @@ func TestOneRequestCreatesBoundedVMs(t *testing.T) {
 // server serves that is missing here fails TestScopeMatrix, so every new
 // route needs a scope decision.
 var scopeMatrix = map[string][]string{
+	"GET /v1/info":                       {"admin", "user"},
 	"PUT /v1/hosts/:name":                {"admin"},
 	"GET /v1/hosts":                      {"admin", "user"},
 	"GET /v1/hosts/:name":                {"admin", "user"},

@@ -70,6 +70,7 @@ func New(svc *control.Service, opts Options) (http.Handler, error) {
 
 	toks := newTokens(svc, opts.Token)
 	v1 := e.Group("/v1", authenticate(toks))
+	v1.GET("/info", h.info)
 	v1.PUT("/hosts/:name", h.putHost)
 	v1.GET("/hosts", h.listHosts)
 	v1.GET("/hosts/:name", h.getHost)
@@ -120,6 +121,7 @@ var statusOf = map[string]int{
 	api.CodeTooLarge:            http.StatusRequestEntityTooLarge,
 	api.CodeUnavailable:         http.StatusServiceUnavailable,
 	api.CodeInternal:            http.StatusInternalServerError,
+	api.CodeVersionSkew:         http.StatusConflict,
 }
 
 // errorAnswer maps an error to its status and envelope: the one place

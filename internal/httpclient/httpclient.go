@@ -71,6 +71,9 @@ type Core struct {
 	// into the timing.Recorder of the call's context, each name prefixed:
 	// the caller's own request then shows the steps of the calls it made.
 	TimingPrefix string
+	// Header, when set, is sent with every request (the agent client's
+	// version headers).
+	Header http.Header
 }
 
 // New returns a core for endpoint (a URL or host:port, http by default)
@@ -166,6 +169,9 @@ func (c *Core) NewRequest(ctx context.Context, call *Call, body []byte) (*http.R
 	req, err := http.NewRequestWithContext(ctx, call.Method, c.base+call.Path, r)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", call.Name(), err)
+	}
+	for name, values := range c.Header {
+		req.Header[name] = values
 	}
 	if body != nil {
 		req.Header.Set("Content-Type", "application/json")

@@ -17,6 +17,8 @@ import (
 	"github.com/labstack/echo/v4"
 	"github.com/labstack/echo/v4/middleware"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/version"
 )
 
 // BodyLimit is the largest request body either server accepts, in Echo's
@@ -53,6 +55,13 @@ func New(cfg Config) *echo.Echo {
 	e.IPExtractor = echo.ExtractIPDirect()
 	e.HTTPErrorHandler = errorHandler(cfg)
 	e.Use(middleware.RequestID())
+	// Every answer says which kvmd gave it (internal/version).
+	e.Use(func(next echo.HandlerFunc) echo.HandlerFunc {
+		return func(c echo.Context) error {
+			version.SetHeaders(c.Response().Header())
+			return next(c)
+		}
+	})
 	e.Use(requestLog(cfg))
 	e.Use(middleware.Recover())
 	e.Use(middleware.BodyLimit(BodyLimit))

@@ -59,9 +59,16 @@ type Host struct {
 	UnderlayAddress string `gorm:"column:underlay_address"`
 	// Drain is the host's drain (drain.go): its state ("" in service) and
 	// progress.
-	Drain     Drain     `gorm:"embedded;embeddedPrefix:drain_"`
-	CreatedAt time.Time `gorm:"column:created_at"`
-	UpdatedAt time.Time `gorm:"column:updated_at"`
+	Drain Drain `gorm:"embedded;embeddedPrefix:drain_"`
+	// AgentRelease and AgentAPILevel are the agent's kvmd as it last
+	// reported (level 0: not yet seen, or a release before levels);
+	// AgentRefused says why the control plane refuses the agent ("" when
+	// it is within the skew contract).
+	AgentRelease  string    `gorm:"column:agent_release"`
+	AgentAPILevel int       `gorm:"column:agent_api_level"`
+	AgentRefused  string    `gorm:"column:agent_refused"`
+	CreatedAt     time.Time `gorm:"column:created_at"`
+	UpdatedAt     time.Time `gorm:"column:updated_at"`
 }
 
 // TableName is the table of Host.
@@ -76,6 +83,9 @@ type HostFacts struct {
 	Accel     string
 	Driver    string
 	Images    []string
+	// Release and APILevel are the agent's kvmd (internal/version).
+	Release  string
+	APILevel int
 }
 
 // CapacityFunc computes usable capacity from totals, the vCPU allocation
@@ -259,12 +269,13 @@ func (s *Store) RecordHostSeen(ctx context.Context, name string, f HostFacts, ca
 			accel = ?, driver = ?, images = ?,
 			total_vcpus = ?, total_memory_mib = ?, total_disk_mib = ?,
 			cap_vcpus = ?, cap_memory_mib = ?, cap_disk_mib = ?,
-			warm_vcpus = ?, warm_memory_mib = ?, warm_disk_mib = ?, isolation = ?, updated_at = ?
+			warm_vcpus = ?, warm_memory_mib = ?, warm_disk_mib = ?, isolation = ?,
+			agent_release = ?, agent_api_level = ?, agent_refused = '', updated_at = ?
 			WHERE name = ? AND cpu_allocation_ratio = ? AND memory_reserved_mib = ? AND retired_at IS NULL`,
 			t, f.Accel, f.Driver, images,
 			f.Total.VCPUs, f.Total.MemoryMiB, f.Total.DiskMiB,
 			c.VCPUs, c.MemoryMiB, c.DiskMiB,
-			f.Warm.VCPUs, f.Warm.MemoryMiB, f.Warm.DiskMiB, f.Isolation, t,
+			f.Warm.VCPUs, f.Warm.MemoryMiB, f.Warm.DiskMiB, f.Isolation, f.Release, f.APILevel, t,
 			name, h.CPUAllocationRatio, h.MemoryReservedMiB)
 		if res.Error != nil {
 			return fmt.Errorf("record sync of host %s: %w", name, res.Error)
@@ -274,6 +285,24 @@ func (s *Store) RecordHostSeen(ctx context.Context, name string, f HostFacts, ca
 		}
 	}
 	return fmt.Errorf("record sync of host %s: its configuration kept changing; the next sync retries", name)
+}
+
+// RecordHostRefused marks the host dead at once because its agent is
+// outside the skew contract: nothing is placed on it and no spec goes to
+// it; why says so with both versions. Its VMs' rows stay as they are. It
+// returns whether the host was alive before.
+func (s *Store) RecordHostRefused(ctx context.Context, name, release string, level int, why string) (bool, error) {
+	h, err := s.GetHost(ctx, name)
+	if err != nil {
+		return false, err
+	}
+	res := s.db.WithContext(ctx).Exec(`UPDATE hosts SET alive = FALSE, missed_syncs = missed_syncs + 1,
+		agent_release = ?, agent_api_level = ?, agent_refused = ?, updated_at = ? WHERE name = ?`,
+		release, level, why, now(), name)
+	if res.Error != nil {
+		return false, fmt.Errorf("record refused agent of host %s: %w", name, res.Error)
+	}
+	return h.Alive, nil
 }
 
 // RecordHostMissed counts a failed sync and marks the host dead once it

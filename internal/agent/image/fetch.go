@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agentapi"
+	"github.com/kvmfleet/terraform-provider-kvm/internal/version"
 )
 
 // errPermanent marks a failure that another attempt of the same source
@@ -210,6 +211,7 @@ func (c *Cache) open(ctx context.Context, u string, offset int64, peer bool) (io
 	}
 	if peer {
 		req.Header.Set("Authorization", "Bearer "+c.cfg.PeerToken)
+		version.SetHeaders(req.Header)
 	}
 	if offset > 0 {
 		req.Header.Set("Range", "bytes="+strconv.FormatInt(offset, 10)+"-")
