@@ -258,7 +258,7 @@ if [ -e /sys/class/net/eth0 ]; then
 	cp /etc/cgi-get /www/cgi-bin/get
 	echo "kvm-guest $(hostname)" >/www/index.html
 	httpd -p 80 -h /www
-	udhcpc -f -i eth0 -s /etc/udhcpc.sh -t 3 -T 1 -A 1 >/dev/null 2>&1 &
+	udhcpc -f -i eth0 -s /etc/udhcpc.sh -t 3 -T 1 -A 1 -O mtu >/dev/null 2>&1 &
 else
 	echo "nic none"
 fi
@@ -297,7 +297,9 @@ done
 EOF
 chmod 755 "$root/init"
 
-# udhcpc's hook: $ip, $subnet, $router, $hostname come from the lease.
+# udhcpc's hook: $ip, $subnet, $router, $hostname and $mtu (option 26, asked
+# for with -O mtu: an overlay network's guests get the underlay's MTU less
+# the VXLAN overhead) come from the lease.
 cat >"$root/etc/udhcpc.sh" <<'EOF'
 #!/bin/busybox sh
 case "$1" in
@@ -309,6 +311,10 @@ bound | renew)
 	# The lease names the VM; a hostname set otherwise (not the default) wins.
 	[ -n "$hostname" ] && [ "$(hostname)" = busybox ] && hostname "$hostname"
 	echo "kvm-guest $(hostname) $ip" >/www/index.html
+	if [ -n "$mtu" ] && [ "$(cat /sys/class/net/"$interface"/mtu)" != "$mtu" ]; then
+		ip link set dev "$interface" mtu "$mtu"
+		echo "kvm-guest-mtu $mtu" >/dev/console
+	fi
 	if ! ip addr show dev "$interface" | grep -q "inet $ip/"; then
 		ip addr flush dev "$interface"
 		ifconfig "$interface" "$ip" netmask "${subnet:-255.255.255.0}" up
