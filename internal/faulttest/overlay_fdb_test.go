@@ -27,7 +27,8 @@ import (
 // test's underlay bridge, running a real kvmd agent (sim driver) with its
 // underlay address there.
 type overlayFDBHost struct {
-	name, ns, underlay, url string
+	name, ns, underlay, url, stateDir, bin string
+	kill                                   func() // SIGKILL the agent and wait for it
 }
 
 func overlayFDBRun(t *testing.T, args ...string) {
@@ -37,9 +38,10 @@ func overlayFDBRun(t *testing.T, args ...string) {
 	}
 }
 
-func startOverlayFDBHost(t *testing.T, bin string, i int) overlayFDBHost {
+func startOverlayFDBHost(t *testing.T, bin string, i int) *overlayFDBHost {
 	t.Helper()
-	h := overlayFDBHost{name: fmt.Sprintf("h%d", i), ns: fmt.Sprintf("kvfdb%d-h%d", os.Getpid(), i), underlay: fmt.Sprintf("10.95.0.%d", i)}
+	h := &overlayFDBHost{name: fmt.Sprintf("h%d", i), ns: fmt.Sprintf("kvfdb%d-h%d", os.Getpid(), i), underlay: fmt.Sprintf("10.95.0.%d", i),
+		stateDir: t.TempDir(), bin: bin}
 	h.url = "http://" + h.underlay + ":8471"
 	overlayFDBRun(t, "ip", "netns", "add", h.ns)
 	t.Cleanup(func() { _ = netns.DeleteNamed(h.ns) })
@@ -49,11 +51,19 @@ func startOverlayFDBHost(t *testing.T, bin string, i int) overlayFDBHost {
 	overlayFDBRun(t, "ip", "-n", h.ns, "addr", "add", h.underlay+"/24", "dev", "eth0")
 	overlayFDBRun(t, "ip", "-n", h.ns, "link", "set", "eth0", "up")
 	overlayFDBRun(t, "ip", "-n", h.ns, "link", "set", "lo", "up")
+	h.startAgent(t)
+	return h
+}
+
+// startAgent starts the host's agent on its state directory, in its
+// namespace, and waits for it to answer (also after a kill, to restart it).
+func (h *overlayFDBHost) startAgent(t *testing.T) {
+	t.Helper()
 	log, err := os.CreateTemp(t.TempDir(), "agent-*.log")
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command("ip", "netns", "exec", h.ns, bin, "agent", "--listen", h.underlay+":8471", "--state-dir", t.TempDir(),
+	cmd := exec.Command("ip", "netns", "exec", h.ns, h.bin, "agent", "--listen", h.underlay+":8471", "--state-dir", h.stateDir,
 		"--driver", "sim", "--token", "agent-token", "--vcpus", "64", "--memory-mib", "262144", "--disk-mib", "4000000",
 		"--underlay-address", h.underlay, "--log-level", "warn")
 	cmd.Env = []string{"PATH=" + os.Getenv("PATH")}
@@ -64,7 +74,8 @@ func startOverlayFDBHost(t *testing.T, bin string, i int) overlayFDBHost {
 	}
 	done := make(chan struct{})
 	go func() { _ = cmd.Wait(); close(done) }()
-	t.Cleanup(func() { _ = cmd.Process.Kill(); <-done })
+	h.kill = func() { _ = cmd.Process.Kill(); <-done }
+	t.Cleanup(h.kill)
 	eventually(t, "agent "+h.name+" answers", func() error {
 		select {
 		case <-done:
@@ -79,13 +90,12 @@ func startOverlayFDBHost(t *testing.T, bin string, i int) overlayFDBHost {
 		_ = resp.Body.Close()
 		return nil
 	})
-	return h
 }
 
 // kernelEntries lists, through netlink in the host's namespace, the
 // permanent forwarding entries ("mac dst") and the neighbour entries ("ip
 // mac") of every kvx- device, by device.
-func (h overlayFDBHost) kernelEntries(t *testing.T) map[string][]string {
+func (h *overlayFDBHost) kernelEntries(t *testing.T) map[string][]string {
 	t.Helper()
 	ns, err := netns.GetFromName(h.ns)
 	if err != nil {
@@ -144,7 +154,7 @@ func TestOverlayFDBAgreesWithTheDatabase(t *testing.T) {
 	overlayFDBRun(t, "ip", "addr", "add", "10.95.0.254/24", "dev", "ovfdbul")
 	overlayFDBRun(t, "ip", "link", "set", "ovfdbul", "up")
 	c := testenv.StartControl(t, testenv.ControlOptions{AllowInsecureAgents: true})
-	hosts := map[string]overlayFDBHost{}
+	hosts := map[string]*overlayFDBHost{}
 	for i := 1; i <= 3; i++ {
 		h := startOverlayFDBHost(t, bin, i)
 		hosts[h.name] = h
@@ -239,4 +249,53 @@ func TestOverlayFDBAgreesWithTheDatabase(t *testing.T) {
 		t.Fatalf("the churn did not leave the expected shape: %v", w)
 	}
 	t.Logf("%d kernel entries on 3 hosts agree with the database", n)
+
+	// Restarts change nothing. With the control plane stopped (so that no
+	// push can put back what a restart took away), h2's agent is killed
+	// with SIGKILL and started again on its state directory in its
+	// namespace: every host's kernel entries are as they were once it
+	// answers. The control plane then starts again on its database, its
+	// monitor off: still as they were; after one monitor round, still as
+	// they were, and equal to the database.
+	all := func() map[string]map[string][]string {
+		out := map[string]map[string][]string{}
+		for name, h := range hosts {
+			out[name] = h.kernelEntries(t)
+		}
+		return out
+	}
+	before := all()
+	c.Stop()
+	hosts["h2"].kill()
+	hosts["h2"].startAgent(t)
+	if got := all(); !reflect.DeepEqual(got, before) {
+		t.Fatalf("h2's agent restart changed the kernel entries:\n got  %v\n want %v", got, before)
+	}
+	c = testenv.StartControl(t, testenv.ControlOptions{AllowInsecureAgents: true, DataDir: c.DataDir, NoMonitor: true})
+	if got := all(); !reflect.DeepEqual(got, before) {
+		t.Fatalf("the control plane's restart changed the kernel entries:\n got  %v\n want %v", got, before)
+	}
+	// One entry taken away behind the agent's back comes back in the
+	// round: the round did push to the restarted agents.
+	var dev, entry string
+	for d, l := range before["h1"] {
+		for _, e := range l {
+			if strings.HasPrefix(e, "fdb ") {
+				dev, entry = d, e
+			}
+		}
+	}
+	if entry == "" {
+		t.Fatalf("h1 has no forwarding entry: %v", before["h1"])
+	}
+	f := strings.Fields(entry)
+	overlayFDBRun(t, "ip", "netns", "exec", hosts["h1"].ns, "bridge", "fdb", "del", f[1], "dev", dev, "dst", f[2], "self")
+	if got := hosts["h1"].kernelEntries(t); reflect.DeepEqual(got, before["h1"]) {
+		t.Fatalf("%s still on h1 after its delete", entry)
+	}
+	c.Service.SyncNow(ctx)
+	if got, w := all(), want(); !reflect.DeepEqual(got, before) || !reflect.DeepEqual(got, w) {
+		t.Fatalf("after the restarts and a monitor round the kernel entries changed or disagree with the database:\n got    %v\n before %v\n db     %v", got, before, w)
+	}
+	t.Logf("agent kill -9 and restart, control plane restart, a monitor round: the %d kernel entries unchanged", n)
 }
