@@ -29,7 +29,7 @@
 set -euo pipefail
 
 # Bump when the init, the module list or the manifest changes.
-SCRIPT_VERSION=14
+SCRIPT_VERSION=15
 NAME=busybox
 # Modules the guest loads, in dependency order after resolution: virtio-mmio
 # (microvm) and virtio-pci (q35) transports, the disk, and the ACPI power
