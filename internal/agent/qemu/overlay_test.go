@@ -103,7 +103,7 @@ func (h *ovLabHost) address() string { return "http://" + h.underlay + ":" + ovL
 func (h *ovLabHost) start(t *testing.T, bin string) {
 	t.Helper()
 	h.cmd = exec.Command("ip", "netns", "exec", h.ns, bin, "agent", "--listen", h.underlay+":"+ovLabAgentPort,
-		"--underlay-address", h.underlay, "--state-dir", h.dir, "--image-dir", testenv.GuestImageDir(t),
+		"--underlay-address", h.underlay, "--vcpus", "4", "--state-dir", h.dir, "--image-dir", testenv.GuestImageDir(t),
 		"--accel", testenv.Accel(), "--token", "agent-token", "--log-level", "warn")
 	h.cmd.Env = []string{"PATH=" + os.Getenv("PATH")}
 	h.cmd.Stderr = os.Stderr
@@ -404,7 +404,9 @@ func TestOverlayControlPlaneGuestsOnThreeHostsReachEachOther(t *testing.T) {
 	}
 	ctx := context.Background()
 	hosts := ovLabStart(t, 3)
-	c := testenv.StartControl(t, testenv.ControlOptions{AllowInsecureAgents: true})
+	// A loaded machine (TCG guests, make test's other packages) slows the
+	// agents' answers: the hosts stay alive through it.
+	c := testenv.StartControl(t, testenv.ControlOptions{AllowInsecureAgents: true, AgentTimeout: 30 * time.Second, DeadAfter: 20})
 	byName := map[string]*ovLabHost{}
 	for _, h := range hosts {
 		in := api.HostPut{Address: h.address(), UnderlayAddress: h.underlay}
@@ -515,7 +517,8 @@ func TestOverlayControlPlaneGuestsOnThreeHostsReachEachOther(t *testing.T) {
 	if got := ovRestartOverlays(t, hosts); !reflect.DeepEqual(got, before) {
 		t.Fatalf("h2's agent restart changed the overlays:\n got  %+v\n want %+v", got, before)
 	}
-	c = testenv.StartControl(t, testenv.ControlOptions{AllowInsecureAgents: true, DataDir: c.DataDir, SyncInterval: time.Second})
+	c = testenv.StartControl(t, testenv.ControlOptions{AllowInsecureAgents: true, DataDir: c.DataDir, SyncInterval: time.Second,
+		AgentTimeout: 30 * time.Second, DeadAfter: 20})
 	c.Service.SyncNow(ctx) // one monitor round, which pushes every overlay
 	if got := ovRestartOverlays(t, hosts); !reflect.DeepEqual(got, before) {
 		t.Fatalf("the control plane's restart changed the overlays:\n got  %+v\n want %+v", got, before)
@@ -556,6 +559,25 @@ func TestOverlayControlPlaneGuestsOnThreeHostsReachEachOther(t *testing.T) {
 	if err := c.Client.DeleteFork(ctx, f.ID); err != nil {
 		t.Fatal(err)
 	}
+
+	// A migrated VM keeps its address and is reached at it from the other
+	// hosts: b2 moves live from h2 to h1 (b1 cannot: its disk sits on the
+	// fork's snapshot); its entries follow it with the push the switch
+	// kicks. Measured: from the migration's answer (the VM runs on h1) to
+	// b3 (h3) fetching b2's page at its address.
+	if _, err := c.Client.MigrateVM(ctx, blue[1].id, "h1"); err != nil {
+		t.Fatalf("migrate b2 to h1: %v", err)
+	}
+	switched := time.Now()
+	blue[1].on = hosts[0]
+	want = "kvm-guest " + blue[1].id + " " + blue[1].nic.IPv4Address
+	if body := blue[2].on.get(t, "http://"+blue[2].nic.IPv4Address+"/cgi-bin/get?"+blue[1].nic.IPv4Address, time.Minute); !strings.Contains(body, want) {
+		t.Fatalf("b3 (h3) fetching from b2 at %s after its migration to h1 got %q; want %q", blue[1].nic.IPv4Address, body, want)
+	}
+	t.Logf("measure: b2 migrated to h1 answered b3 (h3) at its address %s %s after the migration's answer",
+		blue[1].nic.IPv4Address, time.Since(switched).Round(time.Millisecond))
+	ovLabReach(t, "after b2 migrated to h1", blue)
+	ovLabUnreached(t, red, blue)
 
 	if err := c.Client.DeleteVM(ctx, blue[2].id); err != nil {
 		t.Fatal(err)
