@@ -68,7 +68,7 @@ func startNetAgent(t *testing.T, dir string, tune ...func(*agent.Config)) *netAg
 		// children should the test have failed before deleting them.
 		vms, _ := filepath.Glob(filepath.Join(dir, "vms", "*"))
 		for _, vm := range vms {
-			if ns := network.NetNSName(vm); slices.Contains(agentNetNS(t), ns) {
+			if ns := network.NetNSName(vm); slices.Contains(agentNetNS(t, dir, filepath.Base(vm)), ns) {
 				_ = netns.DeleteNamed(ns)
 			}
 		}
@@ -217,13 +217,18 @@ func agentLinks(t *testing.T) map[string]int {
 	return out
 }
 
-func agentNetNS(t *testing.T) []string {
+// agentNetNS lists the named network namespaces of the VMs ids of the
+// agent in dir. /run/netns is the machine's: other tests running at the
+// same time (other packages) have children's namespaces there too.
+func agentNetNS(t *testing.T, dir string, ids ...string) []string {
 	t.Helper()
 	entries, _ := os.ReadDir("/run/netns")
 	var out []string
 	for _, e := range entries {
-		if strings.HasPrefix(e.Name(), network.NetNSPrefix) {
-			out = append(out, e.Name())
+		for _, id := range ids {
+			if e.Name() == network.NetNSName(filepath.Join(dir, "vms", id)) {
+				out = append(out, e.Name())
+			}
 		}
 	}
 	return out
@@ -392,7 +397,7 @@ func TestForkOfNATGuestChildrenAnswerAtTheirOwnAddresses(t *testing.T) {
 	if body := get(t, "http://"+addrs["c1"]+"/cgi-bin/get?"+outsideAddr, time.Minute); !strings.Contains(body, "kvm-test-outside") {
 		t.Fatalf("child c1 fetching from the outside got %q", body)
 	}
-	if ns := agentNetNS(t); len(ns) != 3 {
+	if ns := agentNetNS(t, a.dir, "src", "c0", "c1", "c2"); len(ns) != 3 {
 		t.Fatalf("network namespaces = %v; want one per child", ns)
 	}
 	// A new agent keeps the children's namespaces and serves their leases again.
@@ -402,9 +407,9 @@ func TestForkOfNATGuestChildrenAnswerAtTheirOwnAddresses(t *testing.T) {
 	}
 	a.stop()
 	a = startNetAgent(t, a.dir)
-	if got := a.driver.Network().Leases(); !slices.Equal(got, leases) || !mapsEqual(agentLinks(t), links) || len(agentNetNS(t)) != 3 {
+	if got := a.driver.Network().Leases(); !slices.Equal(got, leases) || !mapsEqual(agentLinks(t), links) || len(agentNetNS(t, a.dir, "src", "c0", "c1", "c2")) != 3 {
 		t.Fatalf("after restart: leases %+v (before %+v), links %v (before %v), namespaces %v",
-			got, leases, agentLinks(t), links, agentNetNS(t))
+			got, leases, agentLinks(t), links, agentNetNS(t, a.dir, "src", "c0", "c1", "c2"))
 	}
 	for _, id := range all {
 		get(t, "http://"+addrs[id]+"/", time.Minute)
@@ -414,7 +419,7 @@ func TestForkOfNATGuestChildrenAnswerAtTheirOwnAddresses(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if l, ns := agentLinks(t), agentNetNS(t); len(l) != 0 || len(ns) != 0 || len(a.driver.Network().Leases()) != 0 {
+	if l, ns := agentLinks(t), agentNetNS(t, a.dir, "src", "c0", "c1", "c2"); len(l) != 0 || len(ns) != 0 || len(a.driver.Network().Leases()) != 0 {
 		t.Fatalf("after deleting every vm: links %v, namespaces %v, leases %+v; want none", l, ns, a.driver.Network().Leases())
 	}
 }
