@@ -417,6 +417,19 @@ func (s *Service) settleRunning(ctx context.Context, m store.Migration, cause er
 func (s *Service) undoMigration(ctx context.Context, m store.Migration, cause error) error {
 	ctx, cancel := detached(ctx, 2*s.opts.AgentTimeout+10*time.Second)
 	defer cancel()
+	// A target that runs the VM (running or paused: no longer incoming) has
+	// it: the source committed it there and stopped its own copy, whatever
+	// the source says now (one killed right after the commit comes back
+	// without the record of its migration). That migration completed: it
+	// is switched, never undone, which would delete the only running copy.
+	if dst, _, known := s.view.agent(m.TargetHost); known {
+		onTarget, err := s.agents.getVM(ctx, s.agents.client(dst), m.VMID)
+		if err == nil && (onTarget.State == agentapi.StateRunning || onTarget.State == agentapi.StatePaused) {
+			s.log.Warn("the migration's target runs the vm: switching to it instead of undoing", "vm", m.VMID,
+				"source", m.SourceHost, "target", m.TargetHost, "state", onTarget.State, "cause", cause)
+			return s.switchMigration(ctx, m, agentMigration{State: agentMigrationCompleted})
+		}
+	}
 	if err := s.deleteOnAgent(ctx, m.TargetHost, m.VMID); err != nil {
 		s.log.Warn("migration failed and the target did not confirm deleting the incoming VM; the host monitor retries",
 			"vm", m.VMID, "target", m.TargetHost, "err", err, "cause", cause)
