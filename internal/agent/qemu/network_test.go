@@ -112,7 +112,12 @@ func (n *netAgent) waitGuestIP(t *testing.T, id string) string {
 // namespace), retrying for up to wait, and returns the body of a 200.
 func get(t *testing.T, url string, wait time.Duration) string {
 	t.Helper()
-	c := &http.Client{Timeout: 10 * time.Second}
+	return getWith(t, &http.Client{Timeout: 10 * time.Second}, "", url, wait)
+}
+
+// getWith is get through c; who prefixes its failure ("" or "host h1: ").
+func getWith(t *testing.T, c *http.Client, who, url string, wait time.Duration) string {
+	t.Helper()
 	deadline := time.Now().Add(wait)
 	var last string
 	for attempt := 0; ; attempt++ {
@@ -128,7 +133,7 @@ func get(t *testing.T, url string, wait time.Duration) string {
 			last = err.Error()
 		}
 		if time.Now().After(deadline) || attempt > 600 {
-			t.Fatalf("GET %s: no 200 within %s: %s", url, wait, last)
+			t.Fatalf("%sGET %s: no 200 within %s: %s", who, url, wait, last)
 		}
 		time.Sleep(250 * time.Millisecond)
 	}

@@ -151,25 +151,7 @@ func (h *ovLabHost) get(t *testing.T, url string, wait time.Duration) string {
 			})
 			return conn, err
 		}}}
-	deadline := time.Now().Add(wait)
-	var last string
-	for attempt := 0; ; attempt++ {
-		resp, err := c.Get(url)
-		if err == nil {
-			b, _ := io.ReadAll(resp.Body)
-			_ = resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return string(b)
-			}
-			last = fmt.Sprintf("status %d: %s", resp.StatusCode, b)
-		} else {
-			last = err.Error()
-		}
-		if time.Now().After(deadline) || attempt > 600 {
-			t.Fatalf("host %s: GET %s: no 200 within %s: %s", h.name, url, wait, last)
-		}
-		time.Sleep(250 * time.Millisecond)
-	}
+	return getWith(t, c, "host "+h.name+": ", url, wait)
 }
 
 // waitGuestIP waits for "kvm-guest-ip <address>" on the console of vm.
