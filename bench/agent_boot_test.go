@@ -77,6 +77,7 @@ var (
 //
 // and guest-uptime-at-init-ms, the guest kernel's own clock when init ran.
 func BenchmarkAgentColdBoot(b *testing.B) {
+	defer machineState(b)()
 	a := startBenchAgent(b)
 	info, err := a.Client.Info(context.Background())
 	if err != nil {
@@ -122,6 +123,7 @@ func BenchmarkAgentColdBoot(b *testing.B) {
 // command), and GET /v1/vms/{id} through the agent (HTTP + pid checks + a
 // QMP session).
 func BenchmarkAgentQMP(b *testing.B) {
+	defer machineState(b)()
 	a := startBenchAgent(b)
 	ctx := context.Background()
 	if _, err := a.Client.CreateVM(ctx, "qmp", benchGuest); err != nil {

@@ -126,6 +126,7 @@ func pullFiles(b *testing.B, c *agentapi.Client, snap agentapi.Snapshot, dir str
 //   - transfer-MB: the bytes of the snapshot's files on the wire (a RAM
 //     image sends only its non-zero pages).
 func BenchmarkAgentFork(b *testing.B) {
+	defer machineState(b)()
 	pauses := &pauseLog{}
 	src, srcKey := startForkBenchAgent(b, pauses)
 	far, _ := startForkBenchAgent(b, &pauseLog{})

@@ -72,6 +72,7 @@ func startMigBenchAgent(b *testing.B) migBenchAgent {
 }
 
 func BenchmarkLiveMigration(b *testing.B) {
+	defer machineState(b)()
 	for _, mem := range []int64{256, 1024} {
 		for _, load := range []string{"idle", "dirty"} {
 			b.Run(fmt.Sprintf("mem=%dMiB/%s", mem, load), func(b *testing.B) {

@@ -30,6 +30,7 @@ import (
 var ipLine = regexp.MustCompile(`(?m)^kvm-guest-ip \S+\r?$`)
 
 func BenchmarkAgentReachable(b *testing.B) {
+	defer machineState(b)()
 	b.Run("user", func(b *testing.B) {
 		measureReachable(b, func(i int) (agentapi.NIC, func(agentapi.VM) string) {
 			nic := agentapi.NIC{Network: "default", Mode: agentapi.NetworkUser, MACAddress: fmt.Sprintf("52:54:00:50:00:%02x", i),

@@ -74,6 +74,7 @@ func createTimed(b *testing.B, c *agentapi.Client, id string, spec agentapi.VMSp
 }
 
 func BenchmarkAgentPoolQEMU(b *testing.B) {
+	defer machineState(b)()
 	a := testenv.StartAgent(b, testenv.AgentOptions{Driver: "qemu"})
 	ctx := context.Background()
 	info, err := a.Client.Info(ctx)
@@ -133,6 +134,7 @@ func BenchmarkAgentPoolQEMU(b *testing.B) {
 }
 
 func BenchmarkAgentPoolSim(b *testing.B) {
+	defer machineState(b)()
 	a := testenv.StartAgent(b, testenv.AgentOptions{})
 	spec := agentapi.VMSpec{Image: "sim", VCPUs: 1, MemoryMiB: 256, DiskMiB: 1024}
 	cold := spec

@@ -18,6 +18,7 @@ import (
 //
 //	go test ./bench -run '^$' -bench AgentSimCreates -benchtime 3x
 func BenchmarkAgentSimCreates(b *testing.B) {
+	defer machineState(b)()
 	const agents, creates = 20, 500
 	as := make([]*testenv.Agent, agents)
 	for i := range as {

@@ -35,6 +35,7 @@ import (
 var dlLine = regexp.MustCompile(`(?m)^kvm-dl (\d+) ([0-9.]+) ([0-9.]+)\r?$`)
 
 func BenchmarkAgentUserNetThroughput(b *testing.B) {
+	defer machineState(b)()
 	if os.Getenv("KVM_BENCH_NETNS") == "" {
 		if os.Geteuid() != 0 {
 			b.Skip("needs root: it makes network namespaces and a veth")

@@ -26,6 +26,7 @@ import (
 //	KVM_TEST_DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
 //	  go test ./bench -run '^$' -bench APILoad -benchtime 1x
 func BenchmarkAPILoad(b *testing.B) {
+	defer machineState(b)()
 	for _, db := range []string{"sqlite", "postgres"} {
 		for _, op := range []string{"get", "post"} {
 			b.Run(db+"/"+op, func(b *testing.B) {

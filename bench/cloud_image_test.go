@@ -51,6 +51,7 @@ var cloudShapes = []struct{ name, folder, format, firmware string }{
 }
 
 func BenchmarkCloudImageToSSH(b *testing.B) {
+	defer machineState(b)()
 	dir := os.Getenv("KVM_IMAGE_DIR")
 	for _, s := range cloudShapes {
 		if _, err := os.Stat(filepath.Join(dir, s.folder, "image.json")); err != nil {

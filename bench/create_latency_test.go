@@ -74,6 +74,7 @@ func waitReady(b *testing.B, c *agentapi.Client, n int) {
 }
 
 func BenchmarkCreateLatencyQEMU(b *testing.B) {
+	defer machineState(b)()
 	ctl := testenv.StartControl(b, testenv.ControlOptions{})
 	ag := testenv.StartAgent(b, testenv.AgentOptions{Driver: "qemu"})
 	ctx := context.Background()

@@ -60,6 +60,7 @@ func (c *forkClock) at(key string) time.Time {
 //   - overhead-ms: fork-ms - snapshot-ms - the children's wall time (the
 //     children start 4 at a time): HTTP, database writes, placement.
 func BenchmarkForkControl(b *testing.B) {
+	defer machineState(b)()
 	clock := &forkClock{steps: map[string]time.Time{}}
 	c := testenv.StartControl(b, testenv.ControlOptions{Hooks: &control.Hooks{ForkStep: clock.hook}})
 	agents := map[string]*testenv.Agent{

@@ -52,6 +52,7 @@ func waitImageReady(b *testing.B, c *agentapi.Client, sha string) {
 }
 
 func BenchmarkImageFetch(b *testing.B) {
+	defer machineState(b)()
 	dir := b.TempDir()
 	path := filepath.Join(dir, "big.raw")
 	f, err := os.Create(path)
@@ -102,6 +103,7 @@ func BenchmarkImageFetch(b *testing.B) {
 }
 
 func BenchmarkImageCreateFirstVsSecond(b *testing.B) {
+	defer machineState(b)()
 	tarPath := filepath.Join(b.TempDir(), "busybox.tar")
 	sha := testenv.BundleImage(b, filepath.Join(testenv.GuestImageDir(b), "busybox"), tarPath)
 	srv := testenv.StartImageServer(b, filepath.Dir(tarPath))

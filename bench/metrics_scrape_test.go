@@ -24,6 +24,7 @@ import (
 //
 //	go test ./bench -run '^$' -bench MetricsScrape -benchtime 20x
 func BenchmarkMetricsScrape(b *testing.B) {
+	defer machineState(b)()
 	n := 100000
 	if s := os.Getenv("KVM_BENCH_METRICS_VMS"); s != "" {
 		var err error

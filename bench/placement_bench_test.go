@@ -80,6 +80,7 @@ var vmSeq atomic.Int64
 // indexed host view, then one transaction with the conditional UPDATE of
 // the host and the INSERT of the VM row.
 func BenchmarkPlacement(b *testing.B) {
+	defer machineState(b)()
 	for _, dialect := range []string{store.DialectSQLite, sqliteFullSync, store.DialectPostgres} {
 		for _, n := range hostCounts {
 			b.Run(fmt.Sprintf("%s/hosts=%d", dialect, n), func(b *testing.B) {
@@ -155,6 +156,7 @@ func (c cpuClock) report(b *testing.B, unit string) {
 //   - anti-affinity: services of 10 replicas (a group per 10 VMs), spread by
 //     host with max_per_domain = 1.
 func BenchmarkPlacementGroup(b *testing.B) {
+	defer machineState(b)()
 	const n = 10000
 	variants := []struct {
 		name        string
@@ -203,6 +205,7 @@ func BenchmarkPlacementGroup(b *testing.B) {
 // BenchmarkReservationOnly is the floor: the same transaction on a host
 // chosen round robin, with no scoring at all.
 func BenchmarkReservationOnly(b *testing.B) {
+	defer machineState(b)()
 	for _, dialect := range []string{store.DialectSQLite, sqliteFullSync, store.DialectPostgres} {
 		b.Run(dialect, func(b *testing.B) {
 			ctx := context.Background()
@@ -231,6 +234,7 @@ func BenchmarkReservationOnly(b *testing.B) {
 // BenchmarkChooseHost isolates the in-memory choice: the index's bounded
 // candidate walk against a full scan of every host.
 func BenchmarkChooseHost(b *testing.B) {
+	defer machineState(b)()
 	req := scheduler.Request{Image: "sim", Resources: scheduler.Resources{VCPUs: 1, MemoryMiB: 1024, DiskMiB: 10240}}
 	for _, n := range append(hostCounts, 100000) {
 		hosts := make([]scheduler.Host, n)
@@ -270,6 +274,7 @@ func BenchmarkChooseHost(b *testing.B) {
 //	KVM_TEST_DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
 //	  go test ./bench -run '^$' -bench 'PlacementIPAM' -benchtime 3s
 func BenchmarkPlacementIPAM(b *testing.B) {
+	defer machineState(b)()
 	variants := []struct {
 		name string
 		nics []api.NetworkInterface

@@ -24,6 +24,7 @@ import (
 //
 //	go test ./bench -run '^$' -bench PlacementProject -benchtime 3000x -count 5
 func BenchmarkPlacementProject(b *testing.B) {
+	defer machineState(b)()
 	const n = 10000
 	big := int64(1) << 50
 	quotas := store.Quotas{VCPUs: &big, MemoryMiB: &big, DiskMiB: &big, VMs: &big}

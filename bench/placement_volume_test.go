@@ -26,6 +26,7 @@ import (
 //
 //     go test ./bench -run '^$' -bench PlacementVolume -benchtime 3000x -count 3
 func BenchmarkPlacementVolume(b *testing.B) {
+	defer machineState(b)()
 	const n = 10000
 	for _, dialect := range []string{store.DialectSQLite, store.DialectPostgres} {
 		for _, withVolume := range []bool{false, true} {
