@@ -1,10 +1,11 @@
 // Package bench measures the control plane. Benchmarks report numbers and
 // never pass or fail on speed.
 //
-// Placement + reservation per second, in process, no agent calls:
+// Placement + reservation per second, in process, no agent calls, at
+// 100 to 100,000 hosts:
 //
 //	KVM_TEST_DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \
-//	  go test ./bench -run '^$' -bench 'Placement' -benchtime 3s
+//	  go test ./bench -run '^$' -bench 'Placement$' -benchtime 3s
 //
 // With and without a group constraint at 10,000 hosts:
 //
@@ -14,6 +15,7 @@ package bench
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -32,7 +34,7 @@ import (
 // iteration is one placement and one committed reservation.
 var benchHostTotal = store.Resources{VCPUs: 1 << 20, MemoryMiB: 1 << 40, DiskMiB: 1 << 50}
 
-var hostCounts = []int{100, 1000, 10000}
+var hostCounts = []int{100, 1000, 10000, 100000}
 
 // parallelism is the number of clients per GOMAXPROCS (RunParallel).
 const parallelism = 4
@@ -79,22 +81,64 @@ var vmSeq atomic.Int64
 // BenchmarkPlacement: control.Service.Reserve, i.e. choose a host from the
 // indexed host view, then one transaction with the conditional UPDATE of
 // the host and the INSERT of the VM row.
+//
+// Besides placements/s it reports what the host view costs at that size:
+// seed-s (registering the hosts, batched inserts, once per case),
+// view-B/host (the heap the control plane holds after loading the hosts,
+// after GC, per host), and after the timed run refresh-ms (one refresh of
+// the host view as the host monitor does it each interval, with the rows
+// the run's reservations changed) and reload-ms (a full reload of every
+// host, the safety net).
 func BenchmarkPlacement(b *testing.B) {
 	defer machineState(b)()
 	for _, dialect := range []string{store.DialectSQLite, sqliteFullSync, store.DialectPostgres} {
 		for _, n := range hostCounts {
+			// One fleet per case: the benchmark body runs again for each
+			// b.N it tries, and 100,000 hosts take a while to register.
+			var svc *control.Service
+			var seed time.Duration
+			var perHost float64
 			b.Run(fmt.Sprintf("%s/hosts=%d", dialect, n), func(b *testing.B) {
 				ctx := context.Background()
-				st := openStore(b, dialect)
-				addHosts(b, st, n)
-				svc, err := control.New(ctx, st, control.Options{AgentToken: "unused"})
-				if err != nil {
-					b.Fatal(err)
+				if svc == nil {
+					st := openStore(b, dialect)
+					start := time.Now()
+					addHosts(b, st, n)
+					seed = time.Since(start)
+					before := heapAfterGC()
+					var err error
+					if svc, err = control.New(ctx, st, control.Options{AgentToken: "unused"}); err != nil {
+						b.Fatal(err)
+					}
+					perHost = float64(heapAfterGC()-before) / float64(n)
 				}
 				runPlacements(b, svc, []string{""})
+				b.StopTimer()
+				b.ReportMetric(seed.Seconds(), "seed-s")
+				b.ReportMetric(perHost, "view-B/host")
+				start := time.Now()
+				if err := svc.RefreshHostView(ctx); err != nil {
+					b.Fatal(err)
+				}
+				b.ReportMetric(float64(time.Since(start).Microseconds())/1000, "refresh-ms")
+				start = time.Now()
+				if err := svc.ReloadHostView(ctx); err != nil {
+					b.Fatal(err)
+				}
+				b.ReportMetric(float64(time.Since(start).Microseconds())/1000, "reload-ms")
+				runtime.KeepAlive(svc)
 			})
 		}
 	}
+}
+
+// heapAfterGC is the live heap after a full collection.
+func heapAfterGC() int64 {
+	runtime.GC()
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return int64(m.HeapAlloc)
 }
 
 // runPlacements is the timed part of the placement benchmarks: parallel
@@ -236,7 +280,7 @@ func BenchmarkReservationOnly(b *testing.B) {
 func BenchmarkChooseHost(b *testing.B) {
 	defer machineState(b)()
 	req := scheduler.Request{Image: "sim", Resources: scheduler.Resources{VCPUs: 1, MemoryMiB: 1024, DiskMiB: 10240}}
-	for _, n := range append(hostCounts, 100000) {
+	for _, n := range hostCounts {
 		hosts := make([]scheduler.Host, n)
 		ix := scheduler.NewIndex(scheduler.DefaultWeights())
 		for i := range hosts {
