@@ -95,13 +95,16 @@ func BenchmarkPlacement(b *testing.B) {
 		for _, n := range hostCounts {
 			// One fleet per case: the benchmark body runs again for each
 			// b.N it tries, and 100,000 hosts take a while to register.
+			// The store belongs to the parent (a sub-benchmark's cleanups
+			// run after each b.N).
 			var svc *control.Service
 			var seed time.Duration
 			var perHost float64
+			parent := b
 			b.Run(fmt.Sprintf("%s/hosts=%d", dialect, n), func(b *testing.B) {
 				ctx := context.Background()
 				if svc == nil {
-					st := openStore(b, dialect)
+					st := openStore(parent, dialect)
 					start := time.Now()
 					addHosts(b, st, n)
 					seed = time.Since(start)
