@@ -125,10 +125,14 @@ type Service struct {
 	replicaID string
 	startedAt time.Time
 
-	// reloadMu and lastReload coalesce the full reloads of placements that
+	// reloadMu and lastReload coalesce the refreshes of placements that
 	// fall to the slow path at the same time (a burst of no_capacity).
 	reloadMu   sync.Mutex
 	lastReload time.Time
+	// viewCursor is where the next refresh of the view reads changes from,
+	// and lastFullReload when it last read every host (refreshView).
+	viewCursor     store.HostCursor
+	lastFullReload time.Time
 
 	// prefetchCache holds the images with prefetch set for the host
 	// monitor (images.go).
@@ -238,30 +242,58 @@ func (s *Service) Registry() *prometheus.Registry { return s.opts.Registry }
 // Ready reports whether the database answers.
 func (s *Service) Ready(ctx context.Context) error { return s.store.Ping(ctx) }
 
-// reloadView replaces the host view with the database's hosts.
+// reloadView replaces the host view with every host of the database: at
+// start and, as a safety net, every fullReloadEvery (refreshView).
 func (s *Service) reloadView(ctx context.Context) error {
-	hosts, err := s.store.AllHosts(ctx)
+	s.reloadMu.Lock()
+	defer s.reloadMu.Unlock()
+	return s.refreshViewLocked(ctx, true)
+}
+
+// refreshView brings the host view up to date with the hosts written and
+// deleted since its last read (store.HostChanges), so that its cost follows
+// what changed, not the size of the fleet. Every fullReloadEvery it reloads
+// every host instead: that also catches what the change read cannot see
+// (a host deleted by a replica of the release before, without tombstone).
+// On SQLite every refresh is a full reload.
+func (s *Service) refreshView(ctx context.Context) error {
+	s.reloadMu.Lock()
+	defer s.reloadMu.Unlock()
+	return s.refreshViewLocked(ctx, false)
+}
+
+// fullReloadEvery is how often refreshView reloads every host.
+const fullReloadEvery = 5 * time.Minute
+
+func (s *Service) refreshViewLocked(ctx context.Context, full bool) error {
+	start := time.Now()
+	cur := s.viewCursor
+	if full || start.Sub(s.lastFullReload) >= fullReloadEvery {
+		cur = store.HostCursor{}
+	}
+	ch, err := s.store.HostChanges(ctx, cur)
 	if err != nil {
 		return fmt.Errorf("load hosts: %w", err)
 	}
-	s.view.load(hosts)
+	if ch.Full {
+		s.view.load(ch.Hosts)
+		s.lastFullReload = start
+	} else {
+		s.view.apply(ch.Hosts, ch.Deleted)
+	}
+	s.viewCursor, s.lastReload = ch.Next, start
 	return nil
 }
 
-// reloadViewSince reloads the host view unless another caller reloaded it
-// after `since`: then that reload already shows what this caller needs.
+// reloadViewSince refreshes the host view unless another caller refreshed
+// it after `since`: then that refresh already shows what this caller needs.
 func (s *Service) reloadViewSince(ctx context.Context, since time.Time) error {
 	s.reloadMu.Lock()
 	defer s.reloadMu.Unlock()
 	if s.lastReload.After(since) {
 		return nil
 	}
-	start := time.Now()
-	if err := s.reloadView(ctx); err != nil {
-		return err
-	}
-	s.lastReload = start
-	return nil
+	return s.refreshViewLocked(ctx, false)
 }
 
 // refreshHost re-reads one host into the view, after a lost reservation

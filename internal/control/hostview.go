@@ -80,14 +80,42 @@ func (v *hostView) load(hosts []store.Host) {
 func (v *hostView) upsert(h store.Host) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
+	v.upsertLocked(h)
+}
+
+func (v *hostView) upsertLocked(h store.Host) {
 	v.ix.Upsert(schedHost(h))
 	v.gen[h.Name]++
 	v.addr[h.Name], v.key[h.Name] = h.Address, h.AgentKey
 }
 
+// apply refreshes the view with what changed in the database: the hosts
+// written (as upsert does) and the hosts deleted, unless registered again
+// (then they are among the written ones).
+func (v *hostView) apply(changed []store.Host, deleted []string) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	again := make(map[string]bool, len(changed))
+	for _, h := range changed {
+		again[h.Name] = true
+	}
+	for _, name := range deleted {
+		if !again[name] {
+			v.removeLocked(name)
+		}
+	}
+	for _, h := range changed {
+		v.upsertLocked(h)
+	}
+}
+
 func (v *hostView) remove(name string) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
+	v.removeLocked(name)
+}
+
+func (v *hostView) removeLocked(name string) {
 	v.ix.Remove(name)
 	delete(v.gen, name)
 	delete(v.addr, name)

@@ -166,7 +166,7 @@ func (s *Service) migratable(ctx context.Context, vm store.VM, host string) erro
 	}
 	if host != "" {
 		if _, _, known := s.view.agent(host); !known {
-			if err := s.reloadView(ctx); err != nil {
+			if err := s.refreshView(ctx); err != nil {
 				return internal(err, "load hosts")
 			}
 			if _, _, known := s.view.agent(host); !known {

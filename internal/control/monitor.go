@@ -111,8 +111,8 @@ func (s *Service) syncHosts(ctx context.Context, first bool) leases {
 	s.pushOverlays(ctx, true)
 	s.metrics.vmStates.keepHosts(hosts)
 	s.refreshProjectMetrics(ctx)
-	if err := s.reloadView(ctx); err != nil && ctx.Err() == nil {
-		s.log.Error("host monitor: reload hosts", "err", err)
+	if err := s.refreshView(ctx); err != nil && ctx.Err() == nil {
+		s.log.Error("host monitor: refresh the host view", "err", err)
 	}
 	return l
 }

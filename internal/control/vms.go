@@ -207,7 +207,7 @@ func (s *Service) checkPlaceable(ctx context.Context, image, host string) error 
 	}
 	if !known() {
 		// Another replica may have registered it: look again before refusing.
-		if err := s.reloadView(ctx); err != nil {
+		if err := s.refreshView(ctx); err != nil {
 			return internal(err, "load hosts")
 		}
 	}

@@ -1,5 +1,7 @@
 package store
 
+import "database/sql"
+
 // MigrationVersions lists the versions of the embedded migrations (for tests).
 func MigrationVersions() ([]int, error) {
 	all, err := migrations()
@@ -12,3 +14,7 @@ func MigrationVersions() ([]int, error) {
 	}
 	return v, nil
 }
+
+// SQLDB is the store's connection pool (for tests that hold a transaction
+// open across store calls).
+func (s *Store) SQLDB() (*sql.DB, error) { return s.db.DB() }

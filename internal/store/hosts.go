@@ -218,16 +218,28 @@ func (s *Store) AllHosts(ctx context.Context) ([]Host, error) {
 // allocation make a reservation that commits first win on PostgreSQL (the
 // DELETE re-checks the updated row); the foreign key from vms backs it up.
 func (s *Store) DeleteHost(ctx context.Context, name string) error {
-	res := s.db.WithContext(ctx).Exec(`DELETE FROM hosts WHERE name = ?
-		AND alloc_vcpus = 0 AND alloc_memory_mib = 0 AND alloc_disk_mib = 0
-		AND NOT EXISTS (SELECT 1 FROM vms WHERE vms.host_name = ?)`, name, name)
-	if res.Error != nil {
-		if isForeignKey(res.Error) {
+	var deleted int64
+	err := s.inTx(ctx, func(tx *gorm.DB) error {
+		res := tx.Exec(`DELETE FROM hosts WHERE name = ?
+			AND alloc_vcpus = 0 AND alloc_memory_mib = 0 AND alloc_disk_mib = 0
+			AND NOT EXISTS (SELECT 1 FROM vms WHERE vms.host_name = ?)`, name, name)
+		if res.Error != nil {
+			return res.Error
+		}
+		if deleted = res.RowsAffected; deleted == 0 {
+			return nil
+		}
+		// The other replicas' host views learn of the delete from this
+		// (HostChanges).
+		return tx.Exec("INSERT INTO deleted_hosts (name, deleted_at) VALUES (?, ?)", name, now()).Error
+	})
+	if err != nil {
+		if isForeignKey(err) {
 			return fmt.Errorf("host %s: %w", name, ErrHostInUse)
 		}
-		return fmt.Errorf("delete host %s: %w", name, res.Error)
+		return fmt.Errorf("delete host %s: %w", name, err)
 	}
-	if res.RowsAffected == 1 {
+	if deleted == 1 {
 		return nil
 	}
 	if _, err := s.GetHost(ctx, name); err != nil {

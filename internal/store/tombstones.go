@@ -40,5 +40,9 @@ func (s *Store) DeleteOldTombstones(ctx context.Context, age time.Duration) (int
 	if vols.Error != nil {
 		return res.RowsAffected, fmt.Errorf("delete old volume tombstones: %w", vols.Error)
 	}
-	return res.RowsAffected + vols.RowsAffected, nil
+	hosts := s.db.WithContext(ctx).Exec("DELETE FROM deleted_hosts WHERE deleted_at < ?", now().Add(-age))
+	if hosts.Error != nil {
+		return res.RowsAffected + vols.RowsAffected, fmt.Errorf("delete old host tombstones: %w", hosts.Error)
+	}
+	return res.RowsAffected + vols.RowsAffected + hosts.RowsAffected, nil
 }
