@@ -104,10 +104,10 @@ func readCPUTimes() (cpuTimes, error) {
 		}
 		// user nice system idle iowait irq softirq steal guest guest_nice:
 		// guest time is counted in user already.
-		switch {
-		case i == 3 || i == 4:
+		switch i {
+		case 3, 4:
 			t.idle += n
-		case i == 7:
+		case 7:
 			t.steal += n
 		}
 		if i < 8 {

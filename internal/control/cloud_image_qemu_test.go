@@ -3,18 +3,13 @@ package control_test
 import (
 	"bytes"
 	"context"
-	"crypto/ed25519"
-	"crypto/rand"
 	"errors"
-	"net"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
-
-	"golang.org/x/crypto/ssh"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/api"
 	"github.com/kvmfleet/terraform-provider-kvm/internal/client"
@@ -51,87 +46,6 @@ func cloudImageDir(t *testing.T, name string) string {
 	return ""
 }
 
-// guestKey is an SSH key made for one test: the authorized_keys line the
-// guest gets and the signer that logs in with it.
-type guestKey struct {
-	authorized string
-	signer     ssh.Signer
-}
-
-func newGuestKey(t *testing.T) guestKey {
-	t.Helper()
-	pub, priv, err := ed25519.GenerateKey(rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	sshPub, err := ssh.NewPublicKey(pub)
-	if err != nil {
-		t.Fatal(err)
-	}
-	signer, err := ssh.NewSignerFromKey(priv)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return guestKey{authorized: strings.TrimSpace(string(ssh.MarshalAuthorizedKey(sshPub))) + " test", signer: signer}
-}
-
-// sshRun logs in as debian through the VM's first forward on 127.0.0.1
-// (retrying while sshd comes up, at most a minute) and runs cmd.
-func sshRun(t *testing.T, vm api.VM, key guestKey, cmd string) string {
-	t.Helper()
-	if len(vm.NetworkInterfaces) == 0 || len(vm.NetworkInterfaces[0].PortForwards) == 0 {
-		t.Fatalf("vm %s has no port forward: %+v", vm.ID, vm.NetworkInterfaces)
-	}
-	fwd := vm.NetworkInterfaces[0].PortForwards[0]
-	cfg := &ssh.ClientConfig{User: "debian", Auth: []ssh.AuthMethod{ssh.PublicKeys(key.signer)},
-		// The host keys were made by cloud-init in this guest; the test
-		// trusts the forward on 127.0.0.1 it just made.
-		HostKeyCallback: ssh.InsecureIgnoreHostKey(), Timeout: 10 * time.Second}
-	addr := net.JoinHostPort(fwd.HostAddress, strconv.Itoa(fwd.HostPort))
-	var cl *ssh.Client
-	var err error
-	for i := 0; ; i++ {
-		if cl, err = ssh.Dial("tcp", addr, cfg); err == nil {
-			break
-		}
-		if i == 30 {
-			t.Fatalf("ssh debian@%s (vm %s): %v", addr, vm.ID, err)
-		}
-		time.Sleep(2 * time.Second)
-	}
-	defer func() { _ = cl.Close() }()
-	sess, err := cl.NewSession()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = sess.Close() }()
-	out, err := sess.CombinedOutput(cmd)
-	if err != nil {
-		t.Fatalf("ssh %q on vm %s: %v: %s", cmd, vm.ID, err, out)
-	}
-	return string(out)
-}
-
-// waitCloudInitDone polls the guest status until cloud-init is done and
-// returns how long that took from start; an error status or ten minutes
-// fail the test with the console.
-func waitCloudInitDone(t *testing.T, c *testenv.Control, id string, start time.Time) time.Duration {
-	t.Helper()
-	ctx := context.Background()
-	deadline := time.Now().Add(10 * time.Minute)
-	for {
-		g, err := c.Client.VMGuest(ctx, id)
-		if err == nil && g.CloudInit == api.CloudInitDone {
-			return time.Since(start)
-		}
-		if (err == nil && g.CloudInit == api.CloudInitError) || time.Now().After(deadline) {
-			con, _ := c.Client.VMConsole(ctx, id, 64<<10)
-			t.Fatalf("vm %s: cloud-init not done (guest %+v, %v); console:\n%s", id, g, err, con)
-		}
-		time.Sleep(500 * time.Millisecond)
-	}
-}
-
 // registerCloudImage serves the disk of an image folder on 127.0.0.1 and
 // registers it as qcow2 under each name with its firmware ("" for the
 // default).
@@ -152,10 +66,10 @@ func registerCloudImage(t *testing.T, c *testenv.Control, folder string, firmwar
 }
 
 // cloudVM is a Debian guest of image with one forward to its SSH port.
-func cloudVM(name, image, host string, key guestKey) api.VMCreate {
+func cloudVM(name, image, host string, key testenv.GuestKey) api.VMCreate {
 	return api.VMCreate{Name: name, Image: image, Host: host, VCPUs: 2, MemoryMiB: 1024, DiskMiB: 4096,
 		UserData:          "#cloud-config\nwrite_files:\n- path: /etc/kvm-test.txt\n  content: written for " + name + "\n",
-		SSHAuthorizedKeys: []string{key.authorized},
+		SSHAuthorizedKeys: []string{key.Authorized},
 		NetworkInterfaces: []api.NetworkInterface{{Network: api.DefaultNetwork, PortForwards: []api.PortForward{{GuestPort: 22}}}}}
 }
 
@@ -168,7 +82,7 @@ func cloudVM(name, image, host string, key guestKey) api.VMCreate {
 // its own copy of the source's UEFI variables.
 func TestQEMUUEFICloudImageBootsForksAndRefusesBIOS(t *testing.T) {
 	folder := cloudImageDir(t, "debian-12-cloud-uefi")
-	key := newGuestKey(t)
+	key := testenv.NewGuestKey(t)
 	c := testenv.StartControl(t, testenv.ControlOptions{})
 	// Room for the source and a child on h1 and a child on h2, whatever
 	// this machine's own cores (the children only resume).
@@ -194,8 +108,8 @@ func TestQEMUUEFICloudImageBootsForksAndRefusesBIOS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	done := waitCloudInitDone(t, c, vm.ID, start)
-	out := sshRun(t, vm, key, "test -d /sys/firmware/efi && echo uefi; cat /etc/kvm-test.txt; df -BM --output=size / | tail -1")
+	done := c.WaitCloudInitDone(t, vm.ID, start)
+	out := testenv.GuestSSH(t, vm, key, "test -d /sys/firmware/efi && echo uefi; cat /etc/kvm-test.txt; df -BM --output=size / | tail -1", nil)
 	t.Logf("uefi cloud guest under %s: cloud-init done %.1fs after the create began; ssh: %q", hostAccel(t, c), done.Seconds(), out)
 	lines := strings.Fields(out)
 	if len(lines) < 5 || lines[0] != "uefi" || !strings.Contains(out, "written for uefi-src") {
@@ -244,7 +158,7 @@ func TestQEMUUEFICloudImageBootsForksAndRefusesBIOS(t *testing.T) {
 		if len(childVars) != len(srcVars) || !bytes.Equal(childVars, snapVars) {
 			t.Fatalf("child %s on %s: variables (%d bytes) are not the snapshot's copy (%d bytes)", ch.Name, ch.Host, len(childVars), len(snapVars))
 		}
-		out := sshRun(t, ch, key, "test -d /sys/firmware/efi && echo uefi; cat /etc/kvm-test.txt")
+		out := testenv.GuestSSH(t, ch, key, "test -d /sys/firmware/efi && echo uefi; cat /etc/kvm-test.txt", nil)
 		if !strings.HasPrefix(out, "uefi\n") || !strings.Contains(out, "written for uefi-src") {
 			t.Fatalf("child %s on %s says %q; want the source's uefi guest", ch.Name, ch.Host, out)
 		}
@@ -264,7 +178,7 @@ func TestQEMUUEFICloudImageBootsForksAndRefusesBIOS(t *testing.T) {
 // through the product to SSH under SeaBIOS, its root grown to the disk.
 func TestQEMUBIOSCloudImageBootsToSSH(t *testing.T) {
 	folder := cloudImageDir(t, "debian-12-cloud-bios")
-	key := newGuestKey(t)
+	key := testenv.NewGuestKey(t)
 	c := testenv.StartControl(t, testenv.ControlOptions{})
 	a := testenv.StartAgent(t, testenv.AgentOptions{Driver: "qemu", ImageDir: t.TempDir()})
 	c.RegisterHost(t, "h1", a.Address)
@@ -275,8 +189,8 @@ func TestQEMUBIOSCloudImageBootsToSSH(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	done := waitCloudInitDone(t, c, vm.ID, start)
-	out := sshRun(t, vm, key, "test -d /sys/firmware/efi || echo bios; cat /etc/kvm-test.txt; df -BM --output=size / | tail -1")
+	done := c.WaitCloudInitDone(t, vm.ID, start)
+	out := testenv.GuestSSH(t, vm, key, "test -d /sys/firmware/efi || echo bios; cat /etc/kvm-test.txt; df -BM --output=size / | tail -1", nil)
 	t.Logf("bios cloud guest under %s: cloud-init done %.1fs after the create began; ssh: %q", hostAccel(t, c), done.Seconds(), out)
 	lines := strings.Fields(out)
 	if len(lines) < 5 || lines[0] != "bios" || !strings.Contains(out, "written for bios-ssh") {

@@ -67,7 +67,14 @@ func GuestImageDir(t testing.TB) string {
 	if dir == "" {
 		dir = filepath.Join(imageRepoRoot(), ".cache", "images")
 	}
-	if err := buildGuestImage(dir); err != nil {
+	// KVM_IMAGE_PREBUILT=1: the folder holds a copy of the image built
+	// elsewhere, on a machine without apt or the build script (a test's
+	// binary run inside a guest, as internal/agent/qemu/cgrouptest does).
+	if os.Getenv("KVM_IMAGE_PREBUILT") == "1" {
+		if _, err := os.Stat(filepath.Join(dir, guestImageName, "image.json")); err != nil {
+			t.Fatalf("testenv: KVM_IMAGE_PREBUILT=1 but %s has no %s image: %v", dir, guestImageName, err)
+		}
+	} else if err := buildGuestImage(dir); err != nil {
 		t.Fatalf("testenv: build the guest image into %s: %v", dir, err)
 	}
 	guestImage.dir = dir

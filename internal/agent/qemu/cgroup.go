@@ -21,6 +21,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 )
 
 const (
@@ -150,8 +151,9 @@ func (cg *cgroups) prepare(launchDir string, m vmShape, tcg bool) int {
 }
 
 // remove removes the cgroups of a VM whose processes ended (one per
-// directory its QEMUs started in). A cgroup that still holds a process
-// stays (rmdir refuses); the next kill tries again.
+// directory its QEMUs started in), whether they were killed or quit. A
+// cgroup that still holds a process stays (rmdir refuses for a second);
+// the next kill tries again.
 func (cg *cgroups) remove(launchDirs ...string) {
 	if cg == nil || cg.dir == "" {
 		return
@@ -161,7 +163,14 @@ func (cg *cgroups) remove(launchDirs ...string) {
 			continue
 		}
 		dir := filepath.Join(cg.dir, filepath.Base(d))
-		if err := syscall.Rmdir(dir); err != nil && !errors.Is(err, syscall.ENOENT) {
+		// A process that has just ended may still be leaving its cgroup
+		// (EBUSY for a moment): a few bounded retries.
+		err := syscall.Rmdir(dir)
+		for i := 0; errors.Is(err, syscall.EBUSY) && i < 50; i++ {
+			time.Sleep(20 * time.Millisecond)
+			err = syscall.Rmdir(dir)
+		}
+		if err != nil && !errors.Is(err, syscall.ENOENT) {
 			cg.log.Warn("remove the cgroup of an ended vm", "cgroup", dir, "err", err)
 		}
 	}

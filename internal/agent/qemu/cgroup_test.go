@@ -20,7 +20,9 @@ import (
 // KVM_REQUIRE_CGROUPS=1 (.ci/run sets it wherever /proc/cgroups shows
 // both controllers free of cgroup v1), with what it measured: which v1
 // hierarchy holds each controller, and what a cgroup2 mounted afresh in a
-// mount namespace of its own offers.
+// mount namespace of its own offers. On such a host, package cgrouptest
+// runs this test inside a Debian guest, whose kernel has cgroup v2 with
+// both controllers.
 func TestGuestRunsInItsOwnCgroup(t *testing.T) {
 	a := startQEMUAgent(t)
 	ctx := context.Background()
@@ -57,6 +59,22 @@ func TestGuestRunsInItsOwnCgroup(t *testing.T) {
 	if got, want := readFile(t, filepath.Join(dir, "cpu.max")), fmt.Sprintf("%d 100000", guest.VCPUs*100000); got != want {
 		t.Errorf("cpu.max = %q, want %q", got, want)
 	}
+	// The controllers account the guest's QEMU in that cgroup: its memory
+	// is charged there and its CPU time counted.
+	if cur, err := strconv.ParseInt(readFile(t, filepath.Join(dir, "memory.current")), 10, 64); err != nil || cur <= 0 {
+		t.Errorf("memory.current of %s = %d (%v); want the running QEMU's memory charged to its cgroup", dir, cur, err)
+	}
+	var usage int64
+	for _, l := range strings.Split(readFile(t, filepath.Join(dir, "cpu.stat")), "\n") {
+		if v, ok := strings.CutPrefix(l, "usage_usec "); ok {
+			usage, _ = strconv.ParseInt(v, 10, 64)
+		}
+	}
+	if usage <= 0 {
+		t.Errorf("cpu.stat of %s counts usage_usec %d; want the running QEMU's CPU time counted in its cgroup", dir, usage)
+	}
+	t.Logf("vm cg in %s: memory.max %d, cpu.max %q, memory.current %s, cpu usage %d µs", rel, limit,
+		readFile(t, filepath.Join(dir, "cpu.max")), readFile(t, filepath.Join(dir, "memory.current")), usage)
 	if err := a.Client.DeleteVM(ctx, "cg"); err != nil {
 		t.Fatal(err)
 	}

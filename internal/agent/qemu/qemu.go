@@ -538,7 +538,8 @@ func (d *Driver) killLeftovers(m *agent.Machine) {
 }
 
 // Shutdown asks the guest to power off, waits up to grace, then tells QEMU
-// to quit, then kills it. A VM with the guest agent channel is asked
+// to quit, then kills it; the VM's cgroup goes with its process, whichever
+// way it ended. A VM with the guest agent channel is asked
 // through its guest agent first (guest-shutdown) when it answers, and
 // given grace to power off; the ACPI power button follows when it answers
 // not, or when the guest still runs after grace. A guest that ignores
@@ -551,6 +552,7 @@ func (d *Driver) Shutdown(ctx context.Context, m *agent.Machine, grace time.Dura
 	if m.GuestAgent && d.running(ctx, m) && d.shutdownThroughAgent(ctx, m) {
 		if waitGone(m.Process, pidfile, grace) {
 			d.log.Info("guest powered off", "vm", m.ID, "through", "guest agent")
+			d.cg.remove(m.Dir, m.Process.LaunchDir)
 			return nil
 		}
 		d.log.Warn("guest still runs after its guest agent took the shutdown; pressing the acpi power button", "vm", m.ID, "grace", grace)
@@ -569,6 +571,7 @@ func (d *Driver) Shutdown(ctx context.Context, m *agent.Machine, grace time.Dura
 	})
 	if qerr == nil && st.Running && waitGone(m.Process, pidfile, grace) {
 		d.log.Info("guest powered off", "vm", m.ID)
+		d.cg.remove(m.Dir, m.Process.LaunchDir)
 		return nil
 	}
 	if err := d.withMonitor(ctx, m, func(q *monitor) error { return q.quit(ctx) }); err != nil {
@@ -576,6 +579,7 @@ func (d *Driver) Shutdown(ctx context.Context, m *agent.Machine, grace time.Dura
 	}
 	if waitGone(m.Process, pidfile, 5*time.Second) {
 		d.log.Info("qemu quit", "vm", m.ID, "after_acpi_timeout", qerr == nil && st.Running)
+		d.cg.remove(m.Dir, m.Process.LaunchDir)
 		return nil
 	}
 	return d.Kill(ctx, m)
