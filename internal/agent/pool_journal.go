@@ -144,7 +144,17 @@ func (j *handoverJournal) syncFile() error {
 	if f == nil {
 		return errors.New("the handover journal is closed: the agent stops")
 	}
-	return syscall.Fdatasync(int(f.Fd()))
+	// Through the file's raw connection: its descriptor stays valid
+	// during the call even if the journal closes meanwhile.
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var serr error
+	if err := rc.Control(func(fd uintptr) { serr = syscall.Fdatasync(int(fd)) }); err != nil {
+		return err
+	}
+	return serr
 }
 
 // begin records the handover of warm VM warm as VM r, durably: the one
