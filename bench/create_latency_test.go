@@ -19,7 +19,7 @@ package bench
 //     Server-Timing header (decode, idempotency-claim, checks, placement,
 //     image, agent, record, idempotency-complete; agent.* are the agent's
 //     own steps inside agent: checks, take, handover (nice, resume,
-//     observe, metadata, move, sync-dirs), log, and handler, all of its
+//     observe, journal, move), log, and handler, all of its
 //     create) and warm-rest-p50-ms, the rest of the round trip (HTTP,
 //     encoding the answer, the client).
 //

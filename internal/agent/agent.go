@@ -78,6 +78,10 @@ type Config struct {
 	// volumeHook runs once a new volume's files are complete, before they
 	// are renamed into place (tests: a crash there).
 	volumeHook func(id string) error
+	// handoverHook runs at each step of a warm handover (Hold*,
+	// pool_journal.go): tests stop the agent there. Without one, New takes
+	// the one of the build (handoverHookFromEnv).
+	handoverHook func(step string)
 }
 
 // Agent is one host agent. VM states are observed when they are asked for;
@@ -185,6 +189,20 @@ func New(ctx context.Context, cfg Config) (*Agent, error) {
 	if err := a.setupOverlays(); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
+	if a.cfg.handoverHook == nil {
+		a.cfg.handoverHook = handoverHookFromEnv()
+	}
+	// Before the VMs are loaded: a replayed handover makes a VM directory.
+	journal, err := openHandoverJournal(a)
+	if err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+	started := false
+	defer func() {
+		if !started {
+			journal.close()
+		}
+	}()
 	loaded, err := a.loadRecords()
 	if err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
@@ -207,9 +225,10 @@ func New(ctx context.Context, cfg Config) (*Agent, error) {
 		}
 	}
 	a.adopt(ctx, loaded)
-	if err := startPool(ctx, a); err != nil {
+	if err := startPool(ctx, a, journal); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
+	started = true
 	accel, note := cfg.Driver.Accel()
 	a.log.Info("agent ready", "state_dir", cfg.StateDir, "accel", accel, "accel_note", note, "vms", len(loaded))
 	a.handler = a.routes()

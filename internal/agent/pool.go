@@ -159,6 +159,8 @@ type pool struct {
 	opts PoolOptions
 	log  *slog.Logger
 	dir  string
+	// journal records each handover with one sync (pool_journal.go).
+	journal *handoverJournal
 
 	ctx      context.Context
 	cancel   context.CancelFunc
@@ -200,9 +202,9 @@ func (o PoolOptions) withDefaults() PoolOptions {
 // startPool reads the targets, destroys the orphans of a previous agent
 // (reconcile), sets a.pool and starts the filler. It runs after the user VMs
 // are loaded: the reconcile must know them to never touch one.
-func startPool(ctx context.Context, a *Agent) error {
+func startPool(ctx context.Context, a *Agent, journal *handoverJournal) error {
 	p := &pool{
-		a: a, opts: a.cfg.Pool.withDefaults(), log: a.log.With("component", "pool"),
+		a: a, opts: a.cfg.Pool.withDefaults(), log: a.log.With("component", "pool"), journal: journal,
 		dir: filepath.Join(a.cfg.StateDir, poolDirName), done: make(chan struct{}),
 		wake: make(chan struct{}, 1), targets: map[poolKey]int{}, entries: map[string]*warmVM{},
 		failures: map[poolKey]backoff{}, short: map[poolKey]bool{},
@@ -220,13 +222,14 @@ func startPool(ctx context.Context, a *Agent) error {
 }
 
 // stop ends the filler and waits for the boots in flight, which destroy
-// their half-booted VMs. Ready warm VMs stay: the next agent's reconcile
-// destroys them.
+// their half-booted VMs, then compacts and closes the handover journal.
+// Ready warm VMs stay: the next agent's reconcile destroys them.
 func (p *pool) stop() {
 	p.stopOnce.Do(func() {
 		p.cancel()
 		<-p.done
 		p.boots.Wait()
+		p.journal.close()
 	})
 }
 
@@ -329,6 +332,11 @@ func (p *pool) fill() time.Duration {
 	p.mu.Unlock()
 	if idle && quiet > 0 {
 		return quiet
+	}
+	// Once a burst of creates pauses, as the refill (or when many records
+	// wait), the handovers' moves are made durable and the journal emptied.
+	if idle || p.journal.due() {
+		p.journal.compact()
 	}
 	info, infoErr := p.a.Info(p.ctx)
 	usable, uerr := p.a.usable()
@@ -693,7 +701,13 @@ func (p *pool) take(key poolKey, needNIC bool, firmware string) *warmVM {
 	}
 	p.mu.Unlock()
 	if w != nil {
-		p.save()
+		// Not synced: a warm create waits for one sync only, its journal
+		// record (pool_journal.go). A crash that loses this write leaves w
+		// listed, and the next start still never hands it out: before its
+		// record, w is an orphan (as it would be by the directory sweep
+		// anyway); after it, the replay made it a link to its VM, which
+		// the reconcile leaves alone.
+		p.saveRegistry(false)
 		p.kick()
 	}
 	return w

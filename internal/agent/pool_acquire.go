@@ -109,29 +109,50 @@ func (p *pool) handover(ctx context.Context, w *warmVM, r vmRecord) (vmRecord, t
 	inPool := *to
 	inPool.Dir = from.Dir
 	r.State, r.Reason, r.StartedFrom, r.Process = agentapi.StateRunning, "", agentapi.StartedWarm, to.Process
-	sync := !p.a.cfg.NoSync
-	// The metadata first: the directory is a whole VM the moment it
-	// appears under vms/. A plain write is enough: the directory is renamed
-	// into vms/ only after the file is complete and synced.
-	if err := writeNewRecord(filepath.Join(from.Dir, metaFile), &r, sync); err != nil {
-		return r, 0, &inPool, fmt.Errorf("write metadata of vm %s into warm vm %s: %w", r.ID, w.ID, err)
+	p.hold(HoldBeforeJournal)
+	// The one sync of the handover (pool_journal.go): from here a restart
+	// finishes it, whatever part of the moves below a crash loses.
+	if err := p.journal.begin(w.ID, &r); err != nil {
+		return r, 0, &inPool, fmt.Errorf("record the handover of warm vm %s to vm %s: %w", w.ID, r.ID, err)
 	}
-	step = timing.Since(ctx, "metadata", step)
-	if err := os.Rename(from.Dir, to.Dir); err != nil {
-		return r, 0, &inPool, fmt.Errorf("move warm vm %s to vm %s: %w", w.ID, r.ID, err)
+	step = timing.Since(ctx, "journal", step)
+	p.hold(HoldAfterJournal)
+	err := p.move(w, r, from.Dir, to.Dir)
+	p.journal.moved()
+	if err != nil {
+		p.journal.abort(w.ID, r.ID)
+		return r, 0, &inPool, err
+	}
+	timing.Since(ctx, "move", step)
+	p.hold(HoldAfterMove)
+	return r, resumed, nil, nil
+}
+
+// move makes warm VM w's directory from VM r's: its metadata, the rename
+// into vms/, and a link at the old path. Nothing is synced: the journal
+// record made the handover durable.
+func (p *pool) move(w *warmVM, r vmRecord, from, to string) error {
+	// The metadata first: the directory is a whole VM the moment it
+	// appears under vms/.
+	if err := writeNewRecord(filepath.Join(from, metaFile), &r, false); err != nil {
+		return fmt.Errorf("write metadata of vm %s into warm vm %s: %w", r.ID, w.ID, err)
+	}
+	if err := os.Rename(from, to); err != nil {
+		return fmt.Errorf("move warm vm %s to vm %s: %w", w.ID, r.ID, err)
 	}
 	// The VM is the user's now: nothing below fails the create.
 	link := filepath.Join("..", filepath.Base(p.a.vmsDir()), r.ID)
-	if err := os.Symlink(link, from.Dir); err != nil {
+	if err := os.Symlink(link, from); err != nil {
 		p.log.Warn("link the pool path of a handed-out vm", "vm", r.ID, "warm_vm", w.ID, "err", err)
 	}
-	step = timing.Since(ctx, "move", step)
-	if sync {
-		// The VM's directory (its metadata entry), and both renames' parents.
-		syncDirs(p.log, to.Dir, p.a.vmsDir(), p.dir)
-		timing.Since(ctx, "sync-dirs", step)
+	return nil
+}
+
+// hold calls the test hook of a handover step (Config.handoverHook).
+func (p *pool) hold(step string) {
+	if h := p.a.cfg.handoverHook; h != nil {
+		h(step)
 	}
-	return r, resumed, nil, nil
 }
 
 // withWarmNIC is r as the VM warm VM w becomes: its one NIC has w's MAC,

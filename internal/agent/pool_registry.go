@@ -43,7 +43,10 @@ func (p *pool) targetsPath() string  { return filepath.Join(p.a.cfg.StateDir, po
 // keeps working, and the next agent start still finds every warm VM (it
 // sweeps the pool directory) and never a handed-out one (its directory
 // moved).
-func (p *pool) save() {
+func (p *pool) save() { p.saveRegistry(!p.a.cfg.NoSync) }
+
+// saveRegistry is save, the file synced or not.
+func (p *pool) saveRegistry(sync bool) {
 	p.saveMu.Lock()
 	defer p.saveMu.Unlock()
 	p.mu.Lock()
@@ -64,7 +67,7 @@ func (p *pool) save() {
 	}
 	b, err := json.MarshalIndent(f, "", "  ")
 	if err == nil {
-		err = writeFileAtomic(p.registryPath(), b, !p.a.cfg.NoSync)
+		err = writeFileAtomic(p.registryPath(), b, sync)
 	}
 	if err != nil {
 		p.log.Error("write the pool registry; the pool goes on without it", "path", p.registryPath(), "err", err)

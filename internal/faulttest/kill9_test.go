@@ -47,8 +47,10 @@ func buildKVMD(t *testing.T) string {
 
 func TestMain(m *testing.M) {
 	code := m.Run()
-	if kvmdBuild.path != "" {
-		_ = os.RemoveAll(filepath.Dir(kvmdBuild.path))
+	for _, bin := range []string{kvmdBuild.path, faultgateBuild.path} {
+		if bin != "" {
+			_ = os.RemoveAll(filepath.Dir(bin))
+		}
 	}
 	os.Exit(code)
 }

@@ -518,6 +518,7 @@ func (g *stepGate) arm(at killPoint, kill func()) {
 type kvmdAgent struct {
 	bin, stateDir, listen, url string
 	advertised                 string
+	env                        []string // more environment of the process, beside PATH
 	client                     *agentapi.Client
 	cmd                        *exec.Cmd
 	done                       chan struct{}
@@ -584,7 +585,7 @@ func (a *kvmdAgent) start(t *testing.T) {
 	var err error
 	for range 50 { // the port was just released; another process could take it
 		cmd := exec.Command(a.bin, args...)
-		cmd.Env = []string{"PATH=" + os.Getenv("PATH")}
+		cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, a.env...)
 		cmd.Stdout, cmd.Stderr = a.log, a.log
 		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 		if err = cmd.Start(); err != nil {
