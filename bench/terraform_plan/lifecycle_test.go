@@ -39,7 +39,7 @@ func TestTerraformApplyDestroyQEMU(t *testing.T) {
 	runs := envInt(t, envLifecycleRuns, 1)
 	tf, work, bin := terraformAndProvider(t)
 	rc := filepath.Join(work, "terraformrc")
-	writeFile(t, rc, cliConfig(map[string]string{"kvmfleet/kvm": bin}))
+	writeFile(t, rc, testenv.DevOverridesConfig(map[string]string{"kvmfleet/kvm": bin}))
 
 	control := testenv.StartControl(t, testenv.ControlOptions{})
 	agent := testenv.StartAgent(t, testenv.AgentOptions{Driver: "qemu"})

@@ -86,7 +86,7 @@ func TestTerraformPlanRefresh(t *testing.T) {
 		}
 	}
 	rc := filepath.Join(work, "terraformrc")
-	writeFile(t, rc, cliConfig(overrides))
+	writeFile(t, rc, testenv.DevOverridesConfig(overrides))
 
 	// A control API on SQLite and sim agents roomy enough for n VMs.
 	control := testenv.StartControl(t, testenv.ControlOptions{})
@@ -242,7 +242,7 @@ func terraformAndProvider(t *testing.T) (tf, work, bin string) {
 	tf = cli.Path
 	work = t.TempDir()
 	bin = filepath.Join(work, "bin")
-	goBuild(t, filepath.Join(bin, "terraform-provider-kvm"), "./provider")
+	testenv.BuildProvider(t, bin)
 	return tf, work, bin
 }
 
@@ -312,22 +312,6 @@ resource "%[1]s_vm" "vm" {
   disk_mib   = 64
 }
 `, providerName, providerBlock, n)
-}
-
-// cliConfig points the given provider sources at local directories.
-func cliConfig(overrides map[string]string) string {
-	sources := make([]string, 0, len(overrides))
-	for s := range overrides {
-		sources = append(sources, s)
-	}
-	sort.Strings(sources)
-	var b strings.Builder
-	b.WriteString("provider_installation {\n  dev_overrides {\n")
-	for _, s := range sources {
-		fmt.Fprintf(&b, "    %q = %q\n", s, overrides[s])
-	}
-	b.WriteString("  }\n  direct {}\n}\n")
-	return b.String()
 }
 
 func goBuild(t *testing.T, out, pkg string) {

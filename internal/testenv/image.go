@@ -21,8 +21,8 @@ var guestImage struct {
 	dir string
 }
 
-// imageRepoRoot is the module's root directory (found from this file's path).
-func imageRepoRoot() string {
+// moduleRoot is the module's root directory (found from this file's path).
+func moduleRoot() string {
 	_, file, _, _ := runtime.Caller(0)
 	return filepath.Clean(filepath.Join(filepath.Dir(file), "..", ".."))
 }
@@ -65,7 +65,7 @@ func GuestImageDir(t testing.TB) string {
 	}
 	dir := os.Getenv("KVM_IMAGE_DIR")
 	if dir == "" {
-		dir = filepath.Join(imageRepoRoot(), ".cache", "images")
+		dir = filepath.Join(moduleRoot(), ".cache", "images")
 	}
 	// KVM_IMAGE_PREBUILT=1: the folder holds a copy of the image built
 	// elsewhere, on a machine without apt or the build script (a test's
@@ -98,7 +98,7 @@ func buildGuestImage(dir string) error {
 	// does nothing when the image is up to date.
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, "bash", filepath.Join(imageRepoRoot(), "scripts", "build-image.sh"), dir)
+	cmd := exec.CommandContext(ctx, "bash", filepath.Join(moduleRoot(), "scripts", "build-image.sh"), dir)
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		return fmt.Errorf("scripts/build-image.sh: %w\n%s", err, out)
