@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/qemu"
 )
 
 // TestGuestRunsInItsOwnCgroup: a real QEMU guest's process is in a cgroup of
@@ -57,6 +59,13 @@ func TestGuestRunsInItsOwnCgroup(t *testing.T) {
 	if got, want := readFile(t, filepath.Join(dir, "cpu.max")), fmt.Sprintf("%d 100000", guest.VCPUs*100000); got != want {
 		t.Errorf("cpu.max = %q, want %q", got, want)
 	}
+	// Below the agent: the VM's cgroup and kvmd-vms, their parent, weigh
+	// like tasks at the VMs' nice value.
+	for _, d := range []string{dir, filepath.Dir(dir)} {
+		if got, want := readFile(t, filepath.Join(d, "cpu.weight.nice")), strconv.Itoa(qemu.DefaultNice); got != want {
+			t.Errorf("%s/cpu.weight.nice = %q, want %q", d, got, want)
+		}
+	}
 	if err := a.Client.DeleteVM(ctx, "cg"); err != nil {
 		t.Fatal(err)
 	}
@@ -95,6 +104,43 @@ func cgroupV2Unavailable(t *testing.T) string {
 	}
 	return strings.Join(facts, "; ") + ": a controller bound to a v1 hierarchy joins cgroup v2 only once that hierarchy is unmounted in every mount namespace " +
 		"and holds no child cgroups, which a test cannot do to its host (KVM_REQUIRE_CGROUPS=1 on a host with cgroup v2 memory and cpu runs it)"
+}
+
+// TestGuestRunsBelowTheAgent: every thread of a started QEMU runs at the
+// VMs' nice value (qemu.DefaultNice), below the agent's own, from its
+// start: the threads QEMU made before any setpriority could reach them
+// (its vCPU, RCU and I/O threads) included; where VMs have cgroups, its
+// cgroup weighs the same (cgroupWeightNice).
+func TestGuestRunsBelowTheAgent(t *testing.T) {
+	a := startQEMUAgent(t)
+	ctx := context.Background()
+	vm, err := a.Client.CreateVM(ctx, "low", guest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitConsole(t, a, "low", `(?m)^kvm-guest-ready\r?$`, 1)
+	self := niceOf(t, os.Getpid())
+	if n := niceOf(t, vm.PID); n != qemu.DefaultNice || n <= self {
+		t.Fatalf("qemu %d runs at nice %d, want %d, below the agent's %d", vm.PID, n, qemu.DefaultNice, self)
+	}
+	if cg := cgroupWeightNice(t, vm.PID); cg != "" && cg != strconv.Itoa(qemu.DefaultNice) {
+		t.Fatalf("qemu %d: its cgroup's cpu.weight.nice = %s, want %d", vm.PID, cg, qemu.DefaultNice)
+	}
+	// The agent itself is untouched: the thread that started QEMU ended.
+	if n := niceOf(t, os.Getpid()); n != self {
+		t.Fatalf("the agent's threads are at nice %d after a start, were %d", n, self)
+	}
+}
+
+// cgroupWeightNice is cpu.weight.nice of process pid's cgroup when it is a
+// VM's cgroup (under kvmd-vms), "" when VMs run without cgroups here.
+func cgroupWeightNice(t *testing.T, pid int) string {
+	t.Helper()
+	rel := cgroupOf(t, pid)
+	if filepath.Base(filepath.Dir(rel)) != "kvmd-vms" {
+		return ""
+	}
+	return readFile(t, filepath.Join(cgroup2Root(t), rel, "cpu.weight.nice"))
 }
 
 // cgroupOf is the cgroup v2 path of a process ("0::<path>" in /proc/<pid>/cgroup).
