@@ -126,6 +126,15 @@ func TestGuestRunsBelowTheAgent(t *testing.T) {
 	if cg := cgroupWeightNice(t, vm.PID); cg != "" && cg != strconv.Itoa(qemu.DefaultNice) {
 		t.Fatalf("qemu %d: its cgroup's cpu.weight.nice = %s, want %d", vm.PID, cg, qemu.DefaultNice)
 	}
+	// Where the kernel groups tasks by session (autogroup), QEMU is in the
+	// agent's group: in one of its own, its nice value would not count
+	// against the agent.
+	if on, err := os.ReadFile("/proc/sys/kernel/sched_autogroup_enabled"); err == nil && strings.TrimSpace(string(on)) == "1" {
+		mine := strings.Fields(readFile(t, "/proc/self/autogroup"))[0]
+		if theirs := strings.Fields(readFile(t, fmt.Sprintf("/proc/%d/autogroup", vm.PID)))[0]; theirs != mine {
+			t.Fatalf("qemu %d is in autogroup %s, the agent in %s: its nice value does not count against the agent", vm.PID, theirs, mine)
+		}
+	}
 	// The agent itself is untouched: the thread that started QEMU ended.
 	if n := niceOf(t, os.Getpid()); n != self {
 		t.Fatalf("the agent's threads are at nice %d after a start, were %d", n, self)

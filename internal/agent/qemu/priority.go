@@ -6,7 +6,10 @@ package qemu
 //   - the nice value of QEMU and all its threads, set before QEMU runs its
 //     first instruction (startNiced), which orders QEMU against the agent
 //     where both share a cgroup (or where the host has no cgroup v2 cpu
-//     controller, like this repository's CI machines);
+//     controller, like this repository's CI machines). QEMU stays in the
+//     agent's session (Boot): with autogroup (sched(7), on in Debian's
+//     kernels) nice values count only among the tasks of one session;
+//     a session of its own would weigh each QEMU like the whole agent;
 //   - with cgroups (cgroup.go), the cpu.weight of each VM's cgroup and of
 //     their parent: CFS weighs whole cgroups against each other, so the
 //     nice value of a task counts only inside its own cgroup. The same

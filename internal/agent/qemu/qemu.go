@@ -1,6 +1,6 @@
 // Package qemu is the real VMM driver of the host agent: one
-// qemu-system-x86_64 process per VM, started detached (its own session) so
-// that it outlives an agent restart, sandboxed (sandbox.go), and driven over
+// qemu-system-x86_64 process per VM, started detached (a process group of
+// its own) so that it outlives an agent restart, sandboxed (sandbox.go), and driven over
 // QMP on a unix socket in the VM's directory.
 //
 // A VM's directory holds:
@@ -405,8 +405,8 @@ func ramObject(memMiB int64, ramImage string) string {
 // a new option.
 func qemuOptQuote(v string) string { return strings.ReplaceAll(v, ",", ",,") }
 
-// Boot starts QEMU detached, in a session of its own (not a child that dies
-// with the agent), and returns once its QMP monitor answers.
+// Boot starts QEMU detached, in a process group of its own (not a child
+// that dies with the agent), and returns once its QMP monitor answers.
 func (d *Driver) Boot(ctx context.Context, m *agent.Machine, opts agent.BootOptions) error {
 	q, err := d.boot(ctx, m, opts, childFiles{})
 	if err != nil {
@@ -481,7 +481,12 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	cmd.Dir = m.Dir
 	cmd.ExtraFiles = files
 	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	// A process group of its own: no signal for the agent's group (a
+	// terminal's ^C) reaches it. Not a session of its own: where the
+	// kernel groups tasks by session (autogroup, on when no cgroup weighs
+	// them), a new session is a new group as heavy as the agent's whole
+	// session, and QEMU's nice value would count only inside it.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	nice := d.nice(opts)
 	// Started inside its own cgroup: QEMU never runs, nor allocates,
 	// outside its limits.
@@ -499,7 +504,7 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 		d.killLeftovers(m)
 		return nil, fmt.Errorf("start qemu for vm %s: %w", m.ID, err)
 	}
-	// The agent's child, in a session of its own (not -daemonize: QEMU 7.2
+	// The agent's child, in a process group of its own (not -daemonize: QEMU 7.2
 	// sets its seccomp filter first, and spawn=deny forbids the fork). It
 	// is reaped here while this agent runs; after an agent restart it is
 	// init's.
