@@ -63,7 +63,10 @@ func (d *Driver) VMNice() int { return max(d.opts.Nice, 0) }
 // same at the cost of an exec and of a command line that names another
 // program until it execs QEMU. The thread is never handed back to other
 // goroutines: its goroutine ends locked to it, and the runtime ends it.
-func startNiced(nice int, start func() error) error {
+// When the thread cannot take that nice value (an agent without
+// CAP_SYS_NICE that runs niced itself above it), QEMU starts at the
+// agent's own, logged.
+func (d *Driver) startNiced(vm string, nice int, start func() error) error {
 	if nice < 0 {
 		return start()
 	}
@@ -71,8 +74,7 @@ func startNiced(nice int, start func() error) error {
 	go func() {
 		runtime.LockOSThread() // never unlocked: the thread ends with the goroutine
 		if err := unix.Setpriority(unix.PRIO_PROCESS, unix.Gettid(), nice); err != nil {
-			errc <- fmt.Errorf("set nice %d on the thread that starts qemu: %w", nice, err)
-			return
+			d.log.Warn("qemu starts at the agent's own priority", "vm", vm, "nice", nice, "err", err)
 		}
 		errc <- start()
 	}()

@@ -498,7 +498,7 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	// A forked child's QEMU runs in the child's network namespace (its
 	// taps are there); every QEMU at its nice value from its first
 	// instruction (startNiced).
-	err = startNiced(nice, func() error { return network.RunIn(netns, cmd.Start) })
+	err = d.startNiced(m.ID, nice, func() error { return network.RunIn(netns, cmd.Start) })
 	_ = logf.Close()
 	if err != nil {
 		d.killLeftovers(m)
