@@ -62,8 +62,9 @@ func (d *Driver) VMNice() int { return max(d.opts.Nice, 0) }
 // list changes while it is read. A niced wrapper (nice -n) would do the
 // same at the cost of an exec and of a command line that names another
 // program until it execs QEMU. The thread is never handed back to other
-// goroutines: its goroutine ends locked to it, and the runtime ends it.
-// When the thread cannot take that nice value (an agent without
+// goroutines: its goroutine ends locked to it, and the runtime ends it
+// (the main thread, which the runtime never ends, is parked for good; it
+// gets its priority back first where the agent may raise it). When the thread cannot take that nice value (an agent without
 // CAP_SYS_NICE that runs niced itself above it), QEMU starts at the
 // agent's own, logged.
 func (d *Driver) startNiced(vm string, nice int, start func() error) error {
@@ -73,10 +74,16 @@ func (d *Driver) startNiced(vm string, nice int, start func() error) error {
 	errc := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread() // never unlocked: the thread ends with the goroutine
-		if err := unix.Setpriority(unix.PRIO_PROCESS, unix.Gettid(), nice); err != nil {
+		tid := unix.Gettid()
+		// The kernel's getpriority answers 20 - nice.
+		prev, perr := unix.Getpriority(unix.PRIO_PROCESS, tid)
+		if err := unix.Setpriority(unix.PRIO_PROCESS, tid, nice); err != nil {
 			d.log.Warn("qemu starts at the agent's own priority", "vm", vm, "nice", nice, "err", err)
 		}
 		errc <- start()
+		if perr == nil {
+			_ = unix.Setpriority(unix.PRIO_PROCESS, tid, 20-prev)
+		}
 	}()
 	return <-errc
 }
