@@ -21,7 +21,15 @@ package bench
 //     own steps inside agent: checks, take, handover (nice, resume,
 //     observe, journal, move), log, and handler, all of its
 //     create) and warm-rest-p50-ms, the rest of the round trip (HTTP,
-//     encoding the answer, the client).
+//     encoding the answer, the client),
+//   - single-p50-ms, burst3-p50/p95-ms, burst3-par-p50/p95-ms: warm
+//     creates on a full pool whose boots ended: one alone, then 3 right
+//     after each other (one client), then 3 at once (3 clients, as
+//     Terraform's parallelism sends them), 5 rounds each; burst-boots is
+//     how many refill boots the pool had started when a burst's last
+//     create answered (summed over the rounds: 0 means no replacement
+//     boot met a burst), burst3-agent-p50-ms the agent's own time of the
+//     sequential bursts' creates (Server-Timing agent).
 //
 // Numbers are reported, never asserted. Every VM is deleted before the next
 // batch so that idle guests do not steal the CPU from the measured creates.
@@ -46,6 +54,8 @@ import (
 const (
 	latencyRuns     = 20
 	latencyPoolSize = 4
+	burstRounds     = 5
+	burstSize       = 3
 )
 
 var latencyVM = api.VMCreate{Image: benchGuest.Image, VCPUs: benchGuest.VCPUs, MemoryMiB: benchGuest.MemoryMiB, DiskMiB: benchGuest.DiskMiB}
@@ -153,7 +163,80 @@ func BenchmarkCreateLatencyQEMU(b *testing.B) {
 				del(vm.ID)
 			}
 		}
+		var single, seq, par, seqAgent []time.Duration
+		boots := 0
+		booting := func() int {
+			items, err := ag.Client.Pool(ctx)
+			if err != nil {
+				b.Fatal(err)
+			}
+			n := 0
+			for _, it := range items {
+				n += it.Booting
+			}
+			return n
+		}
+		for r := range burstRounds {
+			waitReady(b, ag.Client, latencyPoolSize)
+			vm, d := create(fmt.Sprintf("single-%d", r), api.StartedWarm)
+			single = append(single, d)
+			del(vm.ID)
+			waitReady(b, ag.Client, latencyPoolSize)
+			var ids []string
+			for j := range burstSize {
+				vm, d := create(fmt.Sprintf("seq-%d-%d", r, j), api.StartedWarm)
+				seq = append(seq, d)
+				ids = append(ids, vm.ID)
+				for _, st := range timings.last() {
+					if st.Name == "agent" {
+						seqAgent = append(seqAgent, st.Duration)
+					}
+				}
+			}
+			boots += booting()
+			for _, id := range ids {
+				del(id)
+			}
+			waitReady(b, ag.Client, latencyPoolSize)
+			var mu sync.Mutex
+			var wg sync.WaitGroup
+			var errs []error
+			ids = nil
+			for j := range burstSize {
+				wg.Go(func() {
+					in := latencyVM
+					in.Name = fmt.Sprintf("par-%d-%d", r, j)
+					t0 := time.Now()
+					vm, err := cl.CreateVM(ctx, in, "")
+					d := time.Since(t0)
+					mu.Lock()
+					defer mu.Unlock()
+					if err != nil || vm.StartedFrom != api.StartedWarm {
+						errs = append(errs, fmt.Errorf("create %s: started_from %q: %v", in.Name, vm.StartedFrom, err))
+					}
+					if err == nil {
+						par = append(par, d)
+						ids = append(ids, vm.ID)
+					}
+				})
+			}
+			wg.Wait()
+			if len(errs) > 0 {
+				b.Fatal(errs)
+			}
+			boots += booting()
+			for _, id := range ids {
+				del(id)
+			}
+		}
 		put(0)
+		b.ReportMetric(pct(single, 50), "single-p50-ms")
+		b.ReportMetric(pct(seq, 50), "burst3-p50-ms")
+		b.ReportMetric(pct(seq, 95), "burst3-p95-ms")
+		b.ReportMetric(pct(par, 50), "burst3-par-p50-ms")
+		b.ReportMetric(pct(par, 95), "burst3-par-p95-ms")
+		b.ReportMetric(pct(seqAgent, 50), "burst3-agent-p50-ms")
+		b.ReportMetric(float64(boots), "burst-boots")
 		b.ReportMetric(pct(cold, 50), "cold-p50-ms")
 		b.ReportMetric(pct(cold, 95), "cold-p95-ms")
 		b.ReportMetric(pct(warm, 50), "warm-p50-ms")

@@ -115,6 +115,9 @@ type BootOptions struct {
 	// Incoming is a memory state file (see Snapshotter) to start the VM
 	// from instead of booting it; the VM is then paused until resumed.
 	Incoming string
+	// Nice, when above 0, is the nice value the VMM starts at instead of
+	// the driver's for user VMs: the warm pool boots below them.
+	Nice int
 }
 
 // Observed is a VM's state as a driver sees it.

@@ -49,9 +49,12 @@ type WarmDriver interface {
 	// only while its files are still in m.Dir: a process whose files moved
 	// (handed to a user VM) is never ended.
 	KillOrphan(ctx context.Context, m *Machine) error
-	// SetNice sets the CPU priority (nice value) of m's VMM: warm VMs boot
-	// below user VMs and get their priority back at handover.
+	// SetNice sets the CPU priority (nice value, and the weight of its
+	// cgroup where it has one) of m's running VMM: a warm VM, booted below
+	// user VMs (BootOptions.Nice), gets theirs, VMNice, at handover.
 	SetNice(m *Machine, nice int) error
+	// VMNice is the nice value user VMs' VMMs run at.
+	VMNice() int
 }
 
 // PoolOptions configures the warm pool.
@@ -62,11 +65,14 @@ type PoolOptions struct {
 	// (default 3 minutes: TCG boots take seconds).
 	BootTimeout time.Duration
 	// Nice is the nice value warm VMs boot at, so that they never take CPU
-	// from user VMs (default 10; negative: leave them at the agent's).
+	// from user VMs (default 10; negative: the user VMs' own).
 	Nice int
 	// MaxSize is the most warm VMs the targets of all images and shapes may
 	// ask for together (default 32).
 	MaxSize int
+	// RefillQuiet is how long after the last user create the filler waits
+	// before it boots replacements (default DefaultRefillQuiet).
+	RefillQuiet time.Duration
 }
 
 const (
@@ -177,7 +183,7 @@ type pool struct {
 	entries map[string]*warmVM
 	users   int // user creates in flight: the filler waits for them
 	// lastUser is when the last user create ended: the filler boots
-	// nothing until refillQuiet after it.
+	// nothing until opts.RefillQuiet after it.
 	lastUser time.Time
 	failures map[poolKey]backoff
 	short    map[poolKey]bool // capacity shortage already logged
@@ -195,6 +201,9 @@ func (o PoolOptions) withDefaults() PoolOptions {
 	}
 	if o.MaxSize <= 0 {
 		o.MaxSize = 32
+	}
+	if o.RefillQuiet <= 0 {
+		o.RefillQuiet = DefaultRefillQuiet
 	}
 	return o
 }
@@ -255,11 +264,15 @@ func (p *pool) userCreating() func() {
 	}
 }
 
-// refillQuiet is how long after a user create the filler waits before it
-// boots replacements: a burst of creates takes warm VMs one after another
-// without boots (which take a core each under TCG) competing with their
-// handovers; the pool refills once the burst pauses.
-const refillQuiet = 200 * time.Millisecond
+// DefaultRefillQuiet is how long after a user create the filler waits
+// before it boots replacements: a burst of creates takes warm VMs one after
+// another without boots (which take a core each under TCG) competing with
+// their handovers; the pool refills once the burst pauses. 200 ms is well
+// above the gap between the creates of a burst (a create answers in
+// 10-60 ms and the next follows at once: bench/create_latency_test.go,
+// burst3) and far below a boot (seconds under TCG), so the pool is never
+// empty much longer for it.
+const DefaultRefillQuiet = 200 * time.Millisecond
 
 func (p *pool) warmDir(id string) string { return filepath.Join(p.dir, id) }
 
@@ -327,7 +340,7 @@ func (p *pool) run() {
 // returns how long until a backoff ends (0: none pending).
 func (p *pool) fill() time.Duration {
 	p.mu.Lock()
-	quiet := refillQuiet - time.Since(p.lastUser)
+	quiet := p.opts.RefillQuiet - time.Since(p.lastUser)
 	idle := p.users == 0
 	p.mu.Unlock()
 	if idle && quiet > 0 {
@@ -464,8 +477,8 @@ func (p *pool) sortedTargets() []poolKey {
 	return keys
 }
 
-// boot makes one warm VM: a fresh overlay, a boot with the vCPUs stopped
-// until its priority is lowered, the guest's ready line, then a pause.
+// boot makes one warm VM: a fresh overlay, a boot at the pool's low
+// priority, the guest's ready line, then a pause.
 func (p *pool) boot(w *warmVM) {
 	defer p.boots.Done()
 	defer p.kick()
@@ -523,23 +536,16 @@ func (p *pool) bootWarm(ctx context.Context, w *warmVM, m *Machine) error {
 	if err := d.Create(ctx, m); err != nil {
 		return err
 	}
-	// Paused first, so that the guest runs no instruction at the user
-	// VMs' priority.
-	if err := d.Boot(ctx, m, BootOptions{Paused: true}); err != nil {
+	// Started at the pool's priority (its nice value, its cgroup's
+	// weight): a warm boot, a TCG boot taking a core for seconds, never
+	// runs an instruction at the user VMs' priority.
+	if err := d.Boot(ctx, m, BootOptions{Nice: max(p.opts.Nice, 0)}); err != nil {
 		return err
 	}
 	p.mu.Lock()
 	w.Process = m.Process
 	p.mu.Unlock()
 	p.save()
-	if p.opts.Nice > 0 {
-		if err := p.wd.SetNice(m, p.opts.Nice); err != nil {
-			p.log.Warn("lower the priority of a warm boot", "warm_vm", w.ID, "err", err)
-		}
-	}
-	if err := d.Resume(ctx, m); err != nil {
-		return err
-	}
 	if err := p.wd.WaitReady(ctx, m); err != nil {
 		return err
 	}

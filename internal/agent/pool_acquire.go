@@ -86,7 +86,7 @@ func (p *pool) handover(ctx context.Context, w *warmVM, r vmRecord) (vmRecord, t
 	to := machineOf(p.a, r)
 	step := time.Now()
 	if p.opts.Nice > 0 {
-		if err := p.wd.SetNice(from, 0); err != nil {
+		if err := p.wd.SetNice(from, p.wd.VMNice()); err != nil {
 			p.log.Warn("give a warm vm its normal priority back; it runs below other vms", "vm", r.ID, "warm_vm", w.ID, "err", err)
 		}
 		step = timing.Since(ctx, "nice", step)

@@ -56,6 +56,8 @@ type poolDriver struct {
 	firmware string
 	// bootFirmware is the firmware each VM booted with, by id.
 	bootFirmware map[string]string
+	// warmNices are the nice values warm boots asked for, in order.
+	warmNices []int
 }
 
 func (d *poolDriver) Image(name string) (agent.Image, error) {
@@ -107,6 +109,7 @@ func (d *poolDriver) Boot(ctx context.Context, m *agent.Machine, o agent.BootOpt
 			d.warmNICs = map[string][]agentapi.NIC{}
 		}
 		d.warmNICs[m.ID] = slices.Clone(m.NICs)
+		d.warmNices = append(d.warmNices, o.Nice)
 	}
 	d.mu.Unlock()
 	d.event(kind + "-boot-start")
@@ -774,6 +777,57 @@ func TestFillerWaitsForUserCreates(t *testing.T) {
 	d.mu.Unlock()
 	if !strings.HasPrefix(events, "user-boot-start user-boot-end warm-boot-start") {
 		t.Fatalf("boot order %q: a warm boot started while the user's booted", events)
+	}
+}
+
+// TestRefillWaitsForQuiet: a burst of creates takes warm VMs without any
+// replacement booting between them; the pool refills once creates paused
+// for RefillQuiet, at the pool's low priority, to its full size.
+func TestRefillWaitsForQuiet(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		quiet  time.Duration
+		refill bool
+	}{{"long quiet", time.Hour, false}, {"short quiet", 2 * time.Second, true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := newPoolDriver()
+			h := startPoolAgent(t, t.TempDir(), d, agent.PoolOptions{RefillQuiet: tc.quiet, Concurrency: 3})
+			ctx := context.Background()
+			if _, err := h.client.SetPool(ctx, "sim", poolShape(3)); err != nil {
+				t.Fatal(err)
+			}
+			waitReady(t, h, 3)
+			boots := d.boots.Load()
+			for i := range 3 {
+				vm, err := h.client.CreateVM(ctx, fmt.Sprintf("burst-%d", i), poolSpec)
+				if err != nil || vm.StartedFrom != agentapi.StartedWarm {
+					t.Fatalf("create burst-%d = %+v, %v; want warm", i, vm, err)
+				}
+				// The next create of the burst follows at once: a refill
+				// that started now would compete with it.
+				if n := d.boots.Load(); n != boots {
+					t.Fatalf("a warm boot started within the burst, after create %d", i)
+				}
+			}
+			if !tc.refill {
+				// The filler's wake-ups after each create have come and gone.
+				time.Sleep(300 * time.Millisecond)
+				if r := poolRow(t, h.client, "sim"); r.Ready+r.Booting != 0 || d.boots.Load() != boots {
+					t.Fatalf("pool %+v, %d boots since the burst: refilled before creates paused for %s",
+						r, d.boots.Load()-boots, tc.quiet)
+				}
+				return
+			}
+			waitReady(t, h, 3)
+			d.mu.Lock()
+			nices := slices.Clone(d.warmNices)
+			d.mu.Unlock()
+			for _, n := range nices[len(nices)-3:] {
+				if n != 10 {
+					t.Fatalf("warm boots asked for nice values %v, want 10 (the pool's default, below user vms)", nices)
+				}
+			}
+		})
 	}
 }
 

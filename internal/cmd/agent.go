@@ -53,6 +53,8 @@ type agentConfig struct {
 	QEMUUIDBase, QEMUUIDCount uint
 	// OVMFDir holds the UEFI firmware of uefi VMs (qemu.Options).
 	OVMFDir string
+	// VMNice is the nice value of VMs' QEMUs (qemu.Options.Nice).
+	VMNice int
 	// UnderlayAddress is the host's IPv4 address the VXLAN tunnels of
 	// overlay networks start from (one of its interfaces').
 	UnderlayAddress string
@@ -84,11 +86,13 @@ func runAgent(ctx context.Context, args []string, getenv Env, stderr io.Writer) 
 	fs.UintVar(&cfg.QEMUUIDCount, "qemu-uid-count", qemu.DefaultUIDCount, "qemu: how many uids from --qemu-uid-base the agent may give VMs")
 	fs.StringVar(&cfg.OVMFDir, "ovmf-dir", qemu.DefaultOVMFDir, "qemu: folder of the UEFI firmware of uefi VMs (Debian's ovmf package): "+
 		"OVMF_CODE_4M.fd and OVMF_VARS_4M.fd, and OVMF_CODE_4M.secboot.fd and OVMF_VARS_4M.ms.fd for Secure Boot")
+	fs.IntVar(&cfg.VMNice, "vm-nice", qemu.DefaultNice, "qemu: nice value every VM's QEMU starts at, and the cpu.weight.nice of the VMs' cgroups, "+
+		"so that busy guests never slow the agent's answers (0: the default; negative: the agent's own priority)")
 	fs.DurationVar(&cfg.StopTimeout, "stop-timeout", 10*time.Second, "how long a stop waits for the guest's ACPI power-off before ending QEMU")
 	fs.IntVar(&cfg.DiskChainDepth, "disk-chain-depth", agent.DefaultDiskChainDepth,
 		"the most files of a vm's own disk chain (at least 2): snapshots past it flatten the chain in the background, and a pulled snapshot may list no more")
 	fs.IntVar(&cfg.Pool.Concurrency, "pool-concurrency", 1, "warm pool: how many warm VMs boot at once")
-	fs.IntVar(&cfg.Pool.Nice, "pool-nice", 10, "warm pool: nice value warm VMs boot at, below user VMs (0: the default 10; negative: the agent's own priority)")
+	fs.IntVar(&cfg.Pool.Nice, "pool-nice", 10, "warm pool: nice value warm VMs boot at, below user VMs (--vm-nice) until handed out (0: the default 10; negative: the user VMs' own)")
 	fs.IntVar(&cfg.Pool.MaxSize, "pool-max-size", 32, "warm pool: the most warm VMs all targets together may ask for")
 	fs.DurationVar(&cfg.Pool.BootTimeout, "pool-boot-timeout", 3*time.Minute, "warm pool: how long a warm boot may take until the guest's ready line")
 	fs.StringVar(&logLevel, "log-level", "info", "log level: debug, info, warn or error")
@@ -184,7 +188,7 @@ func newDriver(ctx context.Context, cfg agentConfig, log *slog.Logger) (agent.Dr
 	}
 	d, err := qemu.New(ctx, qemu.Options{ImageDir: cfg.ImageDir, Accel: cfg.Accel, Logger: log,
 		ConsoleLogBytes: cfg.ConsoleLogKiB << 10, UIDBase: uint32(cfg.QEMUUIDBase), UIDCount: uint32(cfg.QEMUUIDCount),
-		UserNetUser: cfg.UserNetUser, UserNetAllow: cfg.UserNetAllow, OVMFDir: cfg.OVMFDir})
+		UserNetUser: cfg.UserNetUser, UserNetAllow: cfg.UserNetAllow, OVMFDir: cfg.OVMFDir, Nice: cfg.VMNice})
 	if err != nil {
 		return nil, fmt.Errorf("kvmd agent: %w", err)
 	}

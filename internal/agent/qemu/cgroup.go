@@ -2,7 +2,8 @@ package qemu
 
 // Each QEMU runs in a cgroup (v2) of its own, so that one guest cannot
 // starve the host, the agent or the control plane: memory.max is the VM's
-// memory plus QEMU's own overhead, cpu.max its vCPUs' worth of CPU time.
+// memory plus QEMU's own overhead, cpu.max its vCPUs' worth of CPU time,
+// cpu.weight.nice the nice value its QEMU runs at (priority.go).
 // That needs root and a cgroup2 hierarchy with the memory and cpu
 // controllers (a unified host; on a hybrid host they belong to cgroup v1);
 // without them VMs run unlimited, the agent logs why once and reports it in
@@ -49,8 +50,9 @@ type cgroups struct {
 
 // detectCgroups finds the cgroup2 hierarchy in the mount table at mounts
 // (/proc/self/mounts), checks that it can limit memory and CPU, and makes
-// the parent cgroup with both controllers enabled for its children.
-func detectCgroups(mounts string, euid int, log *slog.Logger) *cgroups {
+// the parent cgroup with both controllers enabled for its children, which
+// weighs like one task at nice against its siblings (the agent's cgroup).
+func detectCgroups(mounts string, euid, nice int, log *slog.Logger) *cgroups {
 	cg := &cgroups{log: log}
 	none := func(format string, args ...any) *cgroups {
 		cg.note = "none: " + fmt.Sprintf(format, args...) + "; vms run without memory and cpu limits"
@@ -84,9 +86,13 @@ func detectCgroups(mounts string, euid int, log *slog.Logger) *cgroups {
 	if err := writeCgroupFile(dir, "cgroup.subtree_control", "+memory +cpu"); err != nil {
 		return none("enable the memory and cpu controllers in %s: %v", dir, err)
 	}
+	if err := writeCgroupFile(dir, "cpu.weight.nice", strconv.Itoa(nice)); err != nil {
+		return none("set the cpu weight of %s: %v", dir, err)
+	}
 	cg.dir = dir
-	cg.note = fmt.Sprintf("cgroup v2: each vm in %s/<vm> with memory.max (its memory + %d MiB + 1/8, + %d MiB under tcg) and cpu.max (its vcpus)",
-		dir, qemuOverheadMiB, tcgOverheadMiB)
+	cg.note = fmt.Sprintf("cgroup v2: each vm in %s/<vm> with memory.max (its memory + %d MiB + 1/8, + %d MiB under tcg), cpu.max (its vcpus) "+
+		"and cpu.weight.nice (its qemu's nice value; %s itself at nice %d)",
+		dir, qemuOverheadMiB, tcgOverheadMiB, cgroupParentName, nice)
 	log.Info("vms are isolated in cgroups", "parent", dir)
 	return cg
 }
@@ -143,11 +149,27 @@ func (cg *cgroups) prepare(launchDir string, m vmShape, tcg bool) int {
 	if err := writeCgroupFile(dir, "cpu.max", fmt.Sprintf("%d %d", m.vcpus*cpuPeriod, cpuPeriod)); err != nil {
 		return fail(err)
 	}
+	if err := writeCgroupFile(dir, "cpu.weight.nice", strconv.Itoa(max(m.nice, 0))); err != nil {
+		return fail(err)
+	}
 	fd, err := syscall.Open(dir, syscall.O_RDONLY|syscall.O_DIRECTORY|syscall.O_CLOEXEC, 0)
 	if err != nil {
 		return fail(err)
 	}
 	return fd
+}
+
+// setNice sets the cpu.weight.nice of the cgroup of the VM whose QEMU
+// started in launchDir (a warm VM handed over gets the user VMs' weight).
+func (cg *cgroups) setNice(launchDir string, nice int) error {
+	if cg == nil || cg.dir == "" {
+		return nil
+	}
+	dir := filepath.Join(cg.dir, filepath.Base(launchDir))
+	if err := writeCgroupFile(dir, "cpu.weight.nice", strconv.Itoa(nice)); err != nil {
+		return fmt.Errorf("set the cpu weight of cgroup %s: %w", dir, err)
+	}
+	return nil
 }
 
 // remove removes the cgroups of a VM whose processes ended (one per
@@ -181,4 +203,5 @@ type vmShape struct {
 	id        string
 	vcpus     int64
 	memoryMiB int64
+	nice      int // its QEMU's nice value (-1: the agent's, weighed as 0)
 }

@@ -38,10 +38,12 @@ func readTrim(t *testing.T, path string) string {
 // TestCgroupPerVMLimits: on a cgroup2 root with memory and cpu, as root, the
 // parent cgroup enables both for its children and each VM's cgroup gets
 // memory.max (its memory + overhead, more under TCG) and cpu.max (its
-// vcpus); the start gets a descriptor of it.
+// vcpus) and cpu.weight.nice (its QEMU's nice value: below the agent,
+// lower still for a warm boot, and settable at handover); the parent
+// weighs like a task at the VMs' nice value; the start gets a descriptor.
 func TestCgroupPerVMLimits(t *testing.T) {
 	root, mounts := fakeCgroupRoot(t, "cpuset cpu io memory pids")
-	cg := detectCgroups(mounts, 0, slog.New(slog.DiscardHandler))
+	cg := detectCgroups(mounts, 0, 5, slog.New(slog.DiscardHandler))
 	if cg.dir != filepath.Join(root, cgroupParentName) {
 		t.Fatalf("parent cgroup = %q (%s), want %s", cg.dir, cg.note, filepath.Join(root, cgroupParentName))
 	}
@@ -53,11 +55,14 @@ func TestCgroupPerVMLimits(t *testing.T) {
 			t.Errorf("%s/cgroup.subtree_control = %q", dir, got)
 		}
 	}
+	if got := readTrim(t, filepath.Join(cg.dir, "cpu.weight.nice")); got != "5" {
+		t.Errorf("%s/cpu.weight.nice = %q, want 5 (the VMs' nice value, below the agent)", cg.dir, got)
+	}
 	for _, tc := range []struct {
 		tcg     bool
 		wantMiB int64
 	}{{false, 1024 + 256 + 128}, {true, 1024 + 256 + 128 + 1024}} {
-		fd := cg.prepare("/var/lib/kvmd/vms/vm-1", vmShape{id: "vm-1", vcpus: 3, memoryMiB: 1024}, tc.tcg)
+		fd := cg.prepare("/var/lib/kvmd/vms/vm-1", vmShape{id: "vm-1", vcpus: 3, memoryMiB: 1024, nice: 5}, tc.tcg)
 		if fd < 0 {
 			t.Fatal("no cgroup descriptor")
 		}
@@ -69,6 +74,25 @@ func TestCgroupPerVMLimits(t *testing.T) {
 		if got := readTrim(t, filepath.Join(vmDir, "cpu.max")); got != "300000 100000" {
 			t.Errorf("cpu.max = %q, want 3 vcpus' worth", got)
 		}
+		if got := readTrim(t, filepath.Join(vmDir, "cpu.weight.nice")); got != "5" {
+			t.Errorf("cpu.weight.nice = %q, want its qemu's nice value 5", got)
+		}
+	}
+	// A warm boot: below the user VMs until its handover.
+	fd := cg.prepare("/var/lib/kvmd/pool/warm-1", vmShape{id: "warm-1", vcpus: 1, memoryMiB: 128, nice: 10}, true)
+	if fd < 0 {
+		t.Fatal("no cgroup descriptor")
+	}
+	_ = syscall.Close(fd)
+	warmDir := filepath.Join(cg.dir, "warm-1")
+	if got := readTrim(t, filepath.Join(warmDir, "cpu.weight.nice")); got != "10" {
+		t.Errorf("warm boot: cpu.weight.nice = %q, want 10", got)
+	}
+	if err := cg.setNice("/var/lib/kvmd/pool/warm-1", 5); err != nil {
+		t.Fatal(err)
+	}
+	if got := readTrim(t, filepath.Join(warmDir, "cpu.weight.nice")); got != "5" {
+		t.Errorf("after the handover: cpu.weight.nice = %q, want 5", got)
 	}
 }
 
@@ -90,12 +114,15 @@ func TestCgroupsDegradeWithAReason(t *testing.T) {
 		"no cgroup2":     {noV2, 0, "no cgroup v2 filesystem"},
 		"no controllers": {v1only, 0, "no memory controller"},
 	} {
-		cg := detectCgroups(tc.mounts, tc.euid, slog.New(slog.DiscardHandler))
+		cg := detectCgroups(tc.mounts, tc.euid, 5, slog.New(slog.DiscardHandler))
 		if cg.dir != "" || !strings.HasPrefix(cg.note, "none: ") || !strings.Contains(cg.note, tc.want) {
 			t.Errorf("%s: dir %q note %q; want no cgroups and a note with %q", name, cg.dir, cg.note, tc.want)
 		}
 		if fd := cg.prepare("/x/vm-1", vmShape{id: "vm-1", vcpus: 1, memoryMiB: 128}, false); fd != -1 {
 			t.Errorf("%s: prepare gave a descriptor without cgroups", name)
+		}
+		if err := cg.setNice("/x/vm-1", 5); err != nil {
+			t.Errorf("%s: setNice without cgroups: %v", name, err)
 		}
 	}
 }

@@ -10,6 +10,10 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvmfleet/terraform-provider-kvm/internal/agent/qemu"
 )
 
 // TestGuestRunsInItsOwnCgroup: a real QEMU guest's process is in a cgroup of
@@ -75,6 +79,13 @@ func TestGuestRunsInItsOwnCgroup(t *testing.T) {
 	}
 	t.Logf("vm cg in %s: memory.max %d, cpu.max %q, memory.current %s, cpu usage %d µs", rel, limit,
 		readFile(t, filepath.Join(dir, "cpu.max")), readFile(t, filepath.Join(dir, "memory.current")), usage)
+	// Below the agent: the VM's cgroup and kvmd-vms, their parent, weigh
+	// like tasks at the VMs' nice value.
+	for _, d := range []string{dir, filepath.Dir(dir)} {
+		if got, want := readFile(t, filepath.Join(d, "cpu.weight.nice")), strconv.Itoa(qemu.DefaultNice); got != want {
+			t.Errorf("%s/cpu.weight.nice = %q, want %q", d, got, want)
+		}
+	}
 	if err := a.Client.DeleteVM(ctx, "cg"); err != nil {
 		t.Fatal(err)
 	}
@@ -113,6 +124,54 @@ func cgroupV2Unavailable(t *testing.T) string {
 	}
 	return strings.Join(facts, "; ") + ": a controller bound to a v1 hierarchy joins cgroup v2 only once that hierarchy is unmounted in every mount namespace " +
 		"and holds no child cgroups, which a test cannot do to its host (KVM_REQUIRE_CGROUPS=1 on a host with cgroup v2 memory and cpu runs it)"
+}
+
+// TestGuestRunsBelowTheAgent: every thread of a started QEMU runs at the
+// VMs' nice value (qemu.DefaultNice), below the agent's own, from its
+// start: the threads QEMU made before any setpriority could reach them
+// (its vCPU, RCU and I/O threads) included; where VMs have cgroups, its
+// cgroup weighs the same (cgroupWeightNice).
+func TestGuestRunsBelowTheAgent(t *testing.T) {
+	a := startQEMUAgent(t)
+	ctx := context.Background()
+	vm, err := a.Client.CreateVM(ctx, "low", guest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitConsole(t, a, "low", `(?m)^kvm-guest-ready\r?$`, 1)
+	// The agent's nice value, on this goroutine's thread (not a thread
+	// that starts a QEMU of a parallel test); the kernel answers 20 - nice.
+	prio, err := unix.Getpriority(unix.PRIO_PROCESS, unix.Gettid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	self := 20 - prio
+	if n := niceOf(t, vm.PID); n != qemu.DefaultNice || n <= self {
+		t.Fatalf("qemu %d runs at nice %d, want %d, below the agent's %d", vm.PID, n, qemu.DefaultNice, self)
+	}
+	if cg := cgroupWeightNice(t, vm.PID); cg != "" && cg != strconv.Itoa(qemu.DefaultNice) {
+		t.Fatalf("qemu %d: its cgroup's cpu.weight.nice = %s, want %d", vm.PID, cg, qemu.DefaultNice)
+	}
+	// Where the kernel groups tasks by session (autogroup), QEMU is in the
+	// agent's group: in one of its own, its nice value would not count
+	// against the agent.
+	if on, err := os.ReadFile("/proc/sys/kernel/sched_autogroup_enabled"); err == nil && strings.TrimSpace(string(on)) == "1" {
+		mine := strings.Fields(readFile(t, "/proc/self/autogroup"))[0]
+		if theirs := strings.Fields(readFile(t, fmt.Sprintf("/proc/%d/autogroup", vm.PID)))[0]; theirs != mine {
+			t.Fatalf("qemu %d is in autogroup %s, the agent in %s: its nice value does not count against the agent", vm.PID, theirs, mine)
+		}
+	}
+}
+
+// cgroupWeightNice is cpu.weight.nice of process pid's cgroup when it is a
+// VM's cgroup (under kvmd-vms), "" when VMs run without cgroups here.
+func cgroupWeightNice(t *testing.T, pid int) string {
+	t.Helper()
+	rel := cgroupOf(t, pid)
+	if filepath.Base(filepath.Dir(rel)) != "kvmd-vms" {
+		return ""
+	}
+	return readFile(t, filepath.Join(cgroup2Root(t), rel, "cpu.weight.nice"))
 }
 
 // cgroupOf is the cgroup v2 path of a process ("0::<path>" in /proc/<pid>/cgroup).

@@ -8,9 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/kvmfleet/terraform-provider-kvm/internal/agent"
@@ -123,33 +121,6 @@ func hasFilesUnder(pid int, dir string) bool {
 		}
 	}
 	return false
-}
-
-// SetNice sets the nice value of every thread of m's QEMU (nice is per
-// thread on Linux; threads started later inherit it). Raising it back
-// needs CAP_SYS_NICE.
-func (d *Driver) SetNice(m *agent.Machine, nice int) error {
-	if alive, why := checkProcess(m.Process, pidfileOf(m)); !alive {
-		return fmt.Errorf("set priority of vm %s: %s", m.ID, why)
-	}
-	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", m.Process.PID))
-	if err != nil {
-		return fmt.Errorf("set priority of vm %s: %w", m.ID, err)
-	}
-	var errs []error
-	for _, t := range tasks {
-		tid, err := strconv.Atoi(t.Name())
-		if err != nil {
-			continue
-		}
-		if err := syscall.Setpriority(syscall.PRIO_PROCESS, tid, nice); err != nil && !errors.Is(err, syscall.ESRCH) {
-			errs = append(errs, fmt.Errorf("thread %d: %w", tid, err))
-		}
-	}
-	if err := errors.Join(errs...); err != nil {
-		return fmt.Errorf("set nice %d on qemu %d of vm %s: %w", nice, m.Process.PID, m.ID, err)
-	}
-	return nil
 }
 
 // ProcessesUnder returns the pids of the live QEMU processes whose pid file

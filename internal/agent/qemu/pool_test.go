@@ -198,16 +198,36 @@ func inode(t *testing.T, path string) uint64 {
 	return fi.Sys().(*syscall.Stat_t).Ino
 }
 
-// niceOf is the nice value of a process's main thread (field 19 of stat).
+// niceOf is the nice value of every thread of a process (field 19 of
+// /proc/<pid>/task/<tid>/stat), when they all have the same; it fails the
+// test when they differ: a thread left at another priority is the race a
+// setpriority after the start would have.
 func niceOf(t *testing.T, pid int) int {
 	t.Helper()
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := string(b)
-	n, _ := strconv.Atoi(strings.Fields(s[strings.LastIndexByte(s, ')')+1:])[16])
-	return n
+	nices := map[int][]string{}
+	for _, task := range tasks {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, task.Name()))
+		if err != nil {
+			continue // the thread ended
+		}
+		s := string(b)
+		n, err := strconv.Atoi(strings.Fields(s[strings.LastIndexByte(s, ')')+1:])[16])
+		if err != nil {
+			t.Fatalf("%s: nice: %v", b, err)
+		}
+		nices[n] = append(nices[n], task.Name())
+	}
+	if len(nices) != 1 {
+		t.Fatalf("the threads of process %d run at different nice values: %v", pid, nices)
+	}
+	for n := range nices {
+		return n
+	}
+	return 0
 }
 
 // exits tells whether a killed process is gone within 10 seconds: the
@@ -269,6 +289,9 @@ func TestWarmCreateResumesThePausedGuest(t *testing.T) {
 	if n := niceOf(t, pid); n != 10 {
 		t.Fatalf("warm vm %s runs at nice %d, want 10 (below user vms)", w, n)
 	}
+	if cg := cgroupWeightNice(t, pid); cg != "" && cg != "10" {
+		t.Fatalf("warm vm %s: its cgroup's cpu.weight.nice = %s, want 10", w, cg)
+	}
 	con, err := os.ReadFile(filepath.Join(wdir, "console.log"))
 	if err != nil || !strings.Contains(string(con), "kvm-guest-ready") {
 		t.Fatalf("warm vm paused before its ready line: %q, %v", con, err)
@@ -283,8 +306,11 @@ func TestWarmCreateResumesThePausedGuest(t *testing.T) {
 	if st := qmpRunState(t, filepath.Join(vdir, "qmp.sock")); st != "running" {
 		t.Fatalf("vm hot reported running, qemu says %q", st)
 	}
-	if n := niceOf(t, pid); n != 0 {
-		t.Fatalf("vm hot runs at nice %d after the handover, want 0", n)
+	if n := niceOf(t, pid); n != qemu.DefaultNice {
+		t.Fatalf("vm hot runs at nice %d after the handover, want the user vms' %d", n, qemu.DefaultNice)
+	}
+	if cg := cgroupWeightNice(t, pid); cg != "" && cg != strconv.Itoa(qemu.DefaultNice) {
+		t.Fatalf("vm hot: its cgroup's cpu.weight.nice = %s after the handover, want %d", cg, qemu.DefaultNice)
 	}
 	// Its process, disk and console are the new VM's.
 	if got := inode(t, filepath.Join(vdir, "disk.qcow2")); got != disk {

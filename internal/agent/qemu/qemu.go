@@ -1,6 +1,6 @@
 // Package qemu is the real VMM driver of the host agent: one
-// qemu-system-x86_64 process per VM, started detached (its own session) so
-// that it outlives an agent restart, sandboxed (sandbox.go), and driven over
+// qemu-system-x86_64 process per VM, started detached (a process group of
+// its own) so that it outlives an agent restart, sandboxed (sandbox.go), and driven over
 // QMP on a unix socket in the VM's directory.
 //
 // A VM's directory holds:
@@ -84,6 +84,9 @@ type Options struct {
 	// OVMFDir holds the UEFI firmware of uefi VMs (firmware.go); default
 	// DefaultOVMFDir, where Debian's ovmf package puts it.
 	OVMFDir string
+	// Nice is the nice value every QEMU starts at (priority.go); default
+	// DefaultNice; negative: the agent's own.
+	Nice int
 }
 
 // Driver runs VMs with QEMU.
@@ -153,6 +156,12 @@ func New(ctx context.Context, opts Options) (*Driver, error) {
 	if d.opts.OVMFDir == "" {
 		d.opts.OVMFDir = DefaultOVMFDir
 	}
+	if d.opts.Nice == 0 {
+		d.opts.Nice = DefaultNice
+	}
+	if d.opts.Nice > 19 {
+		return nil, fmt.Errorf("qemu driver: nice %d: want at most 19", d.opts.Nice)
+	}
 	if d.opts.UIDCount == 0 {
 		d.opts.UIDBase, d.opts.UIDCount = DefaultUIDBase, DefaultUIDCount
 	}
@@ -192,7 +201,7 @@ func New(ctx context.Context, opts Options) (*Driver, error) {
 		return nil, fmt.Errorf("qemu driver: %w", err)
 	}
 	d.log.Info("qemu accelerator chosen", "accel", d.accel, "why", d.accelNote, "qemu", d.qemu)
-	d.cg = detectCgroups("/proc/self/mounts", os.Geteuid(), d.log)
+	d.cg = detectCgroups("/proc/self/mounts", os.Geteuid(), max(d.opts.Nice, 0), d.log)
 	d.runAs = os.Geteuid() == 0
 	if d.runAs {
 		// QEMU needs no IP socket of its own (taps and passt come as
@@ -396,8 +405,8 @@ func ramObject(memMiB int64, ramImage string) string {
 // a new option.
 func qemuOptQuote(v string) string { return strings.ReplaceAll(v, ",", ",,") }
 
-// Boot starts QEMU detached, in a session of its own (not a child that dies
-// with the agent), and returns once its QMP monitor answers.
+// Boot starts QEMU detached, in a process group of its own (not a child
+// that dies with the agent), and returns once its QMP monitor answers.
 func (d *Driver) Boot(ctx context.Context, m *agent.Machine, opts agent.BootOptions) error {
 	q, err := d.boot(ctx, m, opts, childFiles{})
 	if err != nil {
@@ -472,23 +481,30 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 	cmd.Dir = m.Dir
 	cmd.ExtraFiles = files
 	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	// A process group of its own: no signal for the agent's group (a
+	// terminal's ^C) reaches it. Not a session of its own: where the
+	// kernel groups tasks by session (autogroup, on when no cgroup weighs
+	// them), a new session is a new group as heavy as the agent's whole
+	// session, and QEMU's nice value would count only inside it.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	nice := d.nice(opts)
 	// Started inside its own cgroup: QEMU never runs, nor allocates,
 	// outside its limits.
-	if fd := d.cg.prepare(m.Dir, vmShape{m.ID, m.VCPUs, m.MemoryMiB}, d.accel == "tcg"); fd >= 0 {
+	if fd := d.cg.prepare(m.Dir, vmShape{m.ID, m.VCPUs, m.MemoryMiB, nice}, d.accel == "tcg"); fd >= 0 {
 		defer func() { _ = syscall.Close(fd) }()
 		cmd.SysProcAttr.UseCgroupFD, cmd.SysProcAttr.CgroupFD = true, fd
 	}
 	t1 := time.Now()
 	// A forked child's QEMU runs in the child's network namespace (its
-	// taps are there).
-	err = network.RunIn(netns, cmd.Start)
+	// taps are there); every QEMU at its nice value from its first
+	// instruction (startNiced).
+	err = d.startNiced(m.ID, nice, func() error { return network.RunIn(netns, cmd.Start) })
 	_ = logf.Close()
 	if err != nil {
 		d.killLeftovers(m)
 		return nil, fmt.Errorf("start qemu for vm %s: %w", m.ID, err)
 	}
-	// The agent's child, in a session of its own (not -daemonize: QEMU 7.2
+	// The agent's child, in a process group of its own (not -daemonize: QEMU 7.2
 	// sets its seccomp filter first, and spawn=deny forbids the fork). It
 	// is reaped here while this agent runs; after an agent restart it is
 	// init's.
@@ -523,7 +539,7 @@ func (d *Driver) boot(ctx context.Context, m *agent.Machine, opts agent.BootOpti
 		_ = q.Close()
 		return failed(err)
 	}
-	d.log.Info("qemu started", "vm", m.ID, "pid", pid, "status", st.Status, "accel", d.accel,
+	d.log.Info("qemu started", "vm", m.ID, "pid", pid, "status", st.Status, "accel", d.accel, "nice", nice,
 		"prepare_ms", t1.Sub(t0).Milliseconds(), "exec_ms", t2.Sub(t1).Milliseconds(), "qmp_ms", time.Since(t2).Milliseconds())
 	return q, nil
 }

@@ -20,7 +20,7 @@ import (
 // QEMU 7.2 installs its filter before it would daemonize and before -runas
 // calls setgid/setuid: spawn=deny would kill -daemonize's fork, and
 // elevateprivileges=deny the uid change (both with SIGSYS). So the agent
-// starts QEMU in a session of its own without -daemonize (spawn=deny: no
+// starts QEMU in a process group of its own without -daemonize (spawn=deny: no
 // fork, no exec of a shell), and denies uid changes only when QEMU keeps
 // the agent's uid; with -runas the dropped uid cannot take root back.
 //

@@ -44,3 +44,6 @@ func (d *Driver) KillOrphan(_ context.Context, m *agent.Machine) error {
 
 // SetNice has no process to change.
 func (d *Driver) SetNice(*agent.Machine, int) error { return nil }
+
+// VMNice is the agent's own priority: simulated VMs have no process.
+func (d *Driver) VMNice() int { return 0 }
