@@ -61,29 +61,48 @@ func (d *Driver) VMNice() int { return max(d.opts.Nice, 0) }
 // threads QEMU made before it keep the agent's priority, and its thread
 // list changes while it is read. A niced wrapper (nice -n) would do the
 // same at the cost of an exec and of a command line that names another
-// program until it execs QEMU. The thread is never handed back to other
-// goroutines: its goroutine ends locked to it, and the runtime ends it
-// (the main thread, which the runtime never ends, is parked for good; it
-// gets its priority back first where the agent may raise it). When the thread cannot take that nice value (an agent without
-// CAP_SYS_NICE that runs niced itself above it), QEMU starts at the
-// agent's own, logged.
+// program until it execs QEMU.
+//
+// The thread takes its own priority back after the start and returns to
+// the runtime's pool. It must not end: a process that another goroutine
+// once started from it with a parent-death signal (Pdeathsig, which the
+// kernel ties to the parent thread, not the process) would be killed with
+// it; the terraform CLI run by terraform-exec in a test process that also
+// runs an agent was. Only a thread that cannot take its priority back (an
+// agent without CAP_SYS_NICE) is left locked, so that the runtime ends it
+// rather than run other goroutines below the agent. When the thread cannot
+// take the VMs' nice value at all (an agent without CAP_SYS_NICE that runs
+// niced itself above it), QEMU starts at the agent's own, logged.
 func (d *Driver) startNiced(vm string, nice int, start func() error) error {
 	if nice < 0 {
 		return start()
 	}
 	errc := make(chan error, 1)
 	go func() {
-		runtime.LockOSThread() // never unlocked: the thread ends with the goroutine
+		runtime.LockOSThread()
 		tid := unix.Gettid()
 		// The kernel's getpriority answers 20 - nice.
-		prev, perr := unix.Getpriority(unix.PRIO_PROCESS, tid)
-		if err := unix.Setpriority(unix.PRIO_PROCESS, tid, nice); err != nil {
+		prev, err := unix.Getpriority(unix.PRIO_PROCESS, tid)
+		if err != nil {
+			runtime.UnlockOSThread()
 			d.log.Warn("qemu starts at the agent's own priority", "vm", vm, "nice", nice, "err", err)
+			errc <- start()
+			return
+		}
+		niced := unix.Setpriority(unix.PRIO_PROCESS, tid, nice)
+		if niced != nil {
+			d.log.Warn("qemu starts at the agent's own priority", "vm", vm, "nice", nice, "err", niced)
 		}
 		errc <- start()
-		if perr == nil {
-			_ = unix.Setpriority(unix.PRIO_PROCESS, tid, 20-prev)
+		if niced != nil {
+			runtime.UnlockOSThread()
+			return
 		}
+		if err := unix.Setpriority(unix.PRIO_PROCESS, tid, 20-prev); err != nil {
+			d.log.Warn("a thread that started qemu cannot take the agent's priority back; it ends", "vm", vm, "err", err)
+			return // still locked: the runtime ends the thread
+		}
+		runtime.UnlockOSThread()
 	}()
 	return <-errc
 }

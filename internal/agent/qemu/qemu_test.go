@@ -349,7 +349,6 @@ func TestStopEndsGuestThatIgnoresACPI(t *testing.T) {
 	if err != nil {
 		t.Fatalf("create: %v", err)
 	}
-	t.Cleanup(func() { _ = syscall.Kill(vm.PID, syscall.SIGKILL) })
 	con := waitConsole(t, a, "deaf", `(?m)^tick 1\r?$`, 1)
 	if !strings.Contains(con, "disk none") {
 		t.Fatalf("a vm with disk_mib 0 has a disk; console:\n%s", con)
@@ -383,7 +382,6 @@ func TestLongStateDirectory(t *testing.T) {
 	if err != nil {
 		t.Fatalf("create: %v", err)
 	}
-	t.Cleanup(func() { _ = syscall.Kill(vm.PID, syscall.SIGKILL) })
 	if vm, err = a.Client.Action(ctx, "long", agentapi.ActionPause); err != nil || vm.State != agentapi.StatePaused {
 		t.Fatalf("pause over qmp: %+v, %v", vm, err)
 	}
@@ -407,11 +405,10 @@ func TestCommaInStateDirectory(t *testing.T) {
 	}
 	a := testenv.StartAgent(t, testenv.AgentOptions{Driver: "qemu", StateDir: dir})
 	ctx := context.Background()
-	vm, err := a.Client.CreateVM(ctx, "comma", guest)
+	_, err := a.Client.CreateVM(ctx, "comma", guest)
 	if err != nil {
 		t.Fatalf("create in a state directory with commas: %v", err)
 	}
-	t.Cleanup(func() { _ = syscall.Kill(vm.PID, syscall.SIGKILL) })
 	waitConsole(t, a, "comma", "kvm-guest-ready", 1)
 	if got, err := a.Client.Action(ctx, "comma", agentapi.ActionPause); err != nil || got.State != agentapi.StatePaused {
 		t.Fatalf("pause over qmp: %+v, %v", got, err)
