@@ -392,7 +392,12 @@ func (p *pool) fill() time.Duration {
 	var starts []*warmVM
 	var retry time.Duration
 	now := time.Now()
-	if p.users == 0 && p.ctx.Err() == nil {
+	// Asked again under the lock that the starts are decided under: a
+	// create may have begun and ended since the check above (while the
+	// capacity was read), and its burst must not meet a boot.
+	if left := p.opts.RefillQuiet - now.Sub(p.lastUser); p.users == 0 && left > 0 {
+		retry = left
+	} else if p.users == 0 && p.ctx.Err() == nil {
 		for _, key := range p.sortedTargets() {
 			c := counts[key]
 			if c == nil {
