@@ -8,11 +8,8 @@ package bench
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"slices"
-	"strconv"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -207,11 +204,11 @@ func (c *forkCPU) add(b *testing.B, before forkCPUSample, srcPID int, children [
 		if err != nil {
 			b.Fatal(err)
 		}
-		t, mi, ma, err := procFaults(vm.PID)
+		p, err := readProcStat(vm.PID)
 		if err != nil {
 			b.Fatalf("child %s: %v", ch.ID, err)
 		}
-		kids, minflt, majflt = kids+t, minflt+mi, majflt+ma
+		kids, minflt, majflt = kids+p.ticks, minflt+p.minflt, majflt+p.majflt
 	}
 	ms := func(ticks int64) float64 { return float64(ticks) * 1000 / clockTicks }
 	c.src = append(c.src, ms(after.src-before.src))
@@ -243,19 +240,3 @@ func (c *forkCPU) report(b *testing.B) {
 // clockTicks is USER_HZ, the unit of /proc/<pid>/stat's times (100 on
 // Linux).
 const clockTicks = 100
-
-// procFaults is process pid's utime+stime in clock ticks and its minor
-// and major page faults (/proc/<pid>/stat fields 14, 15, 10 and 12).
-func procFaults(pid int) (ticks, minflt, majflt int64, err error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, 0, 0, err
-	}
-	s := string(b)
-	f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
-	if len(f) < 13 {
-		return 0, 0, 0, fmt.Errorf("/proc/%d/stat: %d fields", pid, len(f))
-	}
-	num := func(i int) int64 { n, _ := strconv.ParseInt(f[i], 10, 64); return n }
-	return num(11) + num(12), num(7), num(9), nil
-}

@@ -49,19 +49,31 @@ var tick2Line = regexp.MustCompile(`(?m)^tick 2\r?$`)
 // procCPU is the utime+stime of process pid, in clock ticks (USER_HZ, 100
 // on Linux), and its nice value.
 func procCPU(pid int) (ticks int64, nice int, err error) {
+	p, err := readProcStat(pid)
+	return p.ticks, p.nice, err
+}
+
+// procStat is what the benches read of /proc/<pid>/stat.
+type procStat struct {
+	ticks          int64 // utime+stime (fields 14, 15), clock ticks
+	minflt, majflt int64 // page faults (fields 10, 12)
+	nice           int   // field 19
+}
+
+func readProcStat(pid int) (procStat, error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
-		return 0, 0, err
+		return procStat{}, err
 	}
 	s := string(b)
+	// The fields after the command name, which may hold spaces: f[0] is
+	// field 3 (the state).
 	f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
 	if len(f) < 17 {
-		return 0, 0, fmt.Errorf("/proc/%d/stat: %d fields", pid, len(f))
+		return procStat{}, fmt.Errorf("/proc/%d/stat: %d fields", pid, len(f))
 	}
-	u, _ := strconv.ParseInt(f[11], 10, 64)
-	st, _ := strconv.ParseInt(f[12], 10, 64)
-	n, _ := strconv.Atoi(f[16])
-	return u + st, n, nil
+	num := func(i int) int64 { n, _ := strconv.ParseInt(f[i], 10, 64); return n }
+	return procStat{ticks: num(11) + num(12), minflt: num(7), majflt: num(9), nice: int(num(16))}, nil
 }
 
 func BenchmarkIdleGuestsQEMU(b *testing.B) {
